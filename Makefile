@@ -1,0 +1,32 @@
+# Every target creates .venv if needed and installs what it needs.
+# TORCH_SPEC is installed first so nothing pulls a multi-GB CUDA build by accident.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint install clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+
+$(STAMP): $(PY) setup.cfg
+	$(PY) -m pip install '$(TORCH_SPEC)'
+	$(PY) -m pip install -e '.[all]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=digits
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hvd_trainer recipes tests bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,282 @@
+"""Hook-driven, bucketed gradient allreduce (Horovod's Tensor Fusion, DDP's buckets).
+
+Algorithm:
+1. Parameters are grouped by (device, dtype) and assigned to buckets in reverse registration
+   order (backward produces gradients roughly last-layer-first, as DDP assumes). The first
+   bucket is capped at ``first_bucket_bytes`` so communication starts early in backward; the
+   others at ``fusion_threshold_bytes``.
+2. Each bucket owns one flat buffer; every parameter's ``.grad`` becomes a view into it, so a
+   bucket is reduced with one collective and the result needs no copy back.
+3. ``register_post_accumulate_grad_hook`` marks a parameter ready; when a bucket is complete
+   it launches one async allreduce. Buckets launch strictly in index order so every rank issues
+   the same sequence of collectives.
+4. :meth:`GradientReducer.wait` launches whatever is left (a parameter that got no gradient on
+   this rank contributes zeros, so no rank hangs), waits on all work, then divides by the world
+   size (``Average``). Low-precision buckets are divided *before* the sum to avoid fp16
+   overflow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.world import World
+
+__all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
+
+_MIB = 1024 * 1024
+
+
+def default_fusion_threshold_bytes() -> int:
+    """Fusion threshold in bytes: ``HOROVOD_FUSION_THRESHOLD`` when set, else 64 MiB."""
+    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if value in (None, ""):
+        return 64 * _MIB
+    try:
+        parsed = int(value)
+    except ValueError as exc:
+        raise ValueError(
+            f"HOROVOD_FUSION_THRESHOLD={value!r} is not an integer number of bytes."
+        ) from exc
+    if parsed < 0:
+        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={parsed} must be >= 0 (0 disables fusion).")
+    return parsed
+
+
+@dataclass(kw_only=True, slots=True)
+class FusionConfig:
+    """How gradients are packed into buckets."""
+
+    fusion_threshold_bytes: int = field(default_factory=default_fusion_threshold_bytes)
+    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion)."""
+    first_bucket_bytes: int = 1 * _MIB
+    """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
+    early in backward."""
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold_bytes < 0:
+            raise ValueError(
+                f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 0."
+            )
+        if self.first_bucket_bytes < 0:
+            raise ValueError(f"first_bucket_bytes={self.first_bucket_bytes} must be >= 0.")
+
+
+class _Bucket:
+    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work")
+
+    def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
+        self.index = index
+        self.names = names
+        self.params = params
+        numels = [p.numel() for p in params]
+        self.offsets = [sum(numels[:i]) for i in range(len(numels))]
+        self.flat = torch.zeros(sum(numels), dtype=params[0].dtype, device=params[0].device)
+        self.views = [
+            self.flat[o : o + n].view_as(p)
+            for o, n, p in zip(self.offsets, numels, params, strict=True)
+        ]
+        self.ready = [False] * len(params)
+        self.work: dist.Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def _assign_buckets(
+    named: Sequence[tuple[str, torch.Tensor]], config: FusionConfig
+) -> list[list[int]]:
+    """Indices into ``named`` per bucket, last parameter first, one (device, dtype) per bucket."""
+    buckets: list[list[int]] = []
+    open_bucket: dict[tuple[torch.device, torch.dtype], tuple[list[int], int]] = {}
+    for idx in reversed(range(len(named))):
+        p = named[idx][1]
+        key = (p.device, p.dtype)
+        cap = config.first_bucket_bytes if not buckets else config.fusion_threshold_bytes
+        nbytes = p.numel() * p.element_size()
+        current = open_bucket.get(key)
+        if current is not None and current[1] + nbytes <= cap:
+            current[0].append(idx)
+            open_bucket[key] = (current[0], current[1] + nbytes)
+            continue
+        new: list[int] = [idx]
+        buckets.append(new)
+        open_bucket[key] = (new, nbytes)
+    return buckets
+
+
+class GradientReducer:
+    """Averages (or sums) the gradients of ``named_parameters`` across ranks while backward runs.
+
+    Example:
+        >>> reducer = GradientReducer(model.named_parameters(), world=hvd_trainer.comm.init())
+        >>> loss.backward()
+        >>> reducer.wait()          # every p.grad now holds the average over ranks
+        >>> optimizer.step()
+
+    Args:
+        named_parameters: ``(name, parameter)`` pairs, the same names in the same order on every
+            rank. Parameters with ``requires_grad=False`` at construction are skipped.
+        world: the world to reduce over.
+        config: bucket sizes.
+        op: ``Average`` (default) or ``Sum``.
+
+    Raises:
+        ValueError: duplicate names or parameters, or an op other than Average/Sum.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
+        *,
+        world: World,
+        config: FusionConfig | None = None,
+        op: ReduceOp | str | None = None,
+    ) -> None:
+        self.world = world
+        self.config = config or FusionConfig()
+        self.op = to_reduce_op(op)
+        if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        _check_unique(named)
+        self.require_sync = True
+        self._buckets: list[_Bucket] = []
+        self._slot: dict[int, tuple[_Bucket, int]] = {}
+        for indices in _assign_buckets(named, self.config):
+            bucket = _Bucket(
+                len(self._buckets), [named[i][0] for i in indices], [named[i][1] for i in indices]
+            )
+            self._buckets.append(bucket)
+            for pos, p in enumerate(bucket.params):
+                self._slot[id(p)] = (bucket, pos)
+                if p.grad is not None:
+                    bucket.views[pos].copy_(p.grad)
+                    p.grad = bucket.views[pos]
+        self._next_launch = 0
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            for b in self._buckets
+            for p in b.params
+        ]
+
+    # -- properties -------------------------------------------------------------------------
+    @property
+    def bucket_sizes_bytes(self) -> list[int]:
+        """Size of each bucket in bytes, in launch order."""
+        return [b.nbytes for b in self._buckets]
+
+    @property
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names in each bucket, in launch order."""
+        return [list(b.names) for b in self._buckets]
+
+    @property
+    def pending(self) -> bool:
+        """True between the first gradient of a synchronised backward and :meth:`wait`."""
+        return self._next_launch > 0 or any(any(b.ready) for b in self._buckets)
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket, pos = self._slot[id(param)]
+        if not self.require_sync:
+            return
+        if bucket.ready[pos] or bucket.work is not None:
+            raise RuntimeError(
+                f"gradient of {bucket.names[pos]!r} was produced twice before the reducer's "
+                "wait(). HINT: call backward once per step, or wrap extra backward passes in "
+                "no_sync() (gradient accumulation)."
+            )
+        self._adopt_grad(bucket, pos)
+        bucket.ready[pos] = True
+        self._launch_ready()
+
+    def _adopt_grad(self, bucket: _Bucket, pos: int) -> None:
+        """Make ``param.grad`` the bucket view (copying the values in if autograd made a new
+        tensor, e.g. after ``zero_grad(set_to_none=True)``)."""
+        param, view = bucket.params[pos], bucket.views[pos]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+            if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
+                param.grad = view
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+            param.grad = view
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if not all(bucket.ready):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.op is ReduceOp.AVERAGE and bucket.flat.dtype in (torch.float16, torch.bfloat16):
+            bucket.flat.div_(self.world.size)  # divide first: an fp16 sum can overflow
+        bucket.work = dist.all_reduce(
+            bucket.flat, op=dist.ReduceOp.SUM, group=self.world.group_for(bucket.flat),
+            async_op=True,
+        )
+        self._next_launch += 1
+
+    # -- public API -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and send nothing."""
+        previous = self.require_sync
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = previous
+
+    def wait(self) -> None:
+        """Finish the reduction of this step. On return every ``p.grad`` is reduced.
+
+        A parameter whose hook did not fire on this rank (unused in this forward) contributes
+        its current ``.grad`` or zeros, so every rank issues the same collectives.
+        """
+        for bucket in self._buckets[self._next_launch :]:
+            for pos in range(len(bucket.params)):
+                if not bucket.ready[pos]:
+                    self._adopt_grad(bucket, pos)
+                    bucket.ready[pos] = True
+        self._launch_ready()
+        for bucket in self._buckets:
+            assert bucket.work is not None
+            bucket.work.wait()
+            if self.op is ReduceOp.AVERAGE and bucket.flat.dtype not in (
+                torch.float16,
+                torch.bfloat16,
+            ):
+                bucket.flat.div_(self.world.size)
+            bucket.work = None
+            bucket.ready = [False] * len(bucket.params)
+        self._next_launch = 0
+
+    def remove(self) -> None:
+        """Unregister the hooks; gradients stay where they are."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def _check_unique(named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    seen_names: set[str] = set()
+    seen_params: set[int] = set()
+    for name, p in named:
+        if name in seen_names:
+            raise ValueError(f"parameter name {name!r} appears twice; names must be unique.")
+        if id(p) in seen_params:
+            raise ValueError(f"parameter {name!r} is listed twice under different names.")
+        seen_names.add(name)
+        seen_params.add(id(p))

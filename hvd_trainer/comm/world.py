@@ -1,0 +1,267 @@
+"""Bootstrap of the process group and the one explicit :class:`World` object.
+
+``init()`` reads what launched this process (torchrun today; MPI and Slurm are read in the same
+function, :func:`detect_launch_env`), initialises ``torch.distributed`` with NCCL when CUDA is
+available and gloo otherwise, and returns a frozen :class:`World`. Library code receives the
+``World`` (or its ``group``) as an argument; the module-level functions in ``hvd_trainer``
+read the one returned by :func:`get_world`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hvd_trainer.comm.errors import NotInitializedError
+
+__all__ = [
+    "LaunchEnv",
+    "World",
+    "detect_launch_env",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "get_world",
+]
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchEnv:
+    """Topology as reported by the launcher, before any process group exists."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "none"
+    """Which launcher set the variables: ``"torchrun"``, ``"mpi"``, ``"slurm"`` or ``"none"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class World:
+    """The processes of one job and this process's place in it.
+
+    Attributes:
+        rank: global rank in ``[0, size)``.
+        size: number of processes (world size).
+        local_rank: rank among the processes on this node.
+        local_size: number of processes on this node.
+        cross_rank: index of this node (``rank // local_size`` for homogeneous jobs).
+        cross_size: number of nodes.
+        device: the device this rank computes on (``cuda:local_rank`` or ``cpu``).
+        backend: ``"nccl"`` or ``"gloo"``.
+        group: the global ``torch.distributed`` process group.
+        cpu_group: a group for CPU tensors and objects (the global group on gloo; a gloo side
+            group when the global backend is NCCL, so CPU tensors never hit NCCL).
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup | None = None
+    cpu_group: dist.ProcessGroup | None = None
+
+    def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
+        """The process group that can carry ``tensor`` (CPU tensors use ``cpu_group``)."""
+        if tensor.device.type == "cpu":
+            return self.cpu_group
+        return self.group
+
+
+_WORLD: World | None = None
+
+
+def _int(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value)
+            except ValueError as exc:
+                raise ValueError(
+                    f"environment variable {name}={value!r} is not an integer. "
+                    "HINT: unset it or launch with hvdrun/torchrun."
+                ) from exc
+    return None
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read the launcher's variables. The only place that reads launch environment variables.
+
+    Recognised, in order: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); otherwise a world of one.
+
+    Raises:
+        ValueError: a variable is present but not an integer, or ranks are out of range.
+    """
+    env = os.environ if environ is None else environ
+    rank = _int(env, "RANK")
+    size = _int(env, "WORLD_SIZE")
+    if rank is not None and size is not None:
+        local_rank = _int(env, "LOCAL_RANK")
+        local_size = _int(env, "LOCAL_WORLD_SIZE")
+        info = LaunchEnv(
+            rank=rank,
+            size=size,
+            local_rank=rank if local_rank is None else local_rank,
+            local_size=size if local_size is None else local_size,
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_int(env, "MASTER_PORT"),
+            launcher="torchrun",
+        )
+    else:
+        info = LaunchEnv(rank=0, size=1, local_rank=0, local_size=1)
+    _validate(info)
+    return info
+
+
+def _validate(info: LaunchEnv) -> None:
+    if info.size < 1 or not 0 <= info.rank < info.size:
+        raise ValueError(
+            f"launcher reported rank={info.rank} world size={info.size}; expected 0 <= rank < size. "
+            "HINT: check RANK/WORLD_SIZE in the environment."
+        )
+    if not 0 <= info.local_rank < info.local_size:
+        raise ValueError(
+            f"launcher reported local_rank={info.local_rank} local_size={info.local_size}; "
+            "expected 0 <= local_rank < local_size."
+        )
+
+
+def _pick_device(local_rank: int, backend: str | None) -> tuple[torch.device, str]:
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False.")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(
+                f"local_rank {local_rank} has no GPU: this node has {count} CUDA device(s). "
+                "HINT: start at most one process per GPU (hvdrun -np <number of GPUs>)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, backend
+    return torch.device("cpu"), backend
+
+
+def _world_from_group(info: LaunchEnv, device: torch.device, backend: str) -> World:
+    local_size = info.local_size
+    cross_size = max(1, info.size // local_size) if info.size % local_size == 0 else -1
+    if cross_size == -1:
+        cross_size = (info.size + local_size - 1) // local_size
+    return World(
+        rank=info.rank,
+        size=info.size,
+        local_rank=info.local_rank,
+        local_size=local_size,
+        cross_rank=info.rank // local_size,
+        cross_size=cross_size,
+        device=device,
+        backend=backend,
+        group=dist.group.WORLD,
+        cpu_group=dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo"),
+    )
+
+
+def init(
+    *,
+    backend: str | None = None,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    environ: Mapping[str, str] | None = None,
+) -> World:
+    """Initialise the global process group once and return the :class:`World`.
+
+    Idempotent: a second call returns the existing world. If ``torch.distributed`` was already
+    initialised by someone else (e.g. Lightning), that group is adopted.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+        timeout_seconds: timeout of the process group's collectives and rendezvous, seconds.
+        environ: environment to read instead of ``os.environ`` (tests).
+
+    Raises:
+        ValueError: inconsistent launcher variables, or NCCL requested without a GPU.
+    """
+    global _WORLD
+    if _WORLD is not None:
+        return _WORLD
+    info = detect_launch_env(environ)
+    device, backend = _pick_device(info.local_rank, backend)
+    timeout = timedelta(seconds=timeout_seconds)
+    if not dist.is_initialized():
+        if info.size == 1 and info.master_addr is None:
+            # A world of one needs no rendezvous: an in-process store keeps every collective
+            # available (and identical in behaviour) without opening a port.
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            os.environ.setdefault("MASTER_ADDR", info.master_addr or "127.0.0.1")
+            if info.master_port is not None:
+                os.environ.setdefault("MASTER_PORT", str(info.master_port))
+            dist.init_process_group(
+                backend,
+                init_method="env://",
+                rank=info.rank,
+                world_size=info.size,
+                timeout=timeout,
+            )
+    else:
+        backend = dist.get_backend()
+        info = LaunchEnv(
+            rank=dist.get_rank(),
+            size=dist.get_world_size(),
+            local_rank=info.local_rank,
+            local_size=info.local_size,
+            launcher=info.launcher,
+        )
+    _WORLD = _world_from_group(info, device, backend)
+    return _WORLD
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
+    return _WORLD is not None
+
+
+def get_world() -> World:
+    """Return the initialised :class:`World`.
+
+    Raises:
+        NotInitializedError: :func:`init` has not been called.
+    """
+    if _WORLD is None:
+        raise NotInitializedError()
+    return _WORLD
+
+
+def shutdown() -> None:
+    """Destroy the process group. Safe to call twice; ``init()`` may be called again after."""
+    global _WORLD
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _WORLD = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now (bound then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
