@@ -1,0 +1,121 @@
+"""``hvd-train recipe=NAME [key=value ...]``: run a recipe with omegaconf overrides.
+
+A recipe is a module ``recipes/<NAME>.py`` that defines a dataclass ``Config`` (the schema)
+and ``run(cfg: Config) -> dict`` returning at least ``world_size``, ``val_acc``, ``epochs``,
+``samples_per_s`` and ``wall_s``. Settings are merged in this order: the dataclass defaults,
+``conf/<NAME>.yaml``, then the command-line dotlist. Rank 0 prints one ``RESULT`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+__all__ = ["ConfigError", "load_config", "main", "format_result"]
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+RESULT_KEYS = ("world_size", "val_acc", "epochs", "samples_per_s", "wall_s")
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist or a value of the wrong type."""
+
+
+def _valid_keys(schema: Any, prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for f in dataclasses.fields(schema):
+        name = f"{prefix}{f.name}"
+        value = getattr(schema, f.name) if not isinstance(schema, type) else None
+        ftype = f.type if not isinstance(f.type, str) else None
+        sub = value if dataclasses.is_dataclass(value) else ftype
+        if sub is not None and dataclasses.is_dataclass(sub):
+            keys += _valid_keys(sub, name + ".")
+        else:
+            keys.append(name)
+    return keys
+
+
+def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) -> Any:
+    """Merge ``schema`` defaults, the YAML file and the dotlist; return a ``schema`` instance.
+
+    Raises:
+        ConfigError: an unknown key (the message lists the valid keys) or a wrong type.
+    """
+    base = OmegaConf.structured(schema)
+    valid = _valid_keys(schema())
+    try:
+        if yaml_path is not None and yaml_path.exists():
+            base = OmegaConf.merge(base, OmegaConf.load(yaml_path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad}.")
+        base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        return OmegaConf.to_object(base)
+    except ConfigKeyError as exc:
+        key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"unknown config key {key!r}. Valid keys: {', '.join(valid)}"
+        ) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"invalid config: {str(exc).splitlines()[0]}") from None
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """``RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.5 wall_s=42.0``."""
+    missing = [k for k in RESULT_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"recipe result lacks {missing}; it must return {RESULT_KEYS}.")
+    return (
+        f"RESULT world_size={int(result['world_size'])} val_acc={result['val_acc']:.2f} "
+        f"epochs={int(result['epochs'])} samples_per_s={result['samples_per_s']:.1f} "
+        f"wall_s={result['wall_s']:.1f}"
+    )
+
+
+def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
+    recipe = None
+    rest: list[str] = []
+    for arg in argv:
+        if arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if not recipe:
+        raise ConfigError("no recipe given. HINT: hvd-train recipe=digits trainer.max_epochs=5")
+    return recipe, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hvd-train``. Returns 0 on success, 2 on a config error."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        name, overrides = _split_args(argv)
+        try:
+            module = importlib.import_module(f"recipes.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"recipes.{name}":
+                raise
+            available = sorted(
+                p.stem for p in (CONF_DIR.parent / "recipes").glob("*.py") if p.stem != "__init__"
+            )
+            raise ConfigError(f"no recipe {name!r}; available: {available}") from None
+        cfg = load_config(module.Config, CONF_DIR / f"{name}.yaml", overrides)
+    except ConfigError as exc:
+        print(f"hvd-train: error: {exc}", file=sys.stderr)
+        return 2
+    result = module.run(cfg)
+    if result is not None and int(os.environ.get("RANK", "0")) == 0:
+        print(format_result(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
