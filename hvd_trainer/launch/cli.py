@@ -40,7 +40,8 @@ def build_torchrun_command(
 ) -> list[str]:
     """The torchrun command that runs ``command`` on ``num_proc`` local processes.
 
-    A command whose first word ends in ``.py`` is run with this Python interpreter.
+    A command whose first word ends in ``.py``, or is ``python``/``python3``, is run with the
+    interpreter running hvdrun, so workers see the same environment.
 
     Raises:
         HvdrunError: ``num_proc < 1`` or an empty command.
@@ -54,6 +55,9 @@ def build_torchrun_command(
         raise HvdrunError("no command given. HINT: hvdrun -np 2 python train.py")
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
+    elif command[0] in ("python", "python3"):
+        # The interpreter that runs hvdrun (its venv), not whichever "python" is first on PATH.
+        command = [sys.executable, *command[1:]]
     port = free_port() if master_port is None else master_port
     return [
         sys.executable, "-m", "torch.distributed.run",
