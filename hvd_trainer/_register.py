@@ -1,10 +1,23 @@
-"""Register ``"horovod"`` in Lightning's strategy registries at import time (idempotent)."""
+"""Register ``"horovod"`` in Lightning's strategy registries at import time (idempotent).
+
+``pytorch_lightning`` and the ``lightning`` package's ``lightning.pytorch`` keep separate
+registries with separate ``Strategy`` base classes, so each gets its own class.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 
 _DESCRIPTION = "hvd_trainer: Horovod-style fused allreduce on torch.distributed"
+
+__all__ = ["register"]
+
+
+def _lightning_pytorch_installed() -> bool:
+    try:
+        return importlib.util.find_spec("lightning.pytorch") is not None
+    except ModuleNotFoundError:  # no "lightning" parent package
+        return False
 
 
 def register() -> None:
@@ -16,6 +29,15 @@ def register() -> None:
 
         if "horovod" not in StrategyRegistry:
             StrategyRegistry.register("horovod", HorovodStrategy, description=_DESCRIPTION)
+    if _lightning_pytorch_installed():
+        from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
+
+        from hvd_trainer.strategy import lightning_pytorch_strategy_class
+
+        if "horovod" not in LightningRegistry:
+            LightningRegistry.register(
+                "horovod", lightning_pytorch_strategy_class(), description=_DESCRIPTION
+            )
 
 
 try:

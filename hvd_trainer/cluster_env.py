@@ -1,0 +1,127 @@
+"""Lightning ``ClusterEnvironment`` that reads ranks through :func:`hvd_trainer.comm.detect_launch_env`.
+
+Lightning's own environments miss launchers that Horovod users rely on (``mpirun`` without mpi4py,
+``horovodrun``), and each reads environment variables in its own way. This environment asks the comm
+layer, the one place that reads launcher variables, so Lightning and ``hvd_trainer.comm`` can never
+disagree about who is rank 0.
+
+It also understands Lightning's own single-node self-launch (``python train.py`` with
+``Trainer(strategy="horovod", devices=N)``): Lightning's script launcher exports ``LOCAL_RANK`` and
+``WORLD_SIZE`` (no ``RANK``) to the processes it starts; on one node the global rank equals the local
+rank, so :meth:`HorovodEnvironment.adopt_self_launch` writes the torchrun-style ``RANK`` and
+``LOCAL_WORLD_SIZE`` that ``detect_launch_env`` reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning_fabric.plugins import ClusterEnvironment
+from typing_extensions import override
+
+from hvd_trainer.comm.world import LaunchEnv, detect_launch_env, free_port
+
+__all__ = ["HorovodEnvironment", "SelfLaunchError"]
+
+
+class SelfLaunchError(RuntimeError):
+    """``python train.py`` with ``num_nodes > 1`` and no launcher: processes cannot be started here."""
+
+
+def _lightning_self_launched() -> bool:
+    """True inside a process started by Lightning's script launcher (no RANK, LOCAL_RANK set)."""
+    return "RANK" not in os.environ and "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+class HorovodEnvironment(ClusterEnvironment):
+    """Ranks and world size as the launcher (hvdrun, torchrun, mpirun, srun) reported them.
+
+    Rank queries read :func:`~hvd_trainer.comm.detect_launch_env` every time, so the answer
+    follows the environment after Lightning's self-launch exported its variables.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._main_port: int | None = None
+
+    def launch_env(self) -> LaunchEnv:
+        """What launched this process (a world of one when nothing did)."""
+        if _lightning_self_launched():
+            self.adopt_self_launch()
+        return detect_launch_env()
+
+    @staticmethod
+    def adopt_self_launch() -> None:
+        """Translate Lightning's single-node self-launch variables into torchrun's.
+
+        Only called when ``RANK`` is absent and ``LOCAL_RANK``/``WORLD_SIZE`` are present.
+        """
+        if "RANK" in os.environ:
+            return
+        os.environ["RANK"] = os.environ["LOCAL_RANK"]
+        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+
+    @property
+    @override
+    def creates_processes_externally(self) -> bool:
+        """True when a launcher (or Lightning's own script launcher) already started the ranks."""
+        return self.launch_env().launcher != "none" or "LOCAL_RANK" in os.environ
+
+    @property
+    @override
+    def main_address(self) -> str:
+        return self.launch_env().master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    @override
+    def main_port(self) -> int:
+        port = self.launch_env().master_port
+        if port is not None:
+            return port
+        if self._main_port is None:
+            self._main_port = free_port()
+        return self._main_port
+
+    @staticmethod
+    @override
+    def detect() -> bool:
+        return True
+
+    @override
+    def world_size(self) -> int:
+        return self.launch_env().size
+
+    @override
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the launcher decides the world size."""
+
+    @override
+    def global_rank(self) -> int:
+        return self.launch_env().rank
+
+    @override
+    def set_global_rank(self, rank: int) -> None:
+        """Ignored: the launcher decides ranks."""
+
+    @override
+    def local_rank(self) -> int:
+        return self.launch_env().local_rank
+
+    @override
+    def node_rank(self) -> int:
+        env = self.launch_env()
+        return env.rank // env.local_size
+
+    @override
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Refuse a multi-node self-launch: start those jobs with hvdrun, mpirun or srun.
+
+        Raises:
+            SelfLaunchError: ``num_nodes > 1`` and no launcher started this process.
+        """
+        if num_nodes > 1 and not self.creates_processes_externally:
+            raise SelfLaunchError(
+                f"Trainer(strategy='horovod', num_nodes={num_nodes}) cannot start processes on other "
+                "nodes by itself. HINT: launch every node with hvdrun (or mpirun/srun), e.g. "
+                f"`hvdrun -np {num_devices * num_nodes} -H host1:{num_devices},... python train.py`."
+            )

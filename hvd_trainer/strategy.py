@@ -1,0 +1,377 @@
+"""``Trainer(strategy="horovod")``: Lightning data parallelism over hvd_trainer's comm layer.
+
+The LightningModule is not wrapped. Instead each trainable parameter gets a post-accumulate-grad
+hook (:class:`~hvd_trainer.comm.GradientReducer`) that packs ready gradients into fused buckets and
+starts an async allreduce per full bucket while backward continues. ``post_backward`` waits for all
+buckets, so AMP unscaling, gradient clipping and ``optimizer.step()`` see the averaged gradient,
+identically on every rank, exactly as in a single process with the global batch. The user's
+optimizers, LR schedulers and checkpoints are untouched.
+
+Example:
+    >>> import hvd_trainer  # registers "horovod"
+    >>> trainer = pl.Trainer(strategy="horovod", max_epochs=5)
+    >>> trainer.fit(model, datamodule)       # under `hvdrun -np 4 python train.py`
+
+``python train.py`` with ``devices=N`` and no launcher starts N-1 extra processes itself
+(Lightning's script launcher, like ``strategy="ddp"``); under hvdrun, torchrun, mpirun or srun the
+launcher's processes are used as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Generator
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.utilities.distributed import _all_gather_ddp_if_available
+from lightning_fabric.utilities.optimizer import _optimizers_to_device
+from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from hvd_trainer import comm
+from hvd_trainer.cluster_env import HorovodEnvironment
+from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.world import World
+
+__all__ = ["HorovodStrategy", "StrategyConfigError", "lightning_pytorch_strategy_class"]
+
+log = logging.getLogger(__name__)
+
+
+class StrategyConfigError(ValueError):
+    """An invalid ``HorovodStrategy`` argument; the message names it and gives the fix."""
+
+
+class _HorovodStrategyLogic:
+    """Everything of :class:`HorovodStrategy` except its Lightning base class, so the same logic
+    serves ``pytorch_lightning`` and ``lightning.pytorch`` (two packages, two base classes).
+
+    Data-parallel training with fused, backward-overlapped gradient allreduce.
+
+    Every rank holds a full model replica. At ``setup`` the module state is broadcast from
+    rank 0; during backward gradients are averaged over ranks in buckets of at most
+    ``fusion_threshold_bytes``; Lightning's ``DistributedSampler`` gives each rank its shard.
+
+    Args:
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            injected by the Trainer, as for every Lightning strategy. ``cluster_environment``
+            defaults to :class:`~hvd_trainer.cluster_env.HorovodEnvironment`.
+        fusion_threshold_bytes: cap of one fused gradient bucket, bytes (``None``: the comm
+            default, ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB; 0 disables fusion).
+        first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
+            starts early in backward (``None``: the comm default, 1 MiB).
+        timeout_seconds: timeout of process-group creation and of every collective, seconds.
+        scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
+            ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
+            Off by default: hvd_trainer never changes hyperparameters silently.
+
+    Raises:
+        StrategyConfigError: a negative byte size or timeout.
+    """
+
+    strategy_name = "horovod"
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
+        fusion_threshold_bytes: int | None = None,
+        first_bucket_bytes: int | None = None,
+        timeout_seconds: float = 600.0,
+        scale_lr_by_world_size: bool = False,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment or HorovodEnvironment(),
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if timeout_seconds <= 0:
+            raise StrategyConfigError(
+                f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
+            )
+        self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
+        self._timeout_seconds = float(timeout_seconds)
+        self._scale_lr = bool(scale_lr_by_world_size)
+        self._scaled_optimizers: set[int] = set()
+        self._num_nodes = 1
+        self._world: World | None = None
+        self._reducer: GradientReducer | None = None
+
+    # -- topology ---------------------------------------------------------------------------
+    @property
+    def is_distributed(self) -> bool:
+        """Always True: turns on Lightning's DistributedSampler and ``self.log(sync_dist=True)``."""
+        return True
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node requested through ``Trainer(devices=...)`` (used for self-launch)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        """``cuda:<local_rank>`` on GPU, ``cpu`` otherwise (not ``parallel_devices[local_rank]``,
+        which does not exist when an external launcher started more ranks than ``devices``)."""
+        if self._world is not None:
+            return self._world.device
+        if self.parallel_devices and self.parallel_devices[0].type == "cuda":
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """False: Lightning wraps accumulating micro-batches in :meth:`block_backward_sync`."""
+        return False
+
+    @property
+    def reducer(self) -> GradientReducer | None:
+        """The gradient reducer while fitting (``None`` otherwise)."""
+        return self._reducer
+
+    def set_world_ranks(self) -> None:
+        """Point Lightning's rank-zero utilities at the launcher's global rank."""
+        rank_zero_only.rank = self.global_rank
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        env = self.cluster_environment
+        assert env is not None
+        if not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
+            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = None
+
+    @override
+    def setup_environment(self) -> None:
+        env = self.cluster_environment
+        if isinstance(env, HorovodEnvironment):
+            env.launch_env()  # adopts Lightning's self-launch variables before comm reads them
+        self.set_world_ranks()
+        device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds)
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == "fit"
+        if fitting and self._layer_sync is not None:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _broadcast_module_state(self.model, self._require_world())
+        if fitting:
+            self.setup_optimizers(trainer)
+            self._maybe_scale_lr()
+            self._attach_reducer()
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _attach_reducer(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+        module = self.lightning_module
+        assert module is not None
+        self._reducer = GradientReducer(
+            module.named_parameters(), world=self._require_world(), config=self._fusion
+        )
+
+    def _maybe_scale_lr(self) -> None:
+        if not self._scale_lr:
+            return
+        size = self.world_size
+        for optimizer in self.optimizers:
+            if id(optimizer) in self._scaled_optimizers:
+                continue
+            self._scaled_optimizers.add(id(optimizer))
+            for group in optimizer.param_groups:
+                group["lr"] *= size
+                if "initial_lr" in group:
+                    group["initial_lr"] *= size
+        for config in self.lr_scheduler_configs:
+            scheduler = config.scheduler
+            if hasattr(scheduler, "base_lrs"):
+                scheduler.base_lrs = [lr * size for lr in scheduler.base_lrs]
+        rank_zero_info(
+            f"hvd_trainer: scale_lr_by_world_size=True, learning rates multiplied by {size}."
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None
+        super().teardown()
+
+    # -- backward ---------------------------------------------------------------------------
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Wait for this step's gradient buckets (before unscale and clipping)."""
+        reducer = self._reducer
+        if reducer is not None and reducer.require_sync:
+            reducer.wait()
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate gradients locally, sending nothing (gradient accumulation)."""
+        if self._reducer is None:
+            yield
+            return
+        with self._reducer.no_sync():
+            yield
+
+    # -- collectives ------------------------------------------------------------------------
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: comm.ReduceOp | dist.ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        """Reduce ``tensor`` over ranks; non-tensors are returned unchanged.
+
+        Floating tensors are reduced in place (as Lightning's DDP does); an integer ``"mean"``
+        returns a new float tensor. ``reduce_op``: ``"mean"``/``"avg"``, ``"sum"``, ``"min"``,
+        ``"max"``, a :class:`torch.distributed.ReduceOp` or an hvd_trainer op.
+
+        Raises:
+            StrategyConfigError: ``group`` is a process group other than the world.
+        """
+        if not isinstance(tensor, Tensor):
+            return tensor
+        _check_group(group)
+        op = comm.to_reduce_op(reduce_op)
+        world = self._require_world()
+        if op is comm.Average and not (tensor.is_floating_point() or tensor.is_complex()):
+            tensor = tensor.to(torch.get_default_dtype())
+        return comm.allreduce_(tensor, op, world=world)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Stack every rank's ``tensor`` (same shape everywhere): shape ``[world_size, *shape]``."""
+        _check_group(group)
+        if sync_grads:  # differentiable gather: torch.distributed.nn
+            return _all_gather_ddp_if_available(tensor, group=None, sync_grads=True)
+        return comm.allgather(tensor.unsqueeze(0), world=self._require_world())
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Return rank ``src``'s (picklable) ``obj`` on every rank."""
+        return comm.broadcast_object(obj, src, world=self._require_world())
+
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if self._world is None and not comm.is_initialized():
+            return
+        comm.barrier(world=self._require_world())
+
+    def _require_world(self) -> World:
+        if self._world is None:
+            self._world = comm.get_world()
+        return self._world
+
+
+class HorovodStrategy(_HorovodStrategyLogic, ParallelStrategy):
+    """Data-parallel Lightning strategy ``"horovod"`` for ``pytorch_lightning`` (see
+    :class:`_HorovodStrategyLogic` for arguments and behaviour)."""
+
+
+@functools.cache
+def lightning_pytorch_strategy_class() -> type:
+    """The same strategy for the ``lightning`` package's ``lightning.pytorch`` namespace.
+
+    Raises:
+        ModuleNotFoundError: ``lightning`` is not installed.
+    """
+    from lightning.pytorch.strategies import ParallelStrategy as LightningParallelStrategy
+
+    class LightningHorovodStrategy(_HorovodStrategyLogic, LightningParallelStrategy):
+        """``Trainer(strategy="horovod")`` for ``lightning.pytorch``."""
+
+    return LightningHorovodStrategy
+
+
+def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:
+    kwargs: dict[str, int] = {}
+    for name, value in (("fusion_threshold_bytes", threshold), ("first_bucket_bytes", first)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise StrategyConfigError(
+                f"{name}={value!r} must be an int >= 0 (bytes). HINT: {name}={64 * 1024 * 1024}."
+            )
+        kwargs[name] = value
+    return FusionConfig(**kwargs)
+
+
+def _check_group(group: Any | None) -> None:
+    if group is None or group is dist.group.WORLD:
+        return
+    raise StrategyConfigError(
+        f"HorovodStrategy collectives run over the whole world; got group={group!r}. "
+        "HINT: pass group=None."
+    )
+
+
+def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: int = 0) -> None:
+    """Overwrite every parameter and buffer with ``root_rank``'s values.
+
+    Tensors are flattened per (device, dtype) so the broadcast is one collective per group,
+    not one per tensor.
+    """
+    if world.size == 1:
+        return
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for tensors in groups.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            comm.broadcast_(flat, root_rank, world=world)
+            offset = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view_as(t))
+                offset += n

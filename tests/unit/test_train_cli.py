@@ -1,0 +1,61 @@
+"""hvd-train's config merge: dataclass defaults < conf/<recipe>.yaml < command-line dotlist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hvd_trainer.train_cli import CONF_DIR, ConfigError, format_result, load_config, main
+from recipes.digits import Config
+
+
+def test_defaults_then_yaml_then_dotlist(tmp_path: Path) -> None:
+    yaml = tmp_path / "digits.yaml"
+    yaml.write_text("trainer:\n  max_epochs: 7\noptim:\n  lr: 0.2\n")
+    cfg = load_config(Config, yaml, ["optim.lr=0.01", "data.batch_size_per_rank=16"])
+    assert isinstance(cfg, Config)
+    assert cfg.trainer.max_epochs == 7  # from the YAML
+    assert cfg.optim.lr == 0.01  # the command line wins over the YAML
+    assert cfg.data.batch_size_per_rank == 16
+    assert cfg.optim.momentum == 0.9  # untouched default
+    assert cfg.trainer.strategy == "horovod"
+
+
+def test_shipped_yaml_is_valid() -> None:
+    cfg = load_config(Config, CONF_DIR / "digits.yaml", [])
+    assert cfg.trainer.max_epochs == 20 and cfg.trainer.strategy == "horovod"
+
+
+def test_unknown_key_is_named_with_valid_keys() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Config, None, ["optim.learning_rate=0.1"])
+    msg = str(info.value)
+    assert "learning_rate" in msg
+    for key in ("optim.lr", "trainer.max_epochs", "data.batch_size_per_rank", "model.hidden"):
+        assert key in msg
+
+
+def test_wrong_type_is_an_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Config, None, ["trainer.max_epochs=many"])
+    assert "many" in str(info.value)
+
+
+def test_schema_validation_runs() -> None:
+    with pytest.raises(ValueError, match="max_epochs"):
+        load_config(Config, None, ["trainer.max_epochs=0"])
+
+
+def test_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["recipe=digits", "optim.nope=1"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["recipe=no_such_recipe"]) == 2
+    assert "digits" in capsys.readouterr().err
+
+
+def test_result_line_format() -> None:
+    line = format_result(
+        {"world_size": 2, "val_acc": 0.9712, "epochs": 20, "samples_per_s": 1234.56, "wall_s": 42.04}
+    )
+    assert line == "RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.6 wall_s=42.0"
