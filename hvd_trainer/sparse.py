@@ -51,8 +51,12 @@ def sparse_allreduce(
         values = values * prescale_factor
     all_indices = allgather(indices, world=world)
     all_values = allgather(values, world=world)
-    out = torch.sparse_coo_tensor(all_indices.t(), all_values, like.shape).coalesce()
+    out = torch.sparse_coo_tensor(
+        all_indices.t(), all_values, like.shape, check_invariants=False
+    ).coalesce()
     scale = postscale_factor / world.size if rop is ReduceOp.AVERAGE else postscale_factor
     if scale != 1.0:
-        out = torch.sparse_coo_tensor(out.indices(), out.values() * scale, like.shape).coalesce()
+        out = torch.sparse_coo_tensor(
+            out.indices(), out.values() * scale, like.shape, check_invariants=False
+        ).coalesce()
     return out
