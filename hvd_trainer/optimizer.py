@@ -161,6 +161,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         NotInitializedError: ``hvd_trainer.init()`` has not run.
     """
 
+    # GradScaler must unscale through ``param_groups`` (which finishes the reduction) and not
+    # hand its scale to a fused inner step via attributes set on this wrapper.
+    _step_supports_amp_scaling = False
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -441,6 +445,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             OptimizerConfigError: a ``closure`` was passed (its gradients could not be averaged).
+            GradientSyncError: inside ``skip_synchronize()`` without a prior ``synchronize()``.
         """
         if closure is not None:
             raise OptimizerConfigError(
@@ -454,6 +459,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "in `with optimizer.skip_synchronize():`.",
                 UserWarning,
                 stacklevel=2,
+            )
+        if self._skip and self._due:
+            raise GradientSyncError(
+                "step() inside skip_synchronize() while the gradients of this step are still "
+                "being averaged. HINT: call optimizer.synchronize() before entering "
+                "skip_synchronize()."
             )
         if not self._skip and not self._synced:
             self._synchronize()

@@ -108,11 +108,15 @@ def _scaler_worker() -> dict:
     import hvd_trainer as hvd
 
     results = {}
-    for pattern in ("implicit", "explicit"):
+    for pattern in ("implicit", "explicit", "fused"):
         model, ref = _model(), _model()
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                       model.named_parameters())
-        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        if pattern == "fused":  # the inner optimizer could unscale itself; it must not here
+            inner = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+            ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        else:
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        opt = hvd.DistributedOptimizer(inner, model.named_parameters())
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         for step in range(STEPS):
             x, y = _batch(step, 2 * B)
@@ -205,6 +209,13 @@ def _semantics_worker() -> dict:
         opt.step()
     res["n_warnings"] = len([w for w in caught if "skip_synchronize" in str(w.message)])
 
+    # skip_synchronize() without synchronize() is an error, not a race.
+    _loss(model, x, y).backward()
+    with pytest.raises(hvd.GradientSyncError, match="before entering"), opt.skip_synchronize():
+        opt.step()
+    opt.step()
+    opt.zero_grad()
+
     # A parameter used on rank 0 only: no hang, average = rank 0's gradient / 2.
     torch.manual_seed(1)
     a, b = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
@@ -216,6 +227,15 @@ def _semantics_worker() -> dict:
     opt.synchronize()
     res["unused_grad"] = b.weight.grad.clone()  # rank 0: d/dw sum(ones @ w) = [2,2,2]; /2
     res["used_grad"] = a.weight.grad.clone()  # (2 + 4) / 2 = 3
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+    # A group added later is averaged from the next step on.
+    c = torch.nn.Linear(3, 1)
+    opt.add_param_group({"params": list(c.parameters()), "lr": 0.2})
+    (a(xs).sum() + c(xs).sum()).backward()
+    opt.step()
+    res["added_group_grad"] = c.weight.grad.clone()  # (2 + 4) / 2 = 3
 
     # state_dict round trip through bytes, continued training equals the uninterrupted run.
     model = _model()
@@ -337,7 +357,7 @@ def test_equivalence_with_single_process(results: list[dict]) -> None:
 
 
 def test_grad_scaler(results: list[dict]) -> None:
-    for pattern in ("implicit", "explicit"):
+    for pattern in ("implicit", "explicit", "fused"):
         for res in results:
             assert res["scaler"][f"{pattern}-err"] <= 1e-6, pattern
             assert res["scaler"][f"{pattern}-scale-after-inf"] == 2.0**9  # skipped + halved
@@ -356,6 +376,7 @@ def test_semantics(results: list[dict]) -> None:
         assert sem["n_warnings"] == 1
         assert sem["unused_grad"] == [[1.0, 1.0, 1.0]]
         assert sem["used_grad"] == [[3.0, 3.0, 3.0]]
+        assert sem["added_group_grad"] == [[3.0, 3.0, 3.0]]
         assert sem["resume_equal"]
         assert sem["resume_lr"] == 0.01
 
