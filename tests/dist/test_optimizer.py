@@ -4,6 +4,7 @@ state_dict round trips, sparse gradients and the error paths."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import warnings
 
@@ -48,6 +49,35 @@ def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _options(mode: str) -> dict:
+    import hvd_trainer as hvd
+
+    if mode == "accum":
+        return {"backward_passes_per_step": 2}
+    if mode == "sum":
+        return {"op": hvd.Sum}
+    if mode == "predivide":
+        return {"gradient_predivide_factor": 4.0}
+    if mode == "fp16":
+        return {"compression": hvd.comm.Compression.fp16}
+    return {}
+
+
+def _apply(opt: torch.optim.Optimizer, model: torch.nn.Module, mode: str, distributed: bool) -> None:
+    """One optimizer step; ``clip`` clips the (averaged) gradients first, Horovod's way."""
+    if mode != "clip":
+        opt.step()
+        return
+    if distributed:
+        opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    if distributed:
+        with opt.skip_synchronize():
+            opt.step()
+    else:
+        opt.step()
+
+
 def _run(kind: str, mode: str, distributed: bool) -> torch.Tensor:
     """Train STEPS steps; ``distributed`` = this rank's half batch through DistributedOptimizer,
     else the global batch (2B rows) on a plain optimizer."""
@@ -55,44 +85,35 @@ def _run(kind: str, mode: str, distributed: bool) -> torch.Tensor:
 
     model = _model()
     inner = OPTIMIZERS[kind](model.parameters())
-    rank = hvd.rank() if distributed else 0
+    lr0 = inner.param_groups[0]["lr"]
     opt = hvd.DistributedOptimizer(
-        inner, model.named_parameters(), backward_passes_per_step=2 if mode == "accum" else 1
+        inner, model.named_parameters(), **_options(mode)
     ) if distributed else inner
+    if distributed and mode == "sum":  # a sum over 2 ranks is twice the average
+        for group in inner.param_groups:
+            group["lr"] /= 2
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if mode == "sched" else None
-    micro_batches = 2 if mode == "accum" else 1
     for step in range(STEPS):
         opt.zero_grad()
-        for m in range(micro_batches):
+        for m in range(2 if mode == "accum" else 1):
             x, y = _batch(step, 2 * B, m)
             if distributed:
-                x, y = _local(x, y, rank)
+                x, y = _local(x, y, hvd.rank())
             _loss(model, x, y).backward()
-        if mode == "clip":
-            if distributed:
-                opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            if distributed:
-                with opt.skip_synchronize():
-                    opt.step()
-            else:
-                opt.step()
-        else:
-            opt.step()
+        _apply(opt, model, mode, distributed)
         if sched is not None:
             sched.step()
     if sched is not None:
-        assert abs(inner.param_groups[0]["lr"] - OPTIMIZERS[kind]([torch.zeros(1)]).defaults["lr"]
-                   * 0.5 ** STEPS) < 1e-12
+        assert abs(inner.param_groups[0]["lr"] - lr0 * 0.5**STEPS) < 1e-12
     return _flat(model)
 
 
-def _equivalence_worker() -> dict:
+def _equivalence_worker(cases: list[tuple[str, str]] | None = None) -> dict:
     out = {}
     cases = [(k, "plain") for k in OPTIMIZERS] + [
         ("momentum", "clip"), ("sgd", "accum"), ("adam", "accum"), ("momentum", "sched"),
-        ("adam", "clip"),
-    ]
+        ("adam", "clip"), ("sgd", "sum"),
+    ] if cases is None else cases
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning on the documented paths
         for kind, mode in cases:
@@ -342,6 +363,42 @@ def _all_checks() -> dict:
         "sem": _semantics_worker(),
         "sparse": _sparse_worker(),
     })
+
+
+def _reducer_accepts(name: str) -> bool:
+    from hvd_trainer.comm import GradientReducer
+
+    return name in inspect.signature(GradientReducer).parameters
+
+
+def _options_checks(cases: list[tuple[str, str]]) -> dict:
+    return _plain(_equivalence_worker(cases))
+
+
+@pytest.mark.skipif(
+    not _reducer_accepts("prescale_factor"), reason="comm GradientReducer has no prescale_factor"
+)
+def test_gradient_predivide_factor() -> None:
+    cases = [("sgd", "predivide"), ("adam", "predivide")]
+    results = run_workers(_options_checks, 2, args=(cases,), timeout_seconds=120)
+    for case, (err, w0) in results[0].items():
+        assert err <= 1e-6, (case, err)
+        assert w0 == results[1][case][1]
+
+
+def _has_fp16_compression() -> bool:
+    import hvd_trainer
+
+    comp = getattr(hvd_trainer.comm, "Compression", None)
+    return _reducer_accepts("compression") and hasattr(comp, "fp16")
+
+
+@pytest.mark.skipif(not _has_fp16_compression(), reason="comm layer has no Compression.fp16")
+def test_fp16_compression() -> None:
+    results = run_workers(_options_checks, 2, args=([("sgd", "fp16")],), timeout_seconds=120)
+    err, w0 = results[0]["sgd-fp16"]
+    assert err <= 1e-3  # gradients rounded to fp16 (11-bit significand) for transport
+    assert w0 == results[1]["sgd-fp16"][1]
 
 
 @pytest.fixture(scope="module")
