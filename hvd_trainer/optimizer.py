@@ -305,6 +305,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "backward_passes_per_step."
             )
         self._counts[id(p)] = count
+        # New gradients: a synchronize() whose step() never ran (e.g. GradScaler found inf)
+        # does not cover them.
+        self._synced = self._user_synced = False
         if p.grad is not None and p.grad.is_sparse:
             self._on_sparse_grad(p)
         if count == self._bpps:
@@ -481,6 +484,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_not_due("zero_grad()")
         self._inner.zero_grad(set_to_none=set_to_none)
         self._reset_counts()
+        self._synced = self._user_synced = False
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""

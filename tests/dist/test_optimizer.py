@@ -251,6 +251,14 @@ def _semantics_worker() -> dict:
     with opt.skip_synchronize():
         opt.step()
     opt.zero_grad()
+    # A step skipped after synchronize() (as GradScaler does on inf): the next step reduces.
+    a(xs).sum().backward()
+    opt.synchronize()
+    opt.zero_grad()
+    a(xs).sum().backward()
+    opt.step()
+    res["after_skipped_step"] = a.weight.grad.clone()  # (2 + 4) / 2 = 3
+    opt.zero_grad()
     # A group added later is averaged from the next step on.
     c = torch.nn.Linear(3, 1)
     opt.add_param_group({"params": list(c.parameters()), "lr": 0.2})
@@ -434,6 +442,7 @@ def test_semantics(results: list[dict]) -> None:
         assert sem["unused_grad"] == [[1.0, 1.0, 1.0]]
         assert sem["used_grad"] == [[3.0, 3.0, 3.0]]
         assert sem["added_group_grad"] == [[3.0, 3.0, 3.0]]
+        assert sem["after_skipped_step"] == [[3.0, 3.0, 3.0]]
         assert sem["resume_equal"]
         assert sem["resume_lr"] == 0.01
 
