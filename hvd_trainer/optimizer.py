@@ -138,11 +138,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
     No learning rate is changed. ``isinstance(opt, torch.optim.Optimizer)`` holds (LR
     schedulers and ``GradScaler`` accept it); ``isinstance(opt, torch.optim.SGD)`` does not.
 
+    With AMP, ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` works as
+    is: ``GradScaler`` reads ``opt.param_groups``, which finishes the reduction, so every rank
+    unscales the same averaged gradients and takes the same skip decision on inf/NaN. Horovod's
+    explicit form (``opt.synchronize(); scaler.unscale_(opt); clip; with
+    opt.skip_synchronize(): scaler.step(opt)``) works too.
+
+    Notes:
+        * The first ``synchronize()`` builds the gradient buckets, so the first step's
+          allreduce starts after backward; later steps overlap it with backward.
+        * A trainable parameter without a gradient on some rank gets a zero gradient there
+          (all ranks take part in every bucket), so it is updated like one with a zero gradient.
+        * Parameters are those with ``requires_grad=True`` at construction (or added with
+          ``add_param_group``).
+
     Args:
         optimizer: the torch optimizer to wrap (not copied; its state is shared).
         named_parameters: ``(name, param)`` for every parameter of ``optimizer``; names must
             be unique. ``None`` names them by position.
-        compression: ``None``/``Compression.none``, or a compressor of the comm layer.
+        compression: ``None`` (the default, same as ``Compression.none``) or a compressor of
+            the comm layer, passed to its GradientReducer.
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
         op: ``Average`` (default) or ``Sum``.
