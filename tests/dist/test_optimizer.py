@@ -4,6 +4,7 @@ state_dict round trips, sparse gradients and the error paths."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import io
 import warnings
@@ -303,6 +304,32 @@ class _SparseNet(torch.nn.Module):
         return self.head(self.emb(idx).sum(1))
 
 
+def _sparse_adam(idx: torch.Tensor, rank: int) -> dict:
+    """SparseAdam needs sparse gradients: both reduction paths must hand it sparse ones."""
+    import hvd_trainer as hvd
+
+    target = torch.randn(2 * B, 4, generator=torch.Generator().manual_seed(4))
+
+    def train(emb: torch.nn.Embedding, opt: torch.optim.Optimizer, rows: slice) -> None:
+        for _ in range(3):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(emb(idx[rows]).sum(1), target[rows]).backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(20, 4, sparse=True)
+    emb0 = copy.deepcopy(ref)
+    train(ref, torch.optim.SparseAdam(ref.parameters(), lr=0.1), slice(0, 2 * B))
+    out = {}
+    for sparse_as_dense in (False, True):
+        emb = copy.deepcopy(emb0)
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                       emb.named_parameters(), sparse_as_dense=sparse_as_dense)
+        train(emb, opt, slice(rank * B, (rank + 1) * B))
+        out[f"sparse_adam-{sparse_as_dense}"] = float((emb.weight - ref.weight).abs().max())
+    return out
+
+
 def _sparse_worker() -> dict:
     import hvd_trainer as hvd
 
@@ -344,6 +371,7 @@ def _sparse_worker() -> dict:
         res[f"{sparse_as_dense}-emb_in_reducer"] = any(
             "emb.weight" in names for names in opt._reducer.bucket_names
         )
+    res.update(_sparse_adam(idx, rank))
     # sparse_allreduce directly: a rank without a gradient (None), and no gradient anywhere.
     p = torch.zeros(6, 2)
     mine = torch.sparse_coo_tensor([[1, 4]], torch.ones(2, 2), (6, 2)) if rank == 0 else None
@@ -458,6 +486,7 @@ def test_sparse_gradients(results: list[dict]) -> None:
         expected = [[0.5, 0.5] if row in (1, 4) else [0.0, 0.0] for row in range(6)]
         assert sp["one_sided"] == expected
         assert sp["empty_nnz"] == 0
+        assert sp["sparse_adam-False"] <= 1e-6 and sp["sparse_adam-True"] <= 1e-6
     for mode in ("False", "True"):
         assert results[0]["sparse"][f"{mode}-w"] == results[1]["sparse"][f"{mode}-w"]
 
