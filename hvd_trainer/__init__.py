@@ -91,4 +91,20 @@ def cross_rank() -> int:
     return get_world().cross_rank
 
 
+# Horovod-style torch API: optimizer wrapper, state broadcast, sparse reduce, SyncBatchNorm.
+from hvd_trainer.optimizer import (  # noqa: E402
+    DistributedOptimizer,
+    GradientSyncError,
+    OptimizerConfigError,
+)
+from hvd_trainer.sparse import sparse_allreduce  # noqa: E402
+from hvd_trainer.state_sync import broadcast_optimizer_state, broadcast_parameters  # noqa: E402
+from hvd_trainer.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # noqa: E402
+
+__all__ += [
+    "DistributedOptimizer", "GradientSyncError", "OptimizerConfigError",
+    "broadcast_parameters", "broadcast_optimizer_state", "sparse_allreduce",
+    "SyncBatchNorm", "convert_sync_batchnorm",
+]
+
 from hvd_trainer import _register  # noqa: E402,F401  (registers strategy="horovod")

@@ -1,0 +1,527 @@
+"""Horovod-style ``DistributedOptimizer`` for plain torch training loops.
+
+The wrapper *composes* the user's optimizer: it shares the inner optimizer's ``param_groups``,
+``state`` and ``defaults`` (they are properties that read the inner object, so
+``load_state_dict`` replacing the inner lists is seen at once), and adds gradient averaging:
+
+1. A ``post_accumulate_grad`` hook on every trainable parameter counts backward passes.
+   The dense gradients go through :class:`hvd_trainer.comm.GradientReducer` (fused buckets,
+   allreduce launched while backward still runs); the reducer only sends on the
+   ``backward_passes_per_step``-th pass, earlier passes accumulate locally.
+2. :meth:`DistributedOptimizer.synchronize` waits for the reduction (and reduces sparse
+   gradients by allgather, see :mod:`hvd_trainer.sparse`). ``step()`` calls it unless it ran
+   already or ``skip_synchronize()`` is active.
+3. Reading ``param_groups`` while a reduction is due finishes it first, so
+   ``GradScaler.unscale_``/``step`` and clipping over ``param_groups`` see the averaged
+   gradients on every rank (the inf check then agrees on every rank).
+
+The reducer is built at the first ``synchronize()``, once every rank has seen which
+parameters produce sparse gradients (one small allreduce agrees on it); from then on the
+dense allreduces overlap backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hvd_trainer.comm import (
+    Average,
+    FusionConfig,
+    GradientReducer,
+    Max,
+    ReduceOp,
+    World,
+    allreduce,
+    get_world,
+    to_reduce_op,
+)
+from hvd_trainer.sparse import sparse_allreduce
+
+__all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError"]
+
+
+class OptimizerConfigError(ValueError):
+    """An argument of :class:`DistributedOptimizer` is invalid."""
+
+
+class GradientSyncError(RuntimeError):
+    """The training loop called the optimizer out of order (e.g. ``zero_grad()`` while the
+    gradients of this step are still being reduced)."""
+
+
+def _is_no_compression(compression: Any) -> bool:
+    if compression is None:
+        return True
+    try:  # Compression arrives with the comm layer's compression module.
+        from hvd_trainer.comm import Compression  # type: ignore[attr-defined]
+    except ImportError:
+        return False
+    return compression is Compression.none
+
+
+def _resolve_named(
+    optimizer: torch.optim.Optimizer, named_parameters: Iterable[Any] | None
+) -> list[tuple[str, torch.Tensor]]:
+    """``(name, param)`` for every parameter of ``optimizer``, in a rank-independent order."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [
+            (f"param_group{g}.param{i}", p)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])
+        ]
+    named = list(named_parameters)
+    names: set[str] = set()
+    ids: dict[int, str] = {}
+    for entry in named:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise OptimizerConfigError(
+                f"named_parameters must hold (name, tensor) tuples, got {entry!r:.80}. "
+                "HINT: pass model.named_parameters()."
+            )
+        name, p = entry
+        if name in names or id(p) in ids:
+            raise OptimizerConfigError(
+                f"named_parameters lists {name!r} twice (same name or same tensor as "
+                f"{ids.get(id(p), name)!r}). HINT: names and tensors must be unique."
+            )
+        names.add(name)
+        ids[id(p)] = name
+    missing = [tuple(p.shape) for p in params if id(p) not in ids]
+    if missing:
+        raise OptimizerConfigError(
+            f"named_parameters misses {len(missing)} parameter(s) of the optimizer (shapes "
+            f"{missing[:5]}). HINT: pass the named_parameters() of every module the optimizer "
+            "updates, or named_parameters=None."
+        )
+    in_opt = {id(p) for p in params}
+    return [(n, p) for n, p in named if id(p) in in_opt]
+
+
+def _validate(backward_passes_per_step: int, op: ReduceOp, predivide: float) -> None:
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise OptimizerConfigError(
+            f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1."
+        )
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise OptimizerConfigError(
+            f"op={op} is not supported by DistributedOptimizer. HINT: use Average or Sum."
+        )
+    if not predivide > 0:
+        raise OptimizerConfigError(f"gradient_predivide_factor={predivide!r} must be > 0.")
+    if predivide != 1.0 and op is not ReduceOp.AVERAGE:
+        raise OptimizerConfigError(
+            f"gradient_predivide_factor={predivide} needs op=Average, got op={op}. "
+            "HINT: leave gradient_predivide_factor=1.0 with op=Sum."
+        )
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Average gradients over ranks (overlapping backward), then run the wrapped optimizer.
+
+    Example:
+        >>> opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                                named_parameters=model.named_parameters())
+        >>> loss.backward()
+        >>> opt.synchronize()                       # optional: clip averaged gradients
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        >>> with opt.skip_synchronize():
+        ...     opt.step()
+
+    No learning rate is changed. ``isinstance(opt, torch.optim.Optimizer)`` holds (LR
+    schedulers and ``GradScaler`` accept it); ``isinstance(opt, torch.optim.SGD)`` does not.
+
+    With AMP, ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` works as
+    is: ``GradScaler`` reads ``opt.param_groups``, which finishes the reduction, so every rank
+    unscales the same averaged gradients and takes the same skip decision on inf/NaN. Horovod's
+    explicit form (``opt.synchronize(); scaler.unscale_(opt); clip; with
+    opt.skip_synchronize(): scaler.step(opt)``) works too.
+
+    Notes:
+        * The first ``synchronize()`` builds the gradient buckets, so the first step's
+          allreduce starts after backward; later steps overlap it with backward.
+        * A trainable parameter without a gradient on some rank gets a zero gradient there
+          (all ranks take part in every bucket), so it is updated like one with a zero gradient.
+        * Parameters are those with ``requires_grad=True`` at construction (or added with
+          ``add_param_group``).
+
+    Args:
+        optimizer: the torch optimizer to wrap (not copied; its state is shared).
+        named_parameters: ``(name, param)`` for every parameter of ``optimizer``; names must
+            be unique. ``None`` names them by position.
+        compression: ``None`` (the default, same as ``Compression.none``) or a compressor of
+            the comm layer, passed to its GradientReducer.
+        backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
+            is sent before the last one. Gradients are summed, not divided by this number.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
+            ``f/size`` after it.
+        sparse_as_dense: reduce sparse gradients as dense tensors (allreduce) instead of by
+            allgather of indices and values.
+        process_set: the comm layer's process set to reduce over (``None`` = all ranks).
+        fusion_config: bucket sizes for the reducer (bytes).
+        world: the world to reduce over (default: ``hvd_trainer.get_world()``).
+
+    Raises:
+        OptimizerConfigError: invalid ``named_parameters``, ``backward_passes_per_step``,
+            ``op`` or ``gradient_predivide_factor``; an option the comm layer lacks.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+        NotInitializedError: ``hvd_trainer.init()`` has not run.
+    """
+
+    # GradScaler must unscale through ``param_groups`` (which finishes the reduction) and not
+    # hand its scale to a fused inner step via attributes set on this wrapper.
+    _step_supports_amp_scaling = False
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+        compression: Any = None,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp | str | None = Average,
+        gradient_predivide_factor: float = 1.0,
+        sparse_as_dense: bool = False,
+        process_set: Any = None,
+        *,
+        fusion_config: FusionConfig | None = None,
+        world: World | None = None,
+    ) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer; wrap it only once.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
+        self._op = to_reduce_op(op)
+        _validate(backward_passes_per_step, self._op, float(gradient_predivide_factor))
+        self._inner = optimizer
+        self._named = _resolve_named(optimizer, named_parameters)
+        self._names = {id(p): n for n, p in self._named}
+        self._bpps = backward_passes_per_step
+        self._predivide = float(gradient_predivide_factor)
+        self._sparse_as_dense = sparse_as_dense
+        self._process_set = process_set
+        self._compression = compression
+        self._fusion_config = fusion_config
+        self._reducer_kwargs = self._check_reducer_kwargs()
+        self._world = get_world() if world is None else world
+        # torch.optim.Optimizer bookkeeping; its __init__ is not called because the
+        # parameters, state and defaults are the inner optimizer's.
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._patch_step_function()
+        self._reducer: GradientReducer | None = None
+        self._reducer_ids: set[int] = set()
+        self._sparse: list[tuple[str, torch.Tensor]] = []
+        self._sparse_dims: dict[int, int] = {}
+        self._densified: set[int] = set()
+        self._counts: dict[int, int] = {}
+        self._due = False  # a reduction is due (some parameter reached its last pass)
+        self._synced = False  # gradients of this step are reduced
+        self._user_synced = False
+        self._skip = False
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for _, p in self._named
+            if p.requires_grad
+        ]
+
+    # -- delegation ---------------------------------------------------------------------------
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's ``param_groups``. Finishes a due gradient reduction first."""
+        if self._due:
+            self._synchronize()
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-parameter state."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's default hyperparameters."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's ``state_dict()`` (loadable without hvd_trainer)."""
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Load into the inner optimizer and reset the backward-pass counters."""
+        self._check_not_due("load_state_dict()")
+        self._inner.load_state_dict(state_dict)
+        self._reset_counts()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:  # type: ignore[override]
+        """Add a group to the inner optimizer; its parameters are reduced from the next step
+        on (every rank must add the same group)."""
+        self._check_not_due("add_param_group()")
+        self._inner.add_param_group(param_group)
+        g = len(self._inner.param_groups) - 1
+        for i, p in enumerate(self._inner.param_groups[g]["params"]):
+            if id(p) in self._names:
+                continue
+            self._names[id(p)] = f"param_group{g}.param{i}"
+            self._named.append((self._names[id(p)], p))
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        if self._reducer is not None:
+            self._reducer.remove()
+            self._reducer = None  # rebuilt at the next synchronize()
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally: expose the inner optimizer's extras.
+        if name.startswith("__") or name == "_inner" or "_inner" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._inner!r})"
+
+    # -- gradient hooks -----------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        count = self._counts.get(id(p), 0) + 1
+        if count > self._bpps:
+            raise GradientSyncError(
+                f"gradient of {self._names[id(p)]!r} was computed {count} times since the last "
+                f"step(), but backward_passes_per_step={self._bpps}. HINT: call step() (or "
+                "synchronize()) after every backward_passes_per_step backward passes, or raise "
+                "backward_passes_per_step."
+            )
+        self._counts[id(p)] = count
+        # New gradients: a synchronize() whose step() never ran (e.g. GradScaler found inf)
+        # does not cover them.
+        self._synced = self._user_synced = False
+        if p.grad is not None and p.grad.is_sparse:
+            self._on_sparse_grad(p)
+        if count == self._bpps:
+            self._due = True
+        if self._reducer is not None:
+            # The reducer's hook on this parameter runs right after this one.
+            self._reducer.require_sync = count == self._bpps
+
+    def _on_sparse_grad(self, p: torch.Tensor) -> None:
+        self._sparse_dims[id(p)] = p.grad.sparse_dim()
+        if self._sparse_as_dense or id(p) in self._reducer_ids:
+            if not self._sparse_as_dense:
+                warnings.warn(
+                    f"{self._names[id(p)]!r} produced its first sparse gradient after the "
+                    "reducer was built; it is reduced as a dense tensor from now on.",
+                    stacklevel=2,
+                )
+            self._densified.add(id(p))
+            p.grad = p.grad.to_dense()
+
+    # -- reduction ----------------------------------------------------------------------------
+    def _check_reducer_kwargs(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if not _is_no_compression(self._compression):
+            extra["compression"] = self._compression
+        if self._predivide != 1.0:
+            extra["prescale_factor"] = 1.0 / self._predivide
+            extra["postscale_factor"] = self._predivide
+        if self._process_set is not None:
+            extra["process_set"] = self._process_set
+        accepted = inspect.signature(GradientReducer).parameters
+        missing = sorted(k for k in extra if k not in accepted)
+        if missing:
+            raise OptimizerConfigError(
+                f"this hvd_trainer's GradientReducer does not accept {missing} (asked for "
+                f"{ {k: extra[k] for k in missing} }). HINT: update hvd_trainer, or use the "
+                "default for that option."
+            )
+        return extra
+
+    def _agree_sparse(self, trainable: list[tuple[str, torch.Tensor]]) -> set[int]:
+        """Ids of parameters that produced a sparse gradient on any rank."""
+        if self._sparse_as_dense:
+            return set()
+        local = [id(p) in self._sparse_dims for _, p in trainable]
+        if self._process_set is not None:
+            if any(local):
+                raise OptimizerConfigError(
+                    "sparse gradients with process_set need sparse_as_dense=True. "
+                    "HINT: DistributedOptimizer(..., sparse_as_dense=True)."
+                )
+            return set()
+        flags = torch.tensor([int(x) for x in local] or [0], dtype=torch.int32)
+        flags = allreduce(flags, op=Max, world=self._world)
+        return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
+
+    def _build_reducer(self) -> None:
+        trainable = [(n, p) for n, p in self._named if p.requires_grad]
+        sparse_ids = self._agree_sparse(trainable)
+        self._sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
+        dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]
+        for _, p in dense:
+            if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense, first step
+                p.grad = p.grad.to_dense()
+        self._reducer_ids = {id(p) for _, p in dense}
+        self._reducer = GradientReducer(
+            dense, world=self._world, config=self._fusion_config, op=self._op,
+            **self._reducer_kwargs,
+        )
+
+    def _reduce_sparse(self) -> None:
+        for _, p in self._sparse:
+            grad = p.grad
+            if grad is not None and not grad.is_sparse:
+                raise GradientSyncError(
+                    f"{self._names[id(p)]!r} had a sparse gradient before but now a dense one. "
+                    "HINT: use sparse_as_dense=True for parameters whose gradient layout changes."
+                )
+            p.grad = sparse_allreduce(
+                grad,
+                like=p,
+                sparse_dim=self._sparse_dims.get(id(p), 1),
+                op=self._op,
+                prescale_factor=1.0 / self._predivide,
+                postscale_factor=self._predivide,
+                world=self._world,
+            )
+
+    def _synchronize(self) -> None:
+        if self._reducer is None:
+            self._build_reducer()
+        assert self._reducer is not None
+        self._reducer.wait()
+        self._reduce_sparse()
+        for _, p in self._named:
+            if id(p) in self._densified and p.grad is not None:
+                p.grad = p.grad.to_sparse(self._sparse_dims[id(p)])
+        self._reset_counts()
+        self._synced = True
+
+    def _reset_counts(self) -> None:
+        self._counts.clear()
+        self._due = False
+        if self._reducer is not None:
+            self._reducer.require_sync = True
+
+    def _check_not_due(self, what: str) -> None:
+        if self._due:
+            raise GradientSyncError(
+                f"{what} was called while the gradients of this step are being averaged across "
+                "ranks. HINT: call optimizer.step() (or optimizer.synchronize()) after "
+                "backward() and before zero_grad()."
+            )
+
+    # -- public API ---------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish averaging the gradients of this step; afterwards every ``p.grad`` holds the
+        average (or sum) over ranks. Every rank must call it (it is a collective).
+
+        A parameter without a gradient on this rank contributes zeros, so no rank hangs.
+        """
+        self._synchronize()
+        self._user_synced = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside does not synchronize; use after an explicit :meth:`synchronize`.
+        Restores the previous setting on exit, so it nests."""
+        previous = self._skip
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = previous
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Synchronize (unless done already or skipped), then step the inner optimizer.
+
+        Raises:
+            OptimizerConfigError: a ``closure`` was passed (its gradients could not be averaged).
+            GradientSyncError: inside ``skip_synchronize()`` without a prior ``synchronize()``.
+        """
+        if closure is not None:
+            raise OptimizerConfigError(
+                "DistributedOptimizer.step() does not take a closure: gradients computed inside "
+                "it would not be averaged. HINT: run backward() before step()."
+            )
+        if self._user_synced and not self._skip:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() after "
+                "optimizer.synchronize(); the gradients are not reduced again. HINT: wrap step() "
+                "in `with optimizer.skip_synchronize():`.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self._skip and self._due:
+            raise GradientSyncError(
+                "step() inside skip_synchronize() while the gradients of this step are still "
+                "being averaged. HINT: call optimizer.synchronize() before entering "
+                "skip_synchronize()."
+            )
+        if not self._skip and not self._synced:
+            self._synchronize()
+        self._synced = False
+        self._user_synced = False
+        return self._inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients (inner ``zero_grad``) and restart backward-pass counting.
+
+        Raises:
+            GradientSyncError: the gradients of this step are still being reduced.
+        """
+        self._check_not_due("zero_grad()")
+        self._inner.zero_grad(set_to_none=set_to_none)
+        self._reset_counts()
+        self._synced = self._user_synced = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change ``backward_passes_per_step`` (between steps)."""
+        _validate(passes, self._op, self._predivide)
+        self._check_not_due("set_backward_passes_per_step()")
+        self._bpps = passes
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally per step."""
+        return self._bpps
+
+    @property
+    def op(self) -> ReduceOp:
+        """``Average`` or ``Sum``."""
+        return self._op
+
+    def remove_hooks(self) -> None:
+        """Unregister every gradient hook (the optimizer then no longer reduces)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._reducer is not None:
+            self._reducer.remove()
+

@@ -1,0 +1,62 @@
+"""Allgather-based reduction of sparse COO gradients (``nn.Embedding(sparse=True)``).
+
+A sparse gradient touches few rows of a large table, so sending the dense table would waste
+bandwidth. Instead every rank's indices and values are concatenated on every rank (two
+allgathers, Horovod's ``sparse_allreduce_async``), then duplicates are summed by
+``coalesce()`` and, for ``Average``, the values are divided by the world size. Every rank
+coalesces the same gathered tensors in the same order, so the results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hvd_trainer.comm import ReduceOp, World, allgather, to_reduce_op
+
+__all__ = ["sparse_allreduce"]
+
+
+def sparse_allreduce(
+    grad: torch.Tensor | None,
+    *,
+    like: torch.Tensor,
+    sparse_dim: int,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    world: World,
+) -> torch.Tensor:
+    """Sum (or average) one sparse COO gradient over all ranks.
+
+    Args:
+        grad: this rank's sparse COO gradient, or ``None`` when the parameter got no gradient
+            here (it contributes nothing, but the rank still takes part so nobody hangs).
+        like: the parameter; gives shape, dtype and device of the result.
+        sparse_dim: number of sparse dimensions (1 for ``nn.Embedding``); equal on all ranks.
+        op: ``Average`` (default) or ``Sum``.
+        prescale_factor / postscale_factor: multiply the values before / after the sum.
+
+    Returns:
+        A coalesced sparse COO tensor shaped like ``like``.
+    """
+    rop = to_reduce_op(op)
+    if grad is None:
+        indices = torch.zeros((0, sparse_dim), dtype=torch.int64, device=like.device)
+        values = like.new_zeros((0, *like.shape[sparse_dim:]))
+    else:
+        grad = grad.coalesce()
+        indices = grad.indices().t().contiguous()  # [nnz, sparse_dim]: allgather on dim 0
+        values = grad.values().contiguous()
+    if prescale_factor != 1.0:
+        values = values * prescale_factor
+    all_indices = allgather(indices, world=world)
+    all_values = allgather(values, world=world)
+    out = torch.sparse_coo_tensor(
+        all_indices.t(), all_values, like.shape, check_invariants=False
+    ).coalesce()
+    scale = postscale_factor / world.size if rop is ReduceOp.AVERAGE else postscale_factor
+    if scale != 1.0:
+        out = torch.sparse_coo_tensor(
+            out.indices(), out.values() * scale, like.shape, check_invariants=False
+        ).coalesce()
+    return out

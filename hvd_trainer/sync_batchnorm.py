@@ -1,0 +1,204 @@
+"""Batch normalization over the global batch, on CPU (gloo) and CUDA (NCCL).
+
+``torch.nn.SyncBatchNorm`` refuses CPU input; this subclass replaces its forward.
+
+Forward (training, world size > 1), per channel ``c`` and rank ``r`` with ``n_r`` elements:
+each rank computes its count, mean and M2 (sum of squared deviations from its own mean) and
+one allgather shares them. They are combined with the pairwise formula of Chan, Golub and
+LeVeque (1979, "Updating formulae and a pairwise algorithm for computing sample variances"):
+``mean = sum_r n_r mean_r / N`` and ``M2 = sum_r (M2_r + n_r (mean_r - mean)^2)``, which
+avoids the cancellation of ``E[x^2] - E[x]^2``. Normalization uses the biased variance
+``M2 / N``; the running variance is updated with the unbiased ``M2 / (N - 1)``, as
+``nn.BatchNorm`` does over one batch of ``N``.
+
+Backward, with ``xhat = (x - mean) * invstd`` and ``g = dL/dy * weight``:
+``dx = invstd * (g - sum(g)/N - xhat * sum(g * xhat)/N)``, where the two channel sums run
+over the global batch (one allreduce of ``2C`` numbers). ``dweight`` and ``dbias`` are this
+rank's sums; the gradient reducer then averages them like any other parameter gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from pytorch_lightning.plugins import TorchSyncBatchNorm
+from typing_extensions import override
+
+from hvd_trainer.comm import World, get_world, is_initialized
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "HorovodSyncBatchNorm"]
+
+
+def _channel_dims(x: torch.Tensor) -> list[int]:
+    return [0, *range(2, x.dim())]
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _gather_stats(
+    x: torch.Tensor, group: Any, size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Global per-channel (mean, M2) in fp32 or wider, and the global count N."""
+    dims = _channel_dims(x)
+    acc = _wide(x)
+    n = acc.numel() // acc.shape[1]
+    if n > 0:
+        mean = acc.mean(dims)
+        m2 = (acc - mean.view(1, -1, *[1] * (x.dim() - 2))).square().sum(dims)
+    else:
+        mean = acc.new_zeros(acc.shape[1])
+        m2 = acc.new_zeros(acc.shape[1])
+    local = torch.cat([mean.new_tensor([float(n)]), mean, m2])
+    gathered = [torch.empty_like(local) for _ in range(size)]
+    dist.all_gather(gathered, local, group=group)
+    table = torch.stack(gathered)  # [size, 1 + 2C]
+    c = acc.shape[1]
+    counts, means, m2s = table[:, :1], table[:, 1 : 1 + c], table[:, 1 + c :]
+    total = counts.sum()
+    g_mean = (counts * means).sum(0) / total
+    g_m2 = (m2s + counts * (means - g_mean).square()).sum(0)
+    return g_mean, g_m2, total
+
+
+class _SyncBatchNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, size):
+        mean, m2, total = _gather_stats(x, group, size)
+        if int(total.item()) <= 1:
+            raise ValueError(
+                f"SyncBatchNorm needs more than 1 value per channel over all ranks, got "
+                f"{int(total.item())} (input shape {tuple(x.shape)} on this rank)."
+            )
+        var = m2 / total
+        invstd = torch.rsqrt(var + eps)
+        if running_mean is not None:
+            with torch.no_grad():
+                unbiased = m2 / (total - 1)
+                running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+                running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+        shape = (1, -1, *[1] * (x.dim() - 2))
+        xhat = (_wide(x) - mean.view(shape)) * invstd.view(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.view(shape)
+        if bias is not None:
+            y = y + bias.view(shape)
+        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.group, ctx.total, ctx.bias_dtype = group, total, None if bias is None else bias.dtype
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, invstd, weight = ctx.saved_tensors
+        dims = _channel_dims(xhat)
+        shape = (1, -1, *[1] * (xhat.dim() - 2))
+        dy32 = _wide(dy).to(xhat.dtype)
+        x32 = xhat
+        sum_dy = dy32.sum(dims)
+        sum_dy_xhat = (dy32 * x32).sum(dims)
+        grad_w = grad_b = grad_x = None
+        if weight is not None:
+            grad_w = sum_dy_xhat.to(weight.dtype)
+        if ctx.bias_dtype is not None:
+            grad_b = sum_dy.to(ctx.bias_dtype)
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([sum_dy, sum_dy_xhat])
+            dist.all_reduce(sums, group=ctx.group)
+            c = sum_dy.numel()
+            g_sum_dy, g_sum_dy_xhat = sums[:c], sums[c:]
+            w = weight.to(dy32.dtype) if weight is not None else torch.ones_like(g_sum_dy)
+            g = dy32 - (g_sum_dy / ctx.total).view(shape)
+            g = g - x32 * (g_sum_dy_xhat / ctx.total).view(shape)
+            grad_x = (g * (w * invstd).view(shape)).to(dy.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+class SyncBatchNorm(torch.nn.SyncBatchNorm):
+    """``BatchNorm{1,2,3}d`` whose training statistics span every rank's batch.
+
+    Input ``[N, C, *]`` of any float dtype, on CPU or CUDA. In training mode the output,
+    running statistics and gradients equal ``nn.BatchNorm`` applied to the concatenation of
+    all ranks' batches. Eval mode uses the (identical) running statistics without
+    communication; a world of one (or no ``hvd_trainer.init()``) falls back to
+    ``F.batch_norm``. Every rank must run forward and backward of the layer together.
+
+    Args: as ``torch.nn.SyncBatchNorm``; ``process_group=None`` means the hvd_trainer world.
+
+    Raises:
+        ValueError: input with fewer than 2 dims, or a single value per channel overall.
+    """
+
+    def _group_and_size(self, x: torch.Tensor) -> tuple[Any, int]:
+        if self.process_group is not None:
+            return self.process_group, dist.get_world_size(self.process_group)
+        if not is_initialized():
+            return None, 1
+        world: World = get_world()
+        return world.group_for(x), world.size
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
+        self._check_input_dim(input)
+        self._check_non_zero_input_channels(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average, as nn.BatchNorm
+                factor = 1.0 / float(self.num_batches_tracked.item())
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        running_mean = self.running_mean if track else None
+        running_var = self.running_var if track else None
+        group, size = self._group_and_size(input) if self.training else (None, 1)
+        if not (bn_training and self.training) or size == 1:
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, bn_training, factor,
+                self.eps,
+            )
+        return _SyncBatchNormFn.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group,
+            size,
+        )
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
+        """Return ``module`` with every ``nn.BatchNorm*d`` (and torch ``SyncBatchNorm``)
+        replaced by this class, sharing the same parameters and buffers."""
+        out = module
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
+            module, cls
+        ):
+            out = cls(
+                module.num_features, module.eps, module.momentum, module.affine,
+                module.track_running_stats, process_group, bias=module.bias is not None,
+            )
+            if module.affine:
+                out.weight, out.bias = module.weight, module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.train(module.training)
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return out
+
+
+def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
+    """Replace every BatchNorm layer of ``module`` by :class:`SyncBatchNorm` (see there)."""
+    return SyncBatchNorm.convert_sync_batchnorm(module)
+
+
+class HorovodSyncBatchNorm(TorchSyncBatchNorm):
+    """Lightning ``LayerSync`` plugin that converts BatchNorm layers to our
+    :class:`SyncBatchNorm` (CPU and CUDA). ``revert`` is Lightning's (ours subclasses
+    ``torch.nn.SyncBatchNorm``)."""
+
+    @override
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        return SyncBatchNorm.convert_sync_batchnorm(model)

@@ -1,0 +1,150 @@
+"""broadcast_parameters / broadcast_optimizer_state on 2 processes: every rank ends with the
+root's values and hyperparameters (types kept), and the next step is the one the root's
+optimizer would have taken without the broadcast."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.multiproc import run_workers
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    model[0].bias.requires_grad_(False)  # frozen, but still in the optimizer
+    return model
+
+
+# Rank-dependent hyperparameters; rank 0 (the root) also changes the state's structure.
+OPTS = {
+    "sgd": lambda p, r: torch.optim.SGD(p, lr=0.1 * (r + 1)),
+    "momentum": lambda p, r: torch.optim.SGD(p, lr=0.1, momentum=0.9 - 0.4 * r, nesterov=r == 0),
+    "adam": lambda p, r: torch.optim.Adam(p, lr=0.01, betas=(0.8 - 0.3 * r, 0.9 - 0.3 * r)),
+    "adamw": lambda p, r: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1 + r, amsgrad=r == 0),
+    "rmsprop": lambda p, r: torch.optim.RMSprop(p, lr=0.01, alpha=0.9 - 0.4 * r, centered=r == 0),
+    "adagrad": lambda p, r: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01 * r,
+                                                initial_accumulator_value=0.1 * r),
+}
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _flat(model: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _groups(opt: torch.optim.Optimizer) -> list[dict]:
+    return [
+        {k: (type(v).__name__, repr(v)) for k, v in g.items() if k != "params"}
+        for g in opt.param_groups
+    ]
+
+
+def _state(opt: torch.optim.Optimizer) -> dict:
+    return {
+        str(i): {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+        for i, s in opt.state_dict()["state"].items()
+    }
+
+
+def _optimizer_case(kind: str, rank: int) -> dict:
+    import hvd_trainer as hvd
+
+    model = _model()
+    opt = OPTS[kind](model.parameters(), rank)
+    steps = 2 if rank == 0 else int(kind in ("adam", "rmsprop"))  # rank 1: no or other state
+    for s in range(steps):
+        _step(model, opt, seed=10 * rank + s)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    ref_model, ref_opt = copy.deepcopy((model, opt))  # the root without the broadcast
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out = {"groups": _groups(opt), "state": _state(opt)}
+    _step(model, opt, seed=99)
+    _step(ref_model, ref_opt, seed=99)
+    out["w"] = _flat(model)
+    out["root_unchanged"] = _flat(model) == _flat(ref_model) and _state(opt) == _state(ref_opt)
+    out["state_after"] = _state(opt)
+    return out
+
+
+def _worker() -> dict:
+    import hvd_trainer as hvd
+
+    rank, res = hvd.rank(), {}
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    net[1].num_batches_tracked.fill_(rank + 5)
+    net[1].running_var.fill_(rank + 2.0)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    res["state_dict"] = {k: v.tolist() for k, v in net.state_dict().items()}
+    torch.manual_seed(rank)
+    lin = torch.nn.Linear(2, 2)
+    hvd.broadcast_parameters(lin.named_parameters(), root_rank=1)
+    torch.manual_seed(1)
+    res["named_from_rank1"] = lin.weight.tolist() == torch.nn.Linear(2, 2).weight.tolist()
+    for kind in OPTS:
+        res[kind] = _optimizer_case(kind, rank)
+
+    # Through DistributedOptimizer: rank 1's changed lr and buffers are overwritten.
+    model = _model()
+    dopt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                    model.named_parameters())
+    _step(model, dopt, seed=5)
+    if rank == 1:
+        dopt.param_groups[0]["lr"] = 1.0
+        for s in dopt.state.values():
+            s["exp_avg"].mul_(3.0)
+    hvd.broadcast_optimizer_state(dopt, root_rank=0)
+    res["dopt"] = {"groups": _groups(dopt), "state": _state(dopt)}
+
+    with pytest.raises(ValueError, match="root_rank=5"):
+        hvd.broadcast_parameters(net.state_dict(), root_rank=5)
+    with pytest.raises(TypeError, match="HINT"):
+        hvd.broadcast_parameters([1, 2], root_rank=0)
+    return res
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_workers(_worker, 2, timeout_seconds=120)
+
+
+def test_broadcast_parameters(results: list[dict]) -> None:
+    r0, r1 = results
+    assert r0["state_dict"] == r1["state_dict"]
+    assert r1["state_dict"]["1.num_batches_tracked"] == 5
+    assert r1["state_dict"]["1.running_var"] == [2.0] * 4
+    assert r0["named_from_rank1"] and r1["named_from_rank1"]
+
+
+@pytest.mark.parametrize("kind", list(OPTS))
+def test_broadcast_optimizer_state(results: list[dict], kind: str) -> None:
+    r0, r1 = results[0][kind], results[1][kind]
+    assert r0["groups"] == r1["groups"]  # values and Python types (tuple betas, bool flags)
+    assert r0["state"] == r1["state"]
+    assert r0["root_unchanged"]
+    assert r0["w"] == r1["w"]  # the next step is identical on every rank
+    assert r0["state_after"] == r1["state_after"]
+
+
+def test_types_and_structure_kept(results: list[dict]) -> None:
+    assert results[1]["adam"]["groups"][0]["betas"] == ("tuple", "(0.8, 0.9)")
+    assert results[1]["adamw"]["groups"][0]["amsgrad"] == ("bool", "True")
+    assert all("max_exp_avg_sq" in s for s in results[1]["adamw"]["state"].values())
+    assert results[1]["sgd"]["state"] == {}  # stateless: only hyperparameters travel
+    assert results[1]["sgd"]["groups"][0]["lr"] == ("float", "0.1")
+
+
+def test_broadcast_through_distributed_optimizer(results: list[dict]) -> None:
+    assert results[0]["dopt"] == results[1]["dopt"]
+    assert results[1]["dopt"]["groups"][0]["lr"] == ("float", "0.01")
