@@ -32,6 +32,7 @@ from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.utilities.distributed import _all_gather_ddp_if_available
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.plugins import TorchSyncBatchNorm
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
@@ -43,6 +44,7 @@ from hvd_trainer import comm
 from hvd_trainer.cluster_env import HorovodEnvironment
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
+from hvd_trainer.sync_batchnorm import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "lightning_pytorch_strategy_class"]
 
@@ -191,6 +193,10 @@ class _HorovodStrategyLogic:
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == "fit"
         if fitting and self._layer_sync is not None:
+            if type(self._layer_sync) is TorchSyncBatchNorm:
+                # Trainer(sync_batchnorm=True) installs torch's SyncBatchNorm, which refuses CPU
+                # tensors; ours runs on gloo and NCCL and matches BatchNorm on the global batch.
+                self._layer_sync = HorovodSyncBatchNorm()
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
