@@ -1,0 +1,57 @@
+"""hvdrun end to end: a clean 2-rank run and the fault scenarios, as a table.
+
+Each scenario runs ``hvdrun -np 2 fault_worker.py MODE 1 3`` (rank 1 fails at step 3 of 8)
+and checks the exit status, hvdrun's own message, that no worker outlives hvdrun, and for
+faults the time from the failure to hvdrun's exit (printed; asserted < 30 s).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, fail_time, hvdrun, pids_from
+
+WORKER = str(SCRIPTS / "fault_worker.py")
+
+# name, worker args, expected exit status, substrings expected in the output
+SCENARIOS = [
+    ("clean-run", ["none", "1", "3"], 0, ["DONE 0", "DONE 1", "fusion=2097152"]),
+    ("rank1-raises-at-step-3", ["raise", "1", "3"], 1,
+     ["hvdrun: error: rank 1 (local rank 1", "failed with exit code 1", "RuntimeError: boom at step 3"]),
+    ("rank1-sigkilled-at-step-3", ["sigkill", "1", "3"], 137,
+     ["hvdrun: error: rank 1 (local rank 1", "failed with signal SIGKILL"]),
+]
+
+
+@pytest.mark.parametrize(("worker_args", "status", "expected"), [s[1:] for s in SCENARIOS],
+                         ids=[s[0] for s in SCENARIOS])
+def test_hvdrun_scenario(worker_args: list[str], status: int, expected: list[str], tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = hvdrun(["-np", "2", "--fusion-threshold-mb", "2", "--output-filename", str(logs),
+                  "--", "python", WORKER, *worker_args], timeout=120)
+    assert res.returncode == status, res.explain()
+    for needle in expected:
+        assert needle in res.output, f"missing {needle!r}\n{res.explain()}"
+    pids = pids_from(res.output)
+    assert len(pids) == 2, res.explain()
+    assert alive(pids) == [], f"workers left behind: {alive(pids)}\n{res.explain()}"
+    logged = sorted(p.relative_to(logs).parts[-2:] for p in logs.rglob("stdout.log"))
+    assert logged == [("0", "stdout.log"), ("1", "stdout.log")], logged
+    if status != 0:
+        seconds = res.ended_at - fail_time(res.output)
+        print(f"SCENARIO {worker_args[0]}: hvdrun exited {seconds:.1f} s after the failure")
+        assert seconds < 30, res.explain()
+
+
+def test_busy_forced_port_is_reported_before_start() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        res = hvdrun(["-np", "2", "--port", str(port), "python", WORKER, "none", "0", "0"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert f"--port {port} is already in use" in res.output, res.explain()
+    assert "PID " not in res.output, res.explain()
