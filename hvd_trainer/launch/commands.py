@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import sys
+import uuid
 import zlib
 
 from hvd_trainer.comm.world import free_port
@@ -36,7 +37,19 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["NCCL_SOCKET_IFNAME"] = opts.network_interface
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
+    if _restarts(opts) > 0:
+        # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
+        # restarted rank can read a dead rank's gloo address left by the previous attempt
+        # ("Gloo connectFullMesh failed ... Connection refused"). A fresh store per attempt
+        # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def _restarts(opts: HvdrunOptions) -> int:
+    if opts.max_restarts is not None:
+        return opts.max_restarts
+    return 3 if opts.elastic else 0
 
 
 def resolve_command(command: list[str]) -> list[str]:
@@ -91,6 +104,10 @@ def _nodes(opts: HvdrunOptions) -> str:
 def _rdzv_id(opts: HvdrunOptions) -> str:
     if opts.rdzv_id is not None:
         return opts.rdzv_id
+    if not opts.multi_host:
+        # One host: a fresh id per invocation, so elastic state of an earlier run is not reused.
+        return f"hvdrun-{uuid.uuid4().hex[:12]}"
+    # Several hosts run the same hvdrun command independently: derive an id they all agree on.
     key = opts.hosts_spec + " " + " ".join(opts.command)
     return f"hvdrun-{zlib.crc32(key.encode()):08x}"
 
@@ -98,13 +115,14 @@ def _rdzv_id(opts: HvdrunOptions) -> str:
 def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
     """Arguments of ``python -m torch.distributed.run`` (without those three words).
 
-    Single host, not elastic: static rendezvous on ``127.0.0.1:port``. Elastic or several
+    Single host without restarts: static rendezvous on ``127.0.0.1:port``. Restarts or several
     hosts: c10d rendezvous at ``<first host>:port`` (loopback on a single host) with
     ``--nnodes=MIN:MAX`` counted in hosts. ``--start-timeout`` becomes the rendezvous timeout.
     """
     timeout = max(1, round(opts.start_timeout_seconds))
     args = [f"--nproc-per-node={opts.procs_per_host}", f"--nnodes={_nodes(opts)}"]
-    if opts.multi_host or opts.elastic:
+    restarts = _restarts(opts)
+    if opts.multi_host or restarts > 0:
         host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",
                  f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf=join_timeout={timeout}"]
@@ -112,7 +130,6 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
             args.append("--local-addr=127.0.0.1")
     else:
         args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
-    restarts = opts.max_restarts if opts.max_restarts is not None else (3 if opts.elastic else 0)
     args.append(f"--max-restarts={restarts}")
     if opts.output_filename is not None:
         # <dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log, and still on the console.
