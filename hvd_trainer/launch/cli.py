@@ -93,7 +93,8 @@ def _launch(opts: HvdrunOptions) -> int:
         return 0
     if opts.use_mpi:
         return run_mpirun(cmd)
-    return run_torchrun(cmd[3:], env, verbose=opts.verbose)
+    return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
+                        verbose=opts.verbose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -56,12 +56,15 @@ def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
     return _status(first.exitcode)
 
 
-def run_torchrun(args: list[str], env: dict[str, str], *, verbose: bool = False) -> int:
+def run_torchrun(
+    args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False
+) -> int:
     """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success)."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.run import parse_args, run
 
     os.environ.update(env)
@@ -76,6 +79,12 @@ def run_torchrun(args: list[str], env: dict[str, str], *, verbose: bool = False)
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
+    except RendezvousTimeoutError:
+        print(f"hvdrun: error: not every host joined the rendezvous within {start_timeout_seconds:g} s "
+              f"(waited {time.monotonic() - start:.1f} s). HINT: run the same hvdrun command on every "
+              "host listed in -H/--hostfile, check that they can reach the first host's --port, or "
+              "raise --start-timeout.", file=sys.stderr, flush=True)
+        return 1
     except Exception as exc:  # noqa: BLE001 - rendezvous/store errors: report, don't dump
         print(f"hvdrun: error: the job could not start or finish: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)

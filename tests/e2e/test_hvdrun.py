@@ -55,3 +55,14 @@ def test_busy_forced_port_is_reported_before_start() -> None:
     assert res.returncode == 2, res.explain()
     assert f"--port {port} is already in use" in res.output, res.explain()
     assert "PID " not in res.output, res.explain()
+
+
+def test_missing_host_is_reported_within_start_timeout() -> None:
+    # localhost hosts the c10d rendezvous; the second host never starts its hvdrun.
+    res = hvdrun(["-np", "4", "-H", "localhost:2,host-that-never-joins:2", "--start-timeout", "3",
+                  "python", WORKER, "none", "0", "0"], timeout=90)
+    assert res.returncode == 1, res.explain()
+    assert "not every host joined the rendezvous within 3 s" in res.output, res.explain()
+    waited = float(res.output.split("(waited ")[1].split(" s)")[0])
+    print(f"SCENARIO missing-host: reported after {waited:.1f} s of rendezvous (start timeout 3 s)")
+    assert waited < 15, res.explain()
