@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Any
 
+from hvd_trainer.launch.loopback import use_loopback_store
+
 __all__ = ["run_torchrun", "run_mpirun", "describe_exit"]
 
 
@@ -72,7 +74,9 @@ def run_torchrun(
         logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO)
     start = time.monotonic()
     try:
-        run(parse_args(args))
+        parsed = parse_args(args)
+        use_loopback_store(parsed)
+        run(parsed)
     except ChildFailedError as exc:
         return _report_failures(exc.failures, time.monotonic() - start)
     except SignalException as exc:

@@ -18,7 +18,8 @@ WORKER = str(SCRIPTS / "fault_worker.py")
 
 # name, worker args, expected exit status, substrings expected in the output
 SCENARIOS = [
-    ("clean-run", ["none", "1", "3"], 0, ["DONE 0", "DONE 1", "fusion=2097152"]),
+    ("clean-run", ["none", "1", "3"], 0,
+     ["DONE 0", "DONE 1", "fusion=2097152", "STORE_LISTEN ['127.0.0.1']"]),
     ("rank1-raises-at-step-3", ["raise", "1", "3"], 1,
      ["hvdrun: error: rank 1 (local rank 1", "failed with exit code 1", "RuntimeError: boom at step 3"]),
     ("rank1-sigkilled-at-step-3", ["sigkill", "1", "3"], 137,
