@@ -7,12 +7,13 @@ faults the time from the failure to hvdrun's exit (printed; asserted < 30 s).
 
 from __future__ import annotations
 
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.hvdrun_helpers import SCRIPTS, alive, fail_time, hvdrun, pids_from
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun, pids_from
 
 WORKER = str(SCRIPTS / "fault_worker.py")
 
@@ -67,3 +68,20 @@ def test_missing_host_is_reported_within_start_timeout() -> None:
     waited = float(res.output.split("(waited ")[1].split(" s)")[0])
     print(f"SCENARIO missing-host: reported after {waited:.1f} s of rendezvous (start timeout 3 s)")
     assert waited < 15, res.explain()
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun on PATH")
+def test_mpirun_clean_run_and_sigkill() -> None:
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
+                    OMPI_MCA_rmaps_base_oversubscribe="1")
+    ok = hvdrun(["--mpi", "-np", "2", "--fusion-threshold-mb", "1", "python", WORKER, "none", "0", "9"],
+                env=env, timeout=180)
+    assert ok.returncode == 0, ok.explain()
+    assert "DONE 0" in ok.output and "DONE 1" in ok.output and "fusion=1048576" in ok.output, ok.explain()
+    bad = hvdrun(["--mpi", "-np", "2", "python", WORKER, "sigkill", "1", "3"], env=env, timeout=180)
+    assert bad.returncode != 0, bad.explain()
+    assert "hvdrun: error: mpirun ended with" in bad.output, bad.explain()
+    assert alive(pids_from(bad.output)) == [], bad.explain()
+    seconds = bad.ended_at - fail_time(bad.output)
+    print(f"SCENARIO mpirun-sigkill: hvdrun exited {seconds:.1f} s after the kill")
+    assert seconds < 30, bad.explain()

@@ -71,7 +71,17 @@ CASES = [
 @pytest.mark.parametrize(("env", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_detect_launch_env(env: dict[str, str], expected: LaunchEnv, monkeypatch) -> None:
     monkeypatch.setenv("PATH", "")  # no scontrol: the nodelist parser is what runs
+    monkeypatch.setattr(launch_env, "_mpi4py_rendezvous", lambda: None)  # as without libmpi
     assert detect_launch_env(env) == expected
+
+
+def test_mpi_on_several_nodes_uses_mpi4py_rendezvous(monkeypatch) -> None:
+    # What rank 0 broadcasts over MPI (its host name and a free port) becomes the master.
+    monkeypatch.setattr(launch_env, "_mpi4py_rendezvous", lambda: ("node7", 4321))
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert detect_launch_env(env) == LaunchEnv(rank=3, size=4, local_rank=1, local_size=2,
+                                               master_addr="node7", master_port=4321, launcher="mpi")
 
 
 @pytest.mark.parametrize(
