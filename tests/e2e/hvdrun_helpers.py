@@ -41,8 +41,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def hvdrun(args: list[str], *, timeout: float = 120.0, env: dict[str, str] | None = None) -> Result:
-    """``python -m hvd_trainer.launch.cli ARGS`` with a hard timeout (a hang fails the test)."""
-    cmd = [sys.executable, "-m", "hvd_trainer.launch.cli", *args]
+    """``hvdrun ARGS`` (the console script's code) with a hard timeout (a hang fails the test)."""
+    cmd = [sys.executable, "-c", "import sys; from hvd_trainer.launch.cli import main; sys.exit(main())",
+           *args]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True,
                               text=True, timeout=timeout)

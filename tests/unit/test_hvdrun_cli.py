@@ -37,7 +37,7 @@ DRY_RUNS = [
                             "--max-restarts", "5", "x.py"],
      ["--nnodes=1:3", "--max-restarts=5"]),
     ("mpirun", ["--mpi", "-np", "4", "-H", "h1:2,h2:2", "--fusion-threshold-mb", "1", "x.py"],
-     ["mpirun -np 4 -H h1:2,h2:2 -bind-to none -map-by slot", "-x MASTER_ADDR=h1",
+     ["-np 4 -H h1:2,h2:2 --bind-to none --map-by slot", "-x MASTER_ADDR=h1",
       "-x MASTER_PORT=29400", "-x HOROVOD_FUSION_THRESHOLD=1048576", f"{PY} x.py"]),
     ("cpu-hides-gpus", ["-np", "1", "--device", "cpu", "x.py"], ["CUDA_VISIBLE_DEVICES=''"]),
 ]
@@ -92,6 +92,7 @@ def test_errors_before_anything_starts(argv, env, needle, capsys, monkeypatch) -
 
 def test_mpi_without_mpirun_is_an_error(capsys, monkeypatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
     assert cli.main(["--mpi", "-np", "2", "x.py"]) == 2
     assert "--mpi needs mpirun on PATH" in capsys.readouterr().err
 
