@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.errors import NotInitializedError
+from hvd_trainer.comm.launch_env import LaunchEnv, from_mpi, from_slurm, from_torchrun
 
 __all__ = [
     "LaunchEnv",
@@ -31,20 +32,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class LaunchEnv:
-    """Topology as reported by the launcher, before any process group exists."""
-
-    rank: int
-    size: int
-    local_rank: int
-    local_size: int
-    master_addr: str | None = None
-    master_port: int | None = None
-    launcher: str = "none"
-    """Which launcher set the variables: ``"torchrun"``, ``"mpi"``, ``"slurm"`` or ``"none"``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,28 +90,21 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables. The only place that reads launch environment variables.
 
-    Recognised, in order: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); otherwise a world of one.
+    Recognised, first match wins: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Open MPI (``OMPI_COMM_WORLD_*``)
+    or MPICH/PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), with
+    the rendezvous address from ``MASTER_ADDR``/``MASTER_PORT``, else mpi4py, else loopback on
+    one node; Slurm ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host
+    of the node list, port ``10000 + SLURM_JOB_ID % 50000``); otherwise a world of one.
+    Details per launcher: :mod:`hvd_trainer.comm.launch_env`.
 
     Raises:
-        ValueError: a variable is present but not an integer, or ranks are out of range.
+        ValueError: a variable is present but not an integer, ranks are out of range, or an
+            MPI job on several nodes has no way to agree on a rendezvous address.
     """
     env = os.environ if environ is None else environ
-    rank = _int(env, "RANK")
-    size = _int(env, "WORLD_SIZE")
-    if rank is not None and size is not None:
-        local_rank = _int(env, "LOCAL_RANK")
-        local_size = _int(env, "LOCAL_WORLD_SIZE")
-        info = LaunchEnv(
-            rank=rank,
-            size=size,
-            local_rank=rank if local_rank is None else local_rank,
-            local_size=size if local_size is None else local_size,
-            master_addr=env.get("MASTER_ADDR"),
-            master_port=_int(env, "MASTER_PORT"),
-            launcher="torchrun",
-        )
-    else:
+    info = from_torchrun(env) or from_mpi(env) or from_slurm(env)
+    if info is None:
         info = LaunchEnv(rank=0, size=1, local_rank=0, local_size=1)
     _validate(info)
     return info

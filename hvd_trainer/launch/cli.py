@@ -1,85 +1,113 @@
-"""``hvdrun -np N [--] COMMAND ...``: run COMMAND on N local processes through torchrun.
+"""``hvdrun -np N [options] [--] COMMAND ...``: Horovod's launcher flags on torchrun or mpirun.
 
-hvdrun manages no processes itself: it builds a ``python -m torch.distributed.run`` command
-bound to loopback on a free port, runs it, and returns the workers' exit status.
+Single host (the default, ``localhost:N``)::
+
+    hvdrun -np 4 python train.py           # torchrun, rendezvous on 127.0.0.1:<free port>
+
+Several hosts with torchrun: run the *same* command on every host (hvdrun starts nothing on
+other machines); each host's torchrun agent joins the c10d rendezvous on the first host::
+
+    host1$ hvdrun -np 8 -H host1:4,host2:4 --port 29400 python train.py
+    host2$ hvdrun -np 8 -H host1:4,host2:4 --port 29400 python train.py
+
+With ``--mpi``, mpirun starts every process (over its own ssh/daemons)::
+
+    hvdrun --mpi -np 8 -H host1:4,host2:4 python train.py
+
+All checks (unknown flags, ``-np < 1``, more processes per host than GPUs when CUDA is used,
+a busy forced ``--port``, running inside a worker) happen before anything starts.
+``--dry-run`` prints the exact command; the torchrun form is run in-process, which is what
+``python -m torch.distributed.run`` does.
 """
 
 from __future__ import annotations
 
-import argparse
+import os
 import shlex
-import subprocess
 import sys
 from collections.abc import Sequence
 
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.launch_env import worker_launcher
+from hvd_trainer.launch.check_build import check_build_report
+from hvd_trainer.launch.commands import mpirun_command, pick_port, torchrun_args, worker_env
+from hvd_trainer.launch.errors import HvdrunError
+from hvd_trainer.launch.options import HvdrunOptions, build_parser, parse_options
+from hvd_trainer.launch.runner import run_mpirun, run_torchrun
 
-__all__ = ["build_parser", "build_torchrun_command", "main"]
-
-
-class HvdrunError(ValueError):
-    """Bad hvdrun arguments; the message says what to change."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hvdrun",
-        description="Launch COMMAND on N processes (torchrun underneath).",
-        usage="hvdrun -np N [options] [--] COMMAND [ARGS ...]",
-    )
-    parser.add_argument("-np", "--num-proc", type=int, required=True, dest="num_proc",
-                        help="number of processes to start")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print the underlying command instead of running it")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
-    return parser
+__all__ = ["build_parser", "build_torchrun_command", "main", "HvdrunError"]
 
 
-def build_torchrun_command(
-    num_proc: int, command: Sequence[str], *, master_port: int | None = None
-) -> list[str]:
-    """The torchrun command that runs ``command`` on ``num_proc`` local processes.
+def _check_devices(opts: HvdrunOptions) -> None:
+    import torch
 
-    A command whose first word ends in ``.py``, or is ``python``/``python3``, is run with the
-    interpreter running hvdrun, so workers see the same environment.
+    if opts.device == "cpu":
+        return
+    cuda = torch.cuda.is_available()
+    if opts.device == "cuda" and not cuda:
+        raise HvdrunError(
+            "--device cuda was requested but torch.cuda.is_available() is False. "
+            "HINT: use --device cpu (gloo) or install a CUDA build of torch."
+        )
+    count = torch.cuda.device_count() if cuda else 0
+    if cuda and opts.procs_per_host > count:
+        raise HvdrunError(
+            f"{opts.procs_per_host} processes per host but this host has {count} GPU(s). "
+            f"HINT: -np {count * len(opts.hosts)} (one process per GPU), or --device cpu."
+        )
 
-    Raises:
-        HvdrunError: ``num_proc < 1`` or an empty command.
-    """
-    if num_proc < 1:
-        raise HvdrunError(f"-np must be >= 1, got {num_proc}.")
-    command = list(command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if not command:
-        raise HvdrunError("no command given. HINT: hvdrun -np 2 python train.py")
-    if command[0].endswith(".py"):
-        command = [sys.executable, *command]
-    elif command[0] in ("python", "python3"):
-        # The interpreter that runs hvdrun (its venv), not whichever "python" is first on PATH.
-        command = [sys.executable, *command[1:]]
-    port = free_port() if master_port is None else master_port
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes=1", f"--nproc-per-node={num_proc}",
-        "--master-addr=127.0.0.1", f"--master-port={port}",
-        "--no-python",
-        *command,
-    ]
+
+def _check_not_in_worker() -> None:
+    launcher = worker_launcher(os.environ)
+    if launcher is not None:
+        raise HvdrunError(
+            f"hvdrun is running inside a process already launched by {launcher} "
+            "(its rank variables are set). HINT: run your script directly here, or start "
+            "hvdrun from a plain shell."
+        )
+
+
+def build_torchrun_command(opts: HvdrunOptions, port: int | None = None) -> list[str]:
+    """The full ``python -m torch.distributed.run ...`` command for ``opts``."""
+    port = pick_port(opts) if port is None else port
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(opts, port)]
+
+
+def _env_prefix(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+
+
+def _launch(opts: HvdrunOptions) -> int:
+    _check_not_in_worker()
+    _check_devices(opts)
+    port = pick_port(opts)
+    env = worker_env(opts)
+    if opts.use_mpi:
+        cmd = mpirun_command(opts, port)
+        shown = shlex.join(cmd)
+    else:
+        cmd = build_torchrun_command(opts, port)
+        shown = (_env_prefix(env) + " " if env else "") + shlex.join(cmd)
+    if opts.dry_run or opts.verbose:
+        print(shown, file=sys.stdout if opts.dry_run else sys.stderr, flush=True)
+    if opts.dry_run:
+        return 0
+    if opts.use_mpi:
+        return run_mpirun(cmd)
+    return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
+                        verbose=opts.verbose)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hvdrun``; returns the workers' exit status."""
-    args = build_parser().parse_args(argv)
+    """Entry point of ``hvdrun``; returns the exit status (0, 2 for usage errors, else failure)."""
     try:
-        cmd = build_torchrun_command(args.num_proc, args.command)
+        opts, _ = parse_options(sys.argv[1:] if argv is None else argv)
+        if opts is None:
+            print(check_build_report())
+            return 0
+        return _launch(opts)
     except HvdrunError as exc:
         print(f"hvdrun: error: {exc}", file=sys.stderr)
         return 2
-    if args.dry_run:
-        print(shlex.join(cmd))
-        return 0
-    return subprocess.call(cmd)
 
 
 if __name__ == "__main__":

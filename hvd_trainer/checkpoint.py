@@ -1,0 +1,121 @@
+"""Atomic checkpoint files: a kill during a write never leaves a half-written checkpoint.
+
+A write goes to a temporary file in the target's directory, is flushed and ``fsync``-ed, then
+renamed over the target with ``os.replace`` (atomic on POSIX and Windows within one file
+system), and the directory is ``fsync``-ed so the rename survives a power loss. Readers see
+either the previous complete file or the new complete file.
+
+Example::
+
+    from hvd_trainer.checkpoint import save_checkpoint, load_checkpoint
+    save_checkpoint({"model": model.state_dict(), "step": step}, "ckpt/last.pt")  # rank 0 writes
+    state = load_checkpoint("ckpt/last.pt")
+
+    trainer = Trainer(strategy="horovod", plugins=[AtomicCheckpointIO()])  # Lightning
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
+
+__all__ = ["atomic_save", "save_checkpoint", "load_checkpoint", "AtomicCheckpointIO"]
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open directories; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (temp file + fsync + ``os.replace``).
+
+    Every process that calls it writes; use :func:`save_checkpoint` for rank 0 only. On any
+    error (including ``KeyboardInterrupt``) the temporary file is removed and ``path`` is left
+    as it was. A process killed mid-write leaves ``path`` intact plus a stray
+    ``.<name>.*.tmp`` file next to it.
+
+    Returns:
+        The target path.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(obj, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(target.parent)
+    return target
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, rank: int | None = None) -> bool:
+    """Write ``obj`` atomically on global rank 0 only; return whether this process wrote.
+
+    Args:
+        obj: anything ``torch.save`` accepts (tensors keep their dtype/device tags).
+        path: target file; its directory is created.
+        rank: this process's global rank; ``None`` reads it from the initialised
+            :class:`~hvd_trainer.comm.world.World` (0 when there is none).
+    """
+    if rank is None:
+        from hvd_trainer.comm.world import get_world, is_initialized
+
+        rank = get_world().rank if is_initialized() else 0
+    if rank != 0:
+        return False
+    atomic_save(obj, path)
+    return True
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, map_location: Any = "cpu", weights_only: bool = False
+) -> Any:
+    """``torch.load`` of a checkpoint written by :func:`atomic_save` (CPU by default)."""
+    return torch.load(path, map_location=map_location, weights_only=weights_only)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning ``CheckpointIO`` whose local writes are atomic (see :func:`atomic_save`).
+
+    Lightning already calls ``save_checkpoint`` on global rank 0 only. Remote URLs
+    (``s3://...``) fall back to Lightning's own fsspec writer.
+
+    Raises:
+        TypeError: ``storage_options`` were passed (not supported by torch.save either).
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
+                "it takes none. HINT: subclass it to use custom storage options."
+            )
+        if "://" in str(path):
+            super().save_checkpoint(checkpoint, path)
+            return
+        atomic_save(checkpoint, path)

@@ -1,0 +1,69 @@
+"""Elastic state of a Keras 3 model and optimizer (any backend), for :func:`elastic.run`.
+
+Example::
+
+    state = KerasState(model, epoch=0)        # model.optimizer is captured too
+    state.commit(); state.restore(); state.sync()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hvd_trainer.elastic.state import State
+
+__all__ = ["KerasState"]
+
+
+class KerasState(State):
+    """Commit/restore/sync a Keras model's weights and its optimizer's variables as numpy arrays.
+
+    Args:
+        model: a built ``keras.Model``.
+        optimizer: defaults to ``model.optimizer``; ``None`` when the model is not compiled.
+        **extra: further named values (epoch, batch, ...).
+
+    Raises:
+        TypeError: ``model`` has no ``get_weights``/``set_weights``.
+        ValueError: a snapshot's variable count does not match (different model/optimizer).
+    """
+
+    def __init__(self, model: Any, optimizer: Any | None = None, **extra: Any) -> None:
+        if not all(callable(getattr(model, name, None)) for name in ("get_weights", "set_weights")):
+            raise TypeError(
+                f"KerasState needs a keras.Model (get_weights/set_weights), got {type(model).__name__}. "
+                "HINT: pass the model, or use TorchState for torch modules."
+            )
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__(**extra)
+
+    def _optimizer_values(self) -> list[np.ndarray]:
+        if self.optimizer is None:
+            return []
+        return [np.array(v.numpy(), copy=True) for v in self.optimizer.variables]
+
+    def _capture(self) -> dict[str, Any]:
+        out = super()._capture()
+        out["__weights__"] = [np.array(w, copy=True) for w in self.model.get_weights()]
+        out["__optimizer__"] = self._optimizer_values()
+        return out
+
+    def _apply(self, snapshot: dict[str, Any]) -> None:
+        super()._apply(snapshot)
+        self.model.set_weights([np.array(w, copy=True) for w in snapshot["__weights__"]])
+        values = snapshot["__optimizer__"]
+        if self.optimizer is None or not values:
+            return
+        if not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)
+        variables = self.optimizer.variables
+        if len(variables) != len(values):
+            raise ValueError(
+                f"KerasState snapshot has {len(values)} optimizer variables, the optimizer has "
+                f"{len(variables)}. HINT: restore into the same model/optimizer configuration."
+            )
+        for variable, value in zip(variables, values, strict=True):
+            variable.assign(value)

@@ -1,0 +1,117 @@
+"""``@elastic.run``: resume a training function from its last commit after a restart.
+
+How recovery works here (different from Horovod, which re-initialised inside the same
+processes): when a worker dies, torchrun's elastic agent (``hvdrun --min-np/--max-np`` or
+``--max-restarts``) stops every worker and starts them all again as new processes, up to
+``--max-restarts`` times. In each new process the decorated function
+
+1. joins the (new) world with :func:`hvd_trainer.init`,
+2. loads the last commit from ``<checkpoint_dir>/elastic_state.pt`` if it exists
+   (written atomically by each node's local rank 0 at every ``state.commit()``),
+3. broadcasts the state from the new rank 0 (``state.sync()``), runs the reset callbacks
+   when it resumed, and
+4. calls the function, which continues from ``state.epoch``/``state.step``/the sampler.
+
+Steps after the last commit are redone; committed steps are never lost. With the default
+directory (the system temp dir keyed by torchrun's run id) the file is removed when the
+function returns normally on every rank; an explicit ``checkpoint_dir`` keeps it.
+
+Example::
+
+    state = elastic.TorchState(model, optimizer, epoch=0, sampler=sampler)
+
+    @elastic.run(checkpoint_dir="runs/exp1")
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...
+            state.commit()
+
+    train(state)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from hvd_trainer.elastic.state import STATE_FILENAME, State
+
+__all__ = ["run", "default_checkpoint_dir"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def default_checkpoint_dir() -> Path | None:
+    """``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>``, or ``None`` without a usable run id.
+
+    torchrun's static rendezvous uses the run id ``"none"`` for every job, which cannot tell
+    two jobs apart, so no default is given then (commits stay in memory; a warning says so).
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id in ("", "none"):
+        return None
+    return Path(tempfile.gettempdir()) / "hvd_trainer_elastic" / run_id
+
+
+def _resume(state: State, directory: Path | None) -> None:
+    from hvd_trainer.comm import init
+
+    world = init()
+    path = None if directory is None else directory / STATE_FILENAME
+    state.attach_file(path, writer=world.local_rank == 0)
+    if world.rank == 0:
+        state.load_committed()
+    state.sync()  # carries rank 0's commit count, so every rank knows whether it resumed
+    if state.commit_count > 0:
+        state.on_reset()
+
+
+def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None = None) -> Any:
+    """Decorate ``func(state, *args, **kwargs)`` to resume from the last persisted commit.
+
+    Use as ``@run`` or ``@run(checkpoint_dir=...)``. The first argument must be a
+    :class:`~hvd_trainer.elastic.state.State`.
+
+    Raises:
+        TypeError: the first argument is not a ``State``.
+    """
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(state, State):
+                raise TypeError(
+                    f"@elastic.run expects a State as first argument, got {type(state).__name__}. "
+                    "HINT: train(TorchState(model, optimizer, epoch=0))."
+                )
+            explicit = checkpoint_dir is not None
+            directory = Path(checkpoint_dir) if explicit else default_checkpoint_dir()
+            if directory is None:
+                warnings.warn(
+                    "elastic.run has no checkpoint_dir and torchrun gave no unique run id: commits "
+                    "stay in memory and are lost when workers restart. HINT: pass "
+                    "checkpoint_dir=... or launch with hvdrun --min-np/--max-np.",
+                    stacklevel=2,
+                )
+            _resume(state, directory)
+            result = fn(state, *args, **kwargs)
+            if not explicit and directory is not None:
+                _cleanup(directory)
+            return result
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(func) if func is not None else decorate
+
+
+def _cleanup(directory: Path) -> None:
+    from hvd_trainer.comm import barrier, get_world
+
+    barrier()  # every rank finished: the commit is no longer needed
+    if get_world().local_rank == 0:
+        (directory / STATE_FILENAME).unlink(missing_ok=True)

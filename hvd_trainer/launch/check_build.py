@@ -1,0 +1,70 @@
+"""``hvdrun --check-build``: what this installation can run (frameworks and transports)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import shutil
+
+__all__ = ["check_build_report"]
+
+
+def _mark(ok: bool) -> str:
+    return "[X]" if ok else "[ ]"
+
+
+def _nccl_line() -> str:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return f"{_mark(False)} NCCL"
+    try:
+        version = ".".join(str(v) for v in torch.cuda.nccl.version())
+    except Exception:  # noqa: BLE001 - a CPU build may report NCCL but lack the library
+        version = "unknown version"
+    return f"{_mark(True)} NCCL {version}"
+
+
+def _keras_backends() -> list[str]:
+    modules = {"tensorflow": "tensorflow", "torch": "torch", "jax": "jax"}
+    found = [name for name, module in modules.items() if importlib.util.find_spec(module)]
+    return found if importlib.util.find_spec("keras") else []
+
+
+def _version(dist_name: str) -> str | None:
+    """Installed version without importing (importing keras would start TensorFlow)."""
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_build_report() -> str:
+    """A Horovod ``--check-build``-style report; checks only, never initialises a transport."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    count = torch.cuda.device_count() if cuda else 0
+    keras_version = _version("keras")
+    backends = _keras_backends()
+    mpirun = shutil.which("mpirun")
+    lines = [
+        "hvd_trainer build check",
+        "",
+        "Frameworks:",
+        f"    {_mark(True)} PyTorch {torch.__version__}",
+        f"    {_mark(keras_version is not None)} Keras {keras_version or ''}".rstrip()
+        + (f" (backends installed: {', '.join(backends)})" if backends else ""),
+        "",
+        "Devices:",
+        f"    {_mark(cuda)} CUDA ({count} device{'s' if count != 1 else ''})",
+        "",
+        "Transports:",
+        f"    {_mark(dist.is_available() and dist.is_gloo_available())} gloo",
+        f"    {_nccl_line()}",
+        f"    {_mark(mpirun is not None)} MPI launcher (mpirun{': ' + mpirun if mpirun else ' not on PATH'})",
+        f"    {_mark(importlib.util.find_spec('mpi4py') is not None)} mpi4py",
+    ]
+    return "\n".join(lines)

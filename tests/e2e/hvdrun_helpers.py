@@ -1,0 +1,84 @@
+"""Run hvdrun as a subprocess with a hard timeout; report the command and output tail on failure."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+@dataclass
+class Result:
+    cmd: list[str]
+    returncode: int
+    output: str
+    ended_at: float
+    """time.time() when hvdrun exited."""
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.output.splitlines()[-lines:])
+
+    def explain(self) -> str:
+        return f"command: {' '.join(self.cmd)}\nrc={self.returncode}\n--- output tail ---\n{self.tail()}"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables, with PYTHONPATH at this checkout."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def hvdrun(args: list[str], *, timeout: float = 120.0, env: dict[str, str] | None = None) -> Result:
+    """``hvdrun ARGS`` (the console script's code) with a hard timeout (a hang fails the test)."""
+    cmd = [sys.executable, "-c", "import sys; from hvd_trainer.launch.cli import main; sys.exit(main())",
+           *args]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        raise AssertionError(f"hvdrun did not finish within {timeout}s\ncommand: {' '.join(cmd)}\n"
+                             f"--- output tail ---\n{out[-4000:]}") from None
+    return Result(cmd, proc.returncode, proc.stdout + proc.stderr, time.time())
+
+
+def pids_from(output: str) -> list[int]:
+    """PIDs printed by workers as ``PID <rank> <pid>`` lines (maybe behind a ``[default0]:`` prefix)."""
+    return [int(m.group(1)) for m in re.finditer(r"(?m)^(?:\[\w+\]:)?PID \d+ (\d+)$", output)]
+
+
+def fail_time(output: str) -> float:
+    """The ``FAIL_AT <unix time>`` a worker printed just before failing."""
+    match = re.search(r"FAIL_AT (\d+\.\d+)", output)
+    assert match is not None, output[-3000:]
+    return float(match.group(1))
+
+
+def alive(pids: list[int], grace_seconds: float = 3.0) -> list[int]:
+    """The pids still running (not zombies) after a short grace period."""
+    deadline = time.monotonic() + grace_seconds
+    while True:
+        left = []
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                left.append(pid)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)

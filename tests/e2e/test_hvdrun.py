@@ -1,0 +1,85 @@
+"""hvdrun end to end: a clean 2-rank run and the fault scenarios, as a table.
+
+Each scenario runs ``hvdrun -np 2 fault_worker.py MODE 1 3`` (rank 1 fails at step 3 of 8)
+and checks the exit status, hvdrun's own message, that no worker outlives hvdrun, and for
+faults the time from the failure to hvdrun's exit (printed; asserted < 30 s).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from hvd_trainer.launch.commands import find_mpirun
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun, pids_from
+
+WORKER = str(SCRIPTS / "fault_worker.py")
+
+# name, worker args, expected exit status, substrings expected in the output
+SCENARIOS = [
+    ("clean-run", ["none", "1", "3"], 0,
+     ["DONE 0", "DONE 1", "fusion=2097152", "STORE_LISTEN ['127.0.0.1']"]),
+    ("rank1-raises-at-step-3", ["raise", "1", "3"], 1,
+     ["hvdrun: error: rank 1 (local rank 1", "failed with exit code 1", "RuntimeError: boom at step 3"]),
+    ("rank1-sigkilled-at-step-3", ["sigkill", "1", "3"], 137,
+     ["hvdrun: error: rank 1 (local rank 1", "failed with signal SIGKILL"]),
+]
+
+
+@pytest.mark.parametrize(("worker_args", "status", "expected"), [s[1:] for s in SCENARIOS],
+                         ids=[s[0] for s in SCENARIOS])
+def test_hvdrun_scenario(worker_args: list[str], status: int, expected: list[str], tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    res = hvdrun(["-np", "2", "--fusion-threshold-mb", "2", "--output-filename", str(logs),
+                  "--", "python", WORKER, *worker_args], timeout=120)
+    assert res.returncode == status, res.explain()
+    for needle in expected:
+        assert needle in res.output, f"missing {needle!r}\n{res.explain()}"
+    pids = pids_from(res.output)
+    assert len(pids) == 2, res.explain()
+    assert alive(pids) == [], f"workers left behind: {alive(pids)}\n{res.explain()}"
+    logged = sorted(p.relative_to(logs).parts[-2:] for p in logs.rglob("stdout.log"))
+    assert logged == [("0", "stdout.log"), ("1", "stdout.log")], logged
+    if status != 0:
+        seconds = res.ended_at - fail_time(res.output)
+        print(f"SCENARIO {worker_args[0]}: hvdrun exited {seconds:.1f} s after the failure")
+        assert seconds < 30, res.explain()
+
+
+def test_busy_forced_port_is_reported_before_start() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        res = hvdrun(["-np", "2", "--port", str(port), "python", WORKER, "none", "0", "0"], timeout=60)
+    assert res.returncode == 2, res.explain()
+    assert f"--port {port} is already in use" in res.output, res.explain()
+    assert "PID " not in res.output, res.explain()
+
+
+def test_missing_host_is_reported_within_start_timeout() -> None:
+    # localhost hosts the c10d rendezvous; the second host never starts its hvdrun.
+    res = hvdrun(["-np", "4", "-H", "localhost:2,host-that-never-joins:2", "--start-timeout", "3",
+                  "python", WORKER, "none", "0", "0"], timeout=90)
+    assert res.returncode == 1, res.explain()
+    assert "not every host joined the rendezvous within 3 s" in res.output, res.explain()
+    waited = float(res.output.split("(waited ")[1].split(" s)")[0])
+    print(f"SCENARIO missing-host: reported after {waited:.1f} s of rendezvous (start timeout 3 s)")
+    assert waited < 15, res.explain()
+
+
+@pytest.mark.skipif(find_mpirun() is None, reason="needs Open MPI's mpirun (PATH or the venv)")
+def test_mpirun_sigkill_is_reported() -> None:
+    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
+                    OMPI_MCA_rmaps_base_oversubscribe="1")
+    res = hvdrun(["--mpi", "-np", "2", "--fusion-threshold-mb", "1", "python", WORKER, "sigkill", "1", "3"],
+                 env=env, timeout=180)
+    assert res.returncode != 0, res.explain()
+    assert "ENV 0 fusion=1048576" in res.output and "ENV 1 fusion=1048576" in res.output, res.explain()
+    assert "hvdrun: error: mpirun ended with" in res.output, res.explain()
+    assert alive(pids_from(res.output)) == [], res.explain()
+    seconds = res.ended_at - fail_time(res.output)
+    print(f"SCENARIO mpirun-sigkill: hvdrun exited {seconds:.1f} s after the kill")
+    assert seconds < 30, res.explain()
