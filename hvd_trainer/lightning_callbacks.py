@@ -79,8 +79,8 @@ class LearningRateWarmup(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         t = fractional_epoch(trainer.current_epoch, batch_idx, self._steps)
-        if not self._ramps or not self._ramps[0].in_warmup(t):
-            return
+        if not self._ramps or t - 1 / self._steps >= self.warmup_epochs:
+            return  # after the warmup (the first batch past it sets the target exactly)
         for group, ramp in zip(_groups(trainer), self._ramps, strict=True):
             group["lr"] = ramp.lr_at(t)
 

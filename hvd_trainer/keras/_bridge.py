@@ -22,7 +22,7 @@ from hvd_trainer.comm import allreduce_, broadcast_
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.world import World
 
-__all__ = ["allreduce_arrays", "broadcast_arrays", "in_xla_context"]
+__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays", "in_xla_context"]
 
 # numpy dtypes torch.from_numpy accepts; anything else (e.g. ml_dtypes.bfloat16) travels as float32.
 _TORCH_OK = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8")}
@@ -35,10 +35,32 @@ def _groups(arrays: Sequence[np.ndarray]) -> dict[np.dtype, list[int]]:
     return groups
 
 
-def _pack(arrays: Sequence[np.ndarray], idx: list[int]) -> tuple[np.ndarray, np.dtype]:
+class FlatBuffers:
+    """Reusable flat buffers, two per (dtype, length), handed out alternately.
+
+    Reusing memory avoids allocating (and page-faulting) a gradient-sized array every step.
+    Two alternate so the arrays returned for step k (which TensorFlow may alias) are never
+    overwritten before step k+2, long after step k's update consumed them.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[np.dtype, int], tuple[list[np.ndarray], list[int]]] = {}
+
+    def get(self, dtype: np.dtype, numel: int) -> np.ndarray:
+        bufs, turn = self._slots.setdefault((dtype, numel), ([np.empty(numel, dtype) for _ in range(2)], [0]))
+        turn[0] ^= 1
+        return bufs[turn[0]]
+
+
+def _pack(arrays: Sequence[np.ndarray], idx: list[int],
+          buffers: FlatBuffers | None = None) -> tuple[np.ndarray, np.dtype]:
     dtype = np.dtype(arrays[idx[0]].dtype)
     wire = dtype if dtype in _TORCH_OK else np.dtype("float32")
-    flat = np.concatenate([np.asarray(arrays[i], dtype=wire).ravel() for i in idx])
+    parts = [np.asarray(arrays[i], dtype=wire).ravel() for i in idx]
+    if buffers is None:
+        return np.concatenate(parts), dtype
+    flat = buffers.get(wire, sum(p.size for p in parts))
+    np.concatenate(parts, out=flat)
     return flat, dtype
 
 
@@ -59,6 +81,7 @@ def allreduce_arrays(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     compression: Any = None,
+    buffers: FlatBuffers | None = None,
 ) -> list[np.ndarray]:
     """Reduce every array over ranks: one fused allreduce per dtype, arrays in rank-equal order.
 
@@ -68,13 +91,14 @@ def allreduce_arrays(
         prescale_factor / postscale_factor: multiply before / after the reduction.
         compression: ``None`` or an object with ``compress(t) -> (t, ctx)`` and
             ``decompress(t, ctx) -> t`` (Horovod's ``Compression.fp16`` protocol).
+        buffers: reuse these flat buffers (the result then aliases them; see FlatBuffers).
 
     Returns:
         New arrays, same shapes and dtypes as ``arrays``.
     """
     out: list[Any] = [None] * len(arrays)
     for idx in _groups(arrays).values():
-        flat, dtype = _pack(arrays, idx)
+        flat, dtype = _pack(arrays, idx, buffers)
         tensor = torch.from_numpy(flat)
         ctx = None
         if compression is not None:

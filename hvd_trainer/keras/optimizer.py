@@ -107,6 +107,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._predivide = float(gradient_predivide_factor)
         self._world = world
         self._reducer = None
+        self._buffers = _bridge.FlatBuffers()
         self._tf = keras.backend.backend() == "tensorflow"
         if keras.backend.backend() not in ("tensorflow", "torch"):
             raise DistributedOptimizerError(
@@ -184,9 +185,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._reducer = GradientReducer(named, world=self.world, op=self._op)
 
     def apply(self, grads, trainable_variables=None):
-        if not self.built:
+        if not self.built and trainable_variables is not None:
             with keras.name_scope(self.name, caller=self):
-                self.build(trainable_variables if trainable_variables is not None else [])
+                self.build(trainable_variables)
             self.built = True
         if self.world.size > 1:
             grads = self._reduce_tf(grads) if self._tf else self._reduce_torch(grads, trainable_variables)
@@ -229,7 +230,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
-            compression=self._compression,
+            compression=self._compression, buffers=self._buffers,
         )
 
 

@@ -46,13 +46,14 @@ def _fit(callback, epochs):
     return model.seen
 
 
-def test_warmup_per_batch_and_group():
-    seen = _fit(LearningRateWarmup(warmup_epochs=2, size=4), epochs=3)
+@pytest.mark.parametrize("warmup", [2, 1.5])
+def test_warmup_per_batch_and_group(warmup):
+    seen = _fit(LearningRateWarmup(warmup_epochs=warmup, size=4), epochs=3)
     assert len(seen) == 3 * STEPS
     for epoch, batch, lrs in seen:
         t = epoch + batch / STEPS
         for lr, target in zip(lrs, (0.4, 0.2), strict=True):
-            expected = target if t >= 2 else target / 4 * (t * 3 / 2 + 1)
+            expected = target if t >= warmup else target / 4 * (t * 3 / warmup + 1)
             assert lr == pytest.approx(expected, rel=1e-12)
 
 

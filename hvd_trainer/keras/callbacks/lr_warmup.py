@@ -54,9 +54,13 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
+        if self._warmup is None:
+            return
         t = fractional_epoch(self._epoch, batch, self._steps)
-        if self._warmup is not None and self._warmup.in_warmup(t):
+        if self._warmup.in_warmup(t):
             set_lr(self.model.optimizer, self._warmup.lr_at(t))
+        elif t - 1 / self._steps < self.warmup_epochs:  # first batch after a fractional warmup
+            set_lr(self.model.optimizer, self.initial_lr)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._warmup is not None and epoch + 1 == self._warmup.warmup_epochs:
