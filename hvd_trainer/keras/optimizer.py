@@ -118,7 +118,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     # -- identity: saved models name the inner optimizer ----------------------------------
     @property
-    def __class__(self):  # noqa: D105 - see the class docstring ("Saving")
+    def __class__(self):  # see the class docstring ("Saving")
         return type(self.__dict__.get("inner_optimizer", self))
 
     def get_config(self) -> dict[str, Any]:
