@@ -1,0 +1,33 @@
+"""``ModelCheckpoint`` that writes on rank 0 only."""
+
+from __future__ import annotations
+
+import keras
+
+from hvd_trainer.comm.world import get_world
+
+__all__ = ["BestModelCheckpoint"]
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep the best model seen so far (``save_best_only=True``), written by rank 0 only.
+
+    Same arguments as ``keras.callbacks.ModelCheckpoint`` except ``save_best_only`` (always
+    True). Put :class:`MetricAverageCallback` before it so ``monitor`` is the average over
+    ranks. Other ranks do nothing, so no two processes write the same file.
+
+    Example:
+        >>> BestModelCheckpoint(filepath="best.keras", monitor="val_loss")
+    """
+
+    def __init__(self, filepath: str, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto", save_freq="epoch",
+                 initial_value_threshold: float | None = None) -> None:
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq,
+                         initial_value_threshold=initial_value_threshold)
+        self._is_writer = get_world().rank == 0
+
+    def _save_model(self, epoch, batch, logs):
+        if self._is_writer:
+            super()._save_model(epoch, batch, logs)

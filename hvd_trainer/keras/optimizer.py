@@ -1,0 +1,257 @@
+"""``DistributedOptimizer``: averages gradients over ranks before a Keras 3 optimizer applies them.
+
+It composes an inner optimizer (the pattern of Keras' own ``LossScaleOptimizer``) and
+overrides ``apply()``, the one method every backend's ``train_step`` reaches, so gradients are
+reduced before the inner optimizer's unscaling, clipping, weight decay and update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.world import World, get_world
+from hvd_trainer.keras import _bridge
+
+__all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
+
+_LSO = keras.optimizers.LossScaleOptimizer
+
+
+class DistributedOptimizerError(ValueError):
+    """Invalid ``DistributedOptimizer`` arguments or an unsupported setup."""
+
+
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """Wrap ``optimizer`` so that it applies the gradient averaged over all ranks.
+
+    TensorFlow backend: inside ``tf.function`` the gradients go through ``tf.numpy_function``
+    to one fused comm allreduce per dtype (XLA cannot run that op, so a model compiled with
+    ``jit_compile=True`` is switched to ``False`` with a warning by
+    :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback`; without it the
+    trace fails with a HINT). torch backend: the comm layer's hook-driven bucket reducer starts
+    allreduces while ``loss.backward()`` runs; ``apply()`` waits for them.
+
+    Mixed precision: the optimizer must sit *outside* the ``LossScaleOptimizer`` so every rank
+    sees the same reduced gradients and takes the same inf/NaN skip decision (a rank that
+    skipped its allreduce would otherwise hang the others). When the global dtype policy is
+    ``mixed_float16`` and ``optimizer`` is not a ``LossScaleOptimizer``, it is wrapped in one
+    here, exactly as ``model.compile`` would have done.
+
+    Saving: the wrapper reports the inner optimizer's class and config (``__class__``,
+    ``get_config``) and stores exactly the inner optimizer's variables, so a model saved with
+    it names a plain Keras optimizer and loads with Keras alone.
+
+    Example:
+        >>> import hvd_trainer, hvd_trainer.keras as hvd_keras
+        >>> hvd_trainer.init()
+        >>> opt = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd_trainer.size()))
+        >>> model.compile(optimizer=opt, loss="mse")
+        >>> model.fit(x, y, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+
+    Args:
+        optimizer: the Keras optimizer to wrap (not modified, except that a
+            ``LossScaleOptimizer`` owns it under ``mixed_float16``).
+        name: optional name (default ``"distributed_<inner name>"``).
+        compression: ``None``/``Compression.none`` or ``Compression.fp16`` (TensorFlow only).
+        backward_passes_per_step: only 1 is supported.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
+            ``f/size`` after it (same result, different rounding). Must be > 0.
+        world: the world to reduce over (default: the initialised one, looked up on first use).
+
+    Raises:
+        TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
+        DistributedOptimizerError: unsupported ``op``, ``backward_passes_per_step`` or factor.
+    """
+
+    def __init__(
+        self,
+        optimizer: keras.optimizers.Optimizer,
+        name: str | None = None,
+        compression: Any = None,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp | str | None = None,
+        gradient_predivide_factor: float = 1.0,
+        *,
+        world: World | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(
+                f"DistributedOptimizer got unexpected keyword argument(s) {sorted(kwargs)}. "
+                "HINT: set learning_rate, clipnorm, weight_decay, ... on the inner optimizer."
+            )
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                f"optimizer must be a keras.optimizers.Optimizer instance, got "
+                f"{type(optimizer).__name__} ({optimizer!r}). HINT: keras.optimizers.SGD(0.01)."
+            )
+        if isinstance(optimizer, DistributedOptimizer):
+            raise DistributedOptimizerError(
+                "optimizer is already a DistributedOptimizer; wrapping it twice would reduce "
+                "gradients twice. HINT: wrap the plain Keras optimizer once."
+            )
+        rop = _check_args(op, backward_passes_per_step, gradient_predivide_factor)
+        if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
+            # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
+            # would then skip our allreduce on one rank only. Own the LSO instead.
+            optimizer = _LSO(optimizer)
+        super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
+        self.inner_optimizer = optimizer
+        self._op = rop
+        self._compression = compression
+        self._predivide = float(gradient_predivide_factor)
+        self._world = world
+        self._reducer = None
+        self._buffers = _bridge.FlatBuffers()
+        self._tf = keras.backend.backend() == "tensorflow"
+        if keras.backend.backend() not in ("tensorflow", "torch"):
+            raise DistributedOptimizerError(
+                f"DistributedOptimizer supports the tensorflow and torch backends, got "
+                f"KERAS_BACKEND={keras.backend.backend()!r}. HINT: set KERAS_BACKEND=torch or "
+                "tensorflow before importing keras."
+            )
+
+    # -- identity: saved models name the inner optimizer ----------------------------------
+    @property
+    def __class__(self):  # see the class docstring ("Saving")
+        return type(self.__dict__.get("inner_optimizer", self))
+
+    def get_config(self) -> dict[str, Any]:
+        return self.inner_optimizer.get_config()
+
+    # -- delegation -------------------------------------------------------------------------
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def variables(self):
+        return self.inner_optimizer.variables
+
+    def save_own_variables(self, store) -> None:
+        self.inner_optimizer.save_own_variables(store)
+
+    def load_own_variables(self, store) -> None:
+        self.inner_optimizer.load_own_variables(store)
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list) -> None:
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise DistributedOptimizerError(
+            "DistributedOptimizer has no stateless_apply (the JAX path). HINT: use "
+            "KERAS_BACKEND=torch or tensorflow, or keras.distribution.DataParallel on JAX."
+        )
+
+    # -- the work ---------------------------------------------------------------------------
+    @property
+    def world(self) -> World:
+        """The world gradients are reduced over (resolved on first use)."""
+        if self._world is None:
+            self._world = get_world()
+        return self._world
+
+    def build(self, var_list: Sequence[Any]) -> None:
+        self.inner_optimizer.build(var_list)
+        super().build(var_list)
+        if not self._tf and self.world.size > 1:
+            self._build_torch_reducer(var_list)
+
+    def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
+        from hvd_trainer.comm import GradientReducer
+
+        if self._compression is not None and getattr(self._compression, "__name__", "") != "NoneCompressor":
+            raise DistributedOptimizerError(
+                f"compression={self._compression!r} is not supported on the torch backend "
+                "(gradients are reduced in place by the hook-driven reducer). HINT: drop it."
+            )
+        named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable]
+        self._reducer = GradientReducer(named, world=self.world, op=self._op)
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built and trainable_variables is not None:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        if self.world.size > 1:
+            grads = self._reduce_tf(grads) if self._tf else self._reduce_torch(grads, trainable_variables)
+        self.inner_optimizer.apply(grads, trainable_variables)
+
+    def _reduce_torch(self, grads, trainable_variables):
+        assert self._reducer is not None
+        self._reducer.wait()
+        tvs = trainable_variables if trainable_variables is not None else self._trainable_variables
+        # wait() may have given an unused parameter a (zero, then averaged) gradient.
+        return [v.value.grad if v.trainable else g for g, v in zip(grads, tvs, strict=True)]
+
+    def _reduce_tf(self, grads):
+        import tensorflow as tf
+
+        if _bridge.in_xla_context():
+            raise DistributedOptimizerError(
+                "DistributedOptimizer cannot run inside an XLA-compiled function "
+                "(jit_compile=True): its allreduce leaves the graph. HINT: "
+                "model.compile(..., jit_compile=False), or add "
+                "BroadcastGlobalVariablesCallback, which switches it off with a warning."
+            )
+        idx = [i for i, g in enumerate(grads) if g is not None]
+        dense = [tf.convert_to_tensor(grads[i]) for i in idx]
+        if not dense:
+            return grads
+        reduced = tf.numpy_function(
+            self._reduce_numpy, dense, Tout=[g.dtype for g in dense], stateful=True,
+            name="hvd_allreduce",
+        )
+        out = list(grads)
+        for i, g, r in zip(idx, dense, reduced, strict=True):
+            out[i] = tf.ensure_shape(r, g.shape)
+        return out
+
+    def _reduce_numpy(self, *arrays):
+        pre, post = 1.0, 1.0
+        op = self._op
+        if op is ReduceOp.AVERAGE and self._predivide != 1.0:
+            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
+        return _bridge.allreduce_arrays(
+            arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
+            compression=self._compression, buffers=self._buffers,
+        )
+
+
+def _check_args(op: ReduceOp | str | None, backward_passes_per_step: int, predivide: float) -> ReduceOp:
+    rop = to_reduce_op(op)
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise DistributedOptimizerError(f"op={op!r} is not supported; use Average or Sum.")
+    if backward_passes_per_step != 1:
+        raise DistributedOptimizerError(
+            f"backward_passes_per_step={backward_passes_per_step!r} is not supported. HINT: set "
+            "gradient_accumulation_steps on the inner Keras optimizer (gradients are then "
+            "averaged on every micro-step)."
+        )
+    if not predivide > 0:
+        raise DistributedOptimizerError(f"gradient_predivide_factor={predivide!r} must be > 0.")
+    if predivide != 1.0 and rop is not ReduceOp.AVERAGE:
+        raise DistributedOptimizerError(
+            f"gradient_predivide_factor={predivide!r} only applies to op=Average, got {rop}."
+        )
+    return rop
+
+
+def _global_policy_is_mixed_float16() -> bool:
+    return keras.config.dtype_policy().name == "mixed_float16"
