@@ -70,7 +70,7 @@ def weights(module: nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()]).numpy()
 
 
-def trainer(*, distributed: bool, **kwargs: Any) -> pl.Trainer:
+def trainer(*, distributed: bool, strategy_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> pl.Trainer:
     base: dict[str, Any] = dict(
         accelerator="cpu",
         logger=False,
@@ -79,6 +79,10 @@ def trainer(*, distributed: bool, **kwargs: Any) -> pl.Trainer:
         enable_model_summary=False,
     )
     base.update(kwargs)
+    if distributed and strategy_kwargs:
+        from hvd_trainer.strategy import HorovodStrategy
+
+        return pl.Trainer(strategy=HorovodStrategy(**strategy_kwargs), **base)
     if distributed:
         return pl.Trainer(strategy="horovod", **base)
     return pl.Trainer(strategy=SingleDeviceStrategy(device="cpu"), devices=1, **base)
@@ -116,6 +120,7 @@ def fit_pair(
     accumulate: int = 1,
     model_cls: type[Net] = Net,
     dist_callbacks: list[pl.Callback] | None = None,
+    strategy_kwargs: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> dict[str, np.ndarray]:
     """Fit on all ranks with per-rank batch b, and locally with batch world*b; return both."""
@@ -126,7 +131,7 @@ def fit_pair(
     dist_model = model_cls(optimizer, init_seed=hvd_trainer.rank())
     t = trainer(
         distributed=True, max_steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=dist_callbacks or [], **trainer_kwargs,
+        callbacks=dist_callbacks or [], strategy_kwargs=strategy_kwargs, **trainer_kwargs,
     )
     sampler = DistributedSampler(data, num_replicas=world, rank=hvd_trainer.rank(), shuffle=False)
     t.fit(dist_model, DataLoader(data, batch_size=batch_per_rank, sampler=sampler))
