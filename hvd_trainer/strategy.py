@@ -113,6 +113,8 @@ class _HorovodStrategyLogic:
         self._num_nodes = 1
         self._world: World | None = None
         self._reducer: GradientReducer | None = None
+        self._managed_ids: set[int] = set()
+        self._sync_depth = 0  # > 0 inside block_backward_sync
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -204,13 +206,33 @@ class _HorovodStrategyLogic:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _attach_reducer(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove()
+        """(Re)build the reducer over every trainable parameter, keeping those it already
+        managed even while they are frozen (``toggle_optimizer`` freezes them temporarily)."""
         module = self.lightning_module
         assert module is not None
-        self._reducer = GradientReducer(
-            module.named_parameters(), world=self._require_world(), config=self._fusion
-        )
+        old = self._reducer
+        named = [
+            (n, p) for n, p in module.named_parameters()
+            if p.requires_grad or id(p) in self._managed_ids
+        ]
+        if old is not None:
+            old.remove()
+        frozen = [p for _, p in named if not p.requires_grad]
+        for p in frozen:  # hooks can only be registered on tensors that require grad
+            p.requires_grad_(True)
+        try:
+            self._reducer = GradientReducer(named, world=self._require_world(), config=self._fusion)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+        self._reducer.require_sync = self._sync_depth == 0
+        self._managed_ids = {id(p) for _, p in named}
+
+    def _has_new_trainable_params(self) -> bool:
+        module = self.lightning_module
+        assert module is not None
+        managed = self._managed_ids
+        return any(p.requires_grad and id(p) not in managed for p in module.parameters())
 
     def _maybe_scale_lr(self) -> None:
         if not self._scale_lr:
@@ -242,9 +264,20 @@ class _HorovodStrategyLogic:
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
+        self._managed_ids = set()
         super().teardown()
 
     # -- backward ---------------------------------------------------------------------------
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Pick up parameters unfrozen since setup (e.g. by ``BackboneFinetuning``).
+
+        Freezing is deterministic, so every rank rebuilds the same buckets at the same step.
+        """
+        if self._reducer is not None and self._has_new_trainable_params():
+            log.info("hvd_trainer: parameters were unfrozen; rebuilding gradient buckets")
+            self._attach_reducer()
+
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """Wait for this step's gradient buckets (before unscale and clipping)."""
@@ -255,12 +288,16 @@ class _HorovodStrategyLogic:
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients locally, sending nothing (gradient accumulation)."""
-        if self._reducer is None:
+        """Accumulate gradients locally, sending nothing (gradient accumulation). Nests."""
+        self._sync_depth += 1
+        if self._reducer is not None:
+            self._reducer.require_sync = False
+        try:
             yield
-            return
-        with self._reducer.no_sync():
-            yield
+        finally:
+            self._sync_depth -= 1
+            if self._reducer is not None:  # the reducer may have been rebuilt inside
+                self._reducer.require_sync = self._sync_depth == 0
 
     # -- collectives ------------------------------------------------------------------------
     @override

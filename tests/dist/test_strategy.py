@@ -17,7 +17,15 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.dist._lightning_cases import TORCHRUN_ENV, Net, fit_pair, trainer, weights
+from tests.dist._lightning_cases import (
+    TORCHRUN_ENV,
+    FrozenFirstLayerNet,
+    Net,
+    UnfreezeFirstLayer,
+    fit_pair,
+    trainer,
+    weights,
+)
 from tests.multiproc import run_workers
 
 TOL = 1e-6
@@ -98,6 +106,9 @@ EQUIVALENCE = {
         dict(optimizer="momentum", gradient_clip_val=0.01, gradient_clip_algorithm="value"), TOL
     ),
     "accumulate2": (dict(optimizer="momentum", accumulate=2), TOL),
+    # first layer frozen in epoch 0 and unfrozen in epoch 1: the reducer must pick it up
+    "unfreeze": (dict(optimizer="sgd", epochs=2, model_cls=FrozenFirstLayerNet,
+                      callback_factory=lambda: [UnfreezeFirstLayer(1)]), TOL),
     # one bucket per tensor (6 parameters -> 6 allreduces per step)
     "no_fusion": (dict(optimizer="adam", strategy_kwargs=dict(fusion_threshold_bytes=0,
                                                               first_bucket_bytes=0)), TOL),
