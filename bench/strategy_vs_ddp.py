@@ -1,14 +1,15 @@
 """Throughput of ``strategy="horovod"`` against Lightning's ``strategy="ddp"`` on CPU.
 
 Same model (a small ResNet with GroupNorm: 42 parameter tensors of mixed sizes, so gradient
-fusion matters), same synthetic data, seed and per-rank batch for both strategies. Each
-measurement is a fresh 2-process job (``hvdrun -np 2``), one thread per process; the strategies
-alternate so machine noise hits both alike; the median of ``--repeats`` runs is compared.
+fusion matters), same synthetic data, seed and per-rank batch for both strategies. One 2-process
+job (``hvdrun -np 2``, one thread per process) fits horovod, ddp, horovod, ddp, ... in the same
+processes (both strategies adopt the one process group), so machine noise hits both alike; the
+median of ``--repeats`` fits each is compared.
 A 1-process run of the same model (single device, no communication) gives the scaling
 efficiency, 2-process samples/s / (2 x 1-process samples/s) (weak scaling, as Horovod reports).
 
 Run:
-    python bench/strategy_vs_ddp.py                   # 3 runs each, ~3 minutes on 2 cores
+    python bench/strategy_vs_ddp.py                   # 3 fits each, ~3 minutes on 2 cores
     python bench/strategy_vs_ddp.py --repeats 5 --steps 60
 
 Prints, last:
@@ -38,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hvd_trainer  # noqa: F401  (registers "horovod")
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"BENCH samples_per_s=([0-9.]+)")
+LINE = re.compile(r"BENCH strategy=(\w+) samples_per_s=([0-9.]+)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -102,9 +103,8 @@ class Timer(pl.Callback):
             self.samples += batch[0].shape[0] * trainer.world_size
 
 
-def _worker(strategy: str, steps: int, warmup: int, batch: int, width: int) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+def _fit_once(strategy: str, steps: int, warmup: int, batch: int, width: int) -> float:
+    """One fit from the same seed; returns global training samples/s after ``warmup`` steps."""
     pl.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = torch.Generator().manual_seed(0)
@@ -116,32 +116,40 @@ def _worker(strategy: str, steps: int, warmup: int, batch: int, width: int) -> N
         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = ResNet(width)
-    trainer.fit(model, DataLoader(data, batch_size=batch))
-    elapsed = time.perf_counter() - timer.start
-    if trainer.is_global_zero:
-        tensors = sum(1 for _ in model.parameters())
-        print(f"BENCH samples_per_s={timer.samples / elapsed:.2f} strategy={strategy} world={world} "
-              f"param_tensors={tensors}", flush=True)
+    trainer.fit(ResNet(width), DataLoader(data, batch_size=batch))
+    return timer.samples / (time.perf_counter() - timer.start)
+
+
+def _worker(strategies: list[str], rounds: int, steps: int, warmup: int, batch: int, width: int) -> None:
+    """Fit each strategy in turn, ``rounds`` times, in these same processes (one process group:
+    both strategies adopt it), so machine noise hits both strategies alike."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for r in range(rounds):
+        for strategy in strategies if r % 2 == 0 else strategies[::-1]:  # neither always first
+            value = _fit_once(strategy, steps, warmup, batch, width)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"BENCH strategy={strategy} samples_per_s={value:.2f}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
 # driver: alternate the strategies, take medians
-def _measure(strategy: str, procs: int, args: argparse.Namespace) -> float:
+def _measure(strategies: list[str], procs: int, args: argparse.Namespace) -> dict[str, list[float]]:
     hvdrun = str(Path(sys.executable).parent / "hvdrun")
-    cmd = [hvdrun, "-np", str(procs), sys.executable, __file__, "--worker", strategy,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--width", str(args.width)]
+    cmd = [hvdrun, "-np", str(procs), sys.executable, __file__, "--worker", ",".join(strategies),
+           "--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch", str(args.batch), "--width", str(args.width)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    match = LINE.search(proc.stdout)
-    if proc.returncode != 0 or match is None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    found: dict[str, list[float]] = {s: [] for s in strategies}
+    for name, value in LINE.findall(proc.stdout):
+        found[name].append(float(value))
+        print(f"  {name:8s} np={procs}  {float(value):9.1f} samples/s", flush=True)
+    if proc.returncode != 0 or any(len(v) != args.repeats for v in found.values()):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{tail}")
-    value = float(match.group(1))
-    print(f"  {strategy:8s} np={procs}  {value:9.1f} samples/s", flush=True)
-    return value
+    return found
 
 
 def main() -> None:
@@ -154,13 +162,10 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage")
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.steps, args.warmup, args.batch, args.width)
+        _worker(args.worker.split(","), args.repeats, args.steps, args.warmup, args.batch, args.width)
         return
-    runs: dict[str, list[float]] = {"horovod": [], "ddp": [], "single": []}
-    for _ in range(args.repeats):
-        for strategy in ("horovod", "ddp"):
-            runs[strategy].append(_measure(strategy, 2, args))
-        runs["single"].append(_measure("auto", 1, args))
+    runs = _measure(["horovod", "ddp"], 2, args)
+    runs["single"] = _measure(["auto"], 1, args)["auto"]
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"median samples/s: horovod={med['horovod']:.1f} ddp={med['ddp']:.1f} "
           f"1-process={med['single']:.1f} (per-rank batch {args.batch}, {args.repeats} runs each)")
