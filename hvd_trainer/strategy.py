@@ -265,6 +265,10 @@ class _HorovodStrategyLogic:
             self._reducer.remove()
             self._reducer = None
         self._managed_ids = set()
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self._layer_sync is not None and trainer is not None and trainer.state.fn == "fit":
+            self.model = self._layer_sync.revert(self.model)  # undo setup's apply, as DDP does
         super().teardown()
 
     # -- backward ---------------------------------------------------------------------------
