@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -109,7 +110,7 @@ class _HorovodStrategyLogic:
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
-        self._scaled_optimizers: set[int] = set()
+        self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._num_nodes = 1
         self._world: World | None = None
         self._reducer: GradientReducer | None = None
@@ -239,9 +240,9 @@ class _HorovodStrategyLogic:
             return
         size = self.world_size
         for optimizer in self.optimizers:
-            if id(optimizer) in self._scaled_optimizers:
+            if optimizer in self._scaled_optimizers:  # never scale the same optimizer twice
                 continue
-            self._scaled_optimizers.add(id(optimizer))
+            self._scaled_optimizers.add(optimizer)
             for group in optimizer.param_groups:
                 group["lr"] *= size
                 if "initial_lr" in group:
