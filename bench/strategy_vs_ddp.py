@@ -1,14 +1,15 @@
 """Throughput of ``strategy="horovod"`` against Lightning's ``strategy="ddp"`` on CPU.
 
 Same model (a small ResNet with GroupNorm: 42 parameter tensors of mixed sizes, so gradient
-fusion matters), same synthetic data, seed and per-rank batch for both strategies. Each
-measurement is a fresh 2-process job (``hvdrun -np 2``), one thread per process; the strategies
-alternate so machine noise hits both alike; the median of ``--repeats`` runs is compared.
+fusion matters), same synthetic data, seed and per-rank batch for both strategies. One 2-process
+job (``hvdrun -np 2``, one thread per process) fits horovod, ddp, horovod, ddp, ... in the same
+processes (both strategies adopt the one process group), so machine noise hits both alike; the
+median of ``--repeats`` fits each is compared.
 A 1-process run of the same model (single device, no communication) gives the scaling
 efficiency, 2-process samples/s / (2 x 1-process samples/s) (weak scaling, as Horovod reports).
 
 Run:
-    python bench/strategy_vs_ddp.py                   # 3 runs each, ~3 minutes on 2 cores
+    python bench/strategy_vs_ddp.py                   # 3 fits each, ~3 minutes on 2 cores
     python bench/strategy_vs_ddp.py --repeats 5 --steps 60
 
 Prints, last:
@@ -38,7 +39,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import hvd_trainer  # noqa: F401  (registers "horovod")
 
 ROOT = Path(__file__).resolve().parents[1]
-LINE = re.compile(r"BENCH samples_per_s=([0-9.]+)")
+LINE = re.compile(r"BENCH strategy=(\w+) samples_per_s=([0-9.]+) cpu_ms_per_step=([0-9.]+)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -91,20 +92,25 @@ class Timer(pl.Callback):
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.start = 0.0
+        self.cpu_start = 0.0
         self.samples = 0
+        self.steps = 0
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, i: int) -> None:
         if i == self.warmup:
             self.start = time.perf_counter()
+            self.cpu_start = time.process_time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, module: Any, out: Any, batch: Any, i: int) -> None:
         if i >= self.warmup:
             self.samples += batch[0].shape[0] * trainer.world_size
+            self.steps += 1
 
 
-def _worker(strategy: str, steps: int, warmup: int, batch: int, width: int) -> None:
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+def _fit_once(strategy: str, steps: int, warmup: int, batch: int, width: int) -> tuple[float, float]:
+    """One fit from the same seed; returns (global training samples/s, this process's CPU
+    milliseconds per step), both after ``warmup`` steps. CPU time is far less sensitive than
+    wall time to other jobs sharing the machine."""
     pl.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     g = torch.Generator().manual_seed(0)
@@ -116,32 +122,48 @@ def _worker(strategy: str, steps: int, warmup: int, batch: int, width: int) -> N
         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = ResNet(width)
-    trainer.fit(model, DataLoader(data, batch_size=batch))
-    elapsed = time.perf_counter() - timer.start
-    if trainer.is_global_zero:
-        tensors = sum(1 for _ in model.parameters())
-        print(f"BENCH samples_per_s={timer.samples / elapsed:.2f} strategy={strategy} world={world} "
-              f"param_tensors={tensors}", flush=True)
+    trainer.fit(ResNet(width), DataLoader(data, batch_size=batch))
+    cpu_ms = 1000 * (time.process_time() - timer.cpu_start) / max(timer.steps, 1)
+    return timer.samples / (time.perf_counter() - timer.start), cpu_ms
+
+
+def _worker(strategies: list[str], rounds: int, steps: int, warmup: int, batch: int, width: int) -> None:
+    """Fit each strategy in turn, ``rounds`` times, in these same processes (one process group:
+    both strategies adopt it), so machine noise hits both strategies alike."""
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for r in range(rounds):
+        for strategy in strategies if r % 2 == 0 else strategies[::-1]:  # neither always first
+            value, cpu_ms = _fit_once(strategy, steps, warmup, batch, width)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"BENCH strategy={strategy} samples_per_s={value:.2f} cpu_ms_per_step={cpu_ms:.1f}",
+                      flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
 # driver: alternate the strategies, take medians
-def _measure(strategy: str, procs: int, args: argparse.Namespace) -> float:
+def _measure(
+    strategies: list[str], procs: int, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Run one job; return samples/s and rank-0 CPU ms/step per strategy, in run order."""
     hvdrun = str(Path(sys.executable).parent / "hvdrun")
-    cmd = [hvdrun, "-np", str(procs), sys.executable, __file__, "--worker", strategy,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-           "--width", str(args.width)]
+    cmd = [hvdrun, "-np", str(procs), sys.executable, __file__, "--worker", ",".join(strategies),
+           "--repeats", str(args.repeats), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--batch", str(args.batch), "--width", str(args.width)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    match = LINE.search(proc.stdout)
-    if proc.returncode != 0 or match is None:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    found: dict[str, list[float]] = {s: [] for s in strategies}
+    cpu: dict[str, list[float]] = {s: [] for s in strategies}
+    for name, value, cpu_ms in LINE.findall(proc.stdout):
+        found[name].append(float(value))
+        cpu[name].append(float(cpu_ms))
+        print(f"  {name:8s} np={procs}  {float(value):9.1f} samples/s  {float(cpu_ms):7.1f} CPU ms/step",
+              flush=True)
+    if proc.returncode != 0 or any(len(v) != args.repeats for v in found.values()):
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
         raise SystemExit(f"benchmark run failed: {' '.join(cmd)}\n{tail}")
-    value = float(match.group(1))
-    print(f"  {strategy:8s} np={procs}  {value:9.1f} samples/s", flush=True)
-    return value
+    return found, cpu
 
 
 def main() -> None:
@@ -154,19 +176,19 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16, help="channels of the first stage")
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.steps, args.warmup, args.batch, args.width)
+        _worker(args.worker.split(","), args.repeats, args.steps, args.warmup, args.batch, args.width)
         return
-    runs: dict[str, list[float]] = {"horovod": [], "ddp": [], "single": []}
-    for _ in range(args.repeats):
-        for strategy in ("horovod", "ddp"):
-            runs[strategy].append(_measure(strategy, 2, args))
-        runs["single"].append(_measure("auto", 1, args))
+    runs, cpu = _measure(["horovod", "ddp"], 2, args)
+    runs["single"] = _measure(["auto"], 1, args)[0]["auto"]
     med = {k: statistics.median(v) for k, v in runs.items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu.items()}
+    print(f"median rank-0 CPU ms/step: horovod={cpu_med['horovod']:.1f} ddp={cpu_med['ddp']:.1f}")
     print(f"median samples/s: horovod={med['horovod']:.1f} ddp={med['ddp']:.1f} "
           f"1-process={med['single']:.1f} (per-rank batch {args.batch}, {args.repeats} runs each)")
     print(f"RATIO horovod_vs_ddp_throughput={med['horovod'] / med['ddp']:.3f}")
     print(f"RATIO scaling_efficiency_horovod={med['horovod'] / (2 * med['single']):.3f}")
     print(f"RATIO scaling_efficiency_ddp={med['ddp'] / (2 * med['single']):.3f}")
+    print(f"RATIO horovod_vs_ddp_cpu_per_step={cpu_med['horovod'] / cpu_med['ddp']:.3f}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Generator
 from typing import Any
 
@@ -111,10 +112,12 @@ class _HorovodStrategyLogic:
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
-        self._scaled_optimizers: set[int] = set()
+        self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._num_nodes = 1
         self._world: World | None = None
         self._reducer: GradientReducer | None = None
+        self._managed_ids: set[int] = set()
+        self._sync_depth = 0  # > 0 inside block_backward_sync
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -210,22 +213,42 @@ class _HorovodStrategyLogic:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _attach_reducer(self) -> None:
-        if self._reducer is not None:
-            self._reducer.remove()
+        """(Re)build the reducer over every trainable parameter, keeping those it already
+        managed even while they are frozen (``toggle_optimizer`` freezes them temporarily)."""
         module = self.lightning_module
         assert module is not None
-        self._reducer = GradientReducer(
-            module.named_parameters(), world=self._require_world(), config=self._fusion
-        )
+        old = self._reducer
+        named = [
+            (n, p) for n, p in module.named_parameters()
+            if p.requires_grad or id(p) in self._managed_ids
+        ]
+        if old is not None:
+            old.remove()
+        frozen = [p for _, p in named if not p.requires_grad]
+        for p in frozen:  # hooks can only be registered on tensors that require grad
+            p.requires_grad_(True)
+        try:
+            self._reducer = GradientReducer(named, world=self._require_world(), config=self._fusion)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+        self._reducer.require_sync = self._sync_depth == 0
+        self._managed_ids = {id(p) for _, p in named}
+
+    def _has_new_trainable_params(self) -> bool:
+        module = self.lightning_module
+        assert module is not None
+        managed = self._managed_ids
+        return any(p.requires_grad and id(p) not in managed for p in module.parameters())
 
     def _maybe_scale_lr(self) -> None:
         if not self._scale_lr:
             return
         size = self.world_size
         for optimizer in self.optimizers:
-            if id(optimizer) in self._scaled_optimizers:
+            if optimizer in self._scaled_optimizers:  # never scale the same optimizer twice
                 continue
-            self._scaled_optimizers.add(id(optimizer))
+            self._scaled_optimizers.add(optimizer)
             for group in optimizer.param_groups:
                 group["lr"] *= size
                 if "initial_lr" in group:
@@ -248,9 +271,24 @@ class _HorovodStrategyLogic:
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
+        self._managed_ids = set()
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if self._layer_sync is not None and trainer is not None and trainer.state.fn == "fit":
+            self.model = self._layer_sync.revert(self.model)  # undo setup's apply, as DDP does
         super().teardown()
 
     # -- backward ---------------------------------------------------------------------------
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Pick up parameters unfrozen since setup (e.g. by ``BackboneFinetuning``).
+
+        Freezing is deterministic, so every rank rebuilds the same buckets at the same step.
+        """
+        if self._reducer is not None and self._has_new_trainable_params():
+            log.info("hvd_trainer: parameters were unfrozen; rebuilding gradient buckets")
+            self._attach_reducer()
+
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """Wait for this step's gradient buckets (before unscale and clipping)."""
@@ -261,12 +299,16 @@ class _HorovodStrategyLogic:
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulate gradients locally, sending nothing (gradient accumulation)."""
-        if self._reducer is None:
+        """Accumulate gradients locally, sending nothing (gradient accumulation). Nests."""
+        self._sync_depth += 1
+        if self._reducer is not None:
+            self._reducer.require_sync = False
+        try:
             yield
-            return
-        with self._reducer.no_sync():
-            yield
+        finally:
+            self._sync_depth -= 1
+            if self._reducer is not None:  # the reducer may have been rebuilt inside
+                self._reducer.require_sync = self._sync_depth == 0
 
     # -- collectives ------------------------------------------------------------------------
     @override

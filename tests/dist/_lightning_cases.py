@@ -70,7 +70,7 @@ def weights(module: nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()]).numpy()
 
 
-def trainer(*, distributed: bool, **kwargs: Any) -> pl.Trainer:
+def trainer(*, distributed: bool, strategy_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> pl.Trainer:
     base: dict[str, Any] = dict(
         accelerator="cpu",
         logger=False,
@@ -79,6 +79,10 @@ def trainer(*, distributed: bool, **kwargs: Any) -> pl.Trainer:
         enable_model_summary=False,
     )
     base.update(kwargs)
+    if distributed and strategy_kwargs:
+        from hvd_trainer.strategy import HorovodStrategy
+
+        return pl.Trainer(strategy=HorovodStrategy(**strategy_kwargs), **base)
     if distributed:
         return pl.Trainer(strategy="horovod", **base)
     return pl.Trainer(strategy=SingleDeviceStrategy(device="cpu"), devices=1, **base)
@@ -116,22 +120,32 @@ def fit_pair(
     accumulate: int = 1,
     model_cls: type[Net] = Net,
     dist_callbacks: list[pl.Callback] | None = None,
+    strategy_kwargs: dict[str, Any] | None = None,
+    epochs: int = 1,
+    callback_factory: Any = None,
     **trainer_kwargs: Any,
 ) -> dict[str, np.ndarray]:
-    """Fit on all ranks with per-rank batch b, and locally with batch world*b; return both."""
+    """Fit on all ranks with per-rank batch b, and locally with batch world*b; return both.
+
+    ``steps`` optimizer steps make one epoch; ``callback_factory()`` (if given) makes callbacks
+    for both runs.
+    """
+    extra = callback_factory if callback_factory is not None else list
     world = hvd_trainer.size()
     n = world * batch_per_rank * steps * accumulate
     data = make_data(n)
     # rank-dependent init: the strategy must broadcast rank 0's weights
     dist_model = model_cls(optimizer, init_seed=hvd_trainer.rank())
     t = trainer(
-        distributed=True, max_steps=steps, accumulate_grad_batches=accumulate,
-        callbacks=dist_callbacks or [], **trainer_kwargs,
+        distributed=True, max_steps=steps * epochs, accumulate_grad_batches=accumulate,
+        callbacks=[*(dist_callbacks or []), *extra()], strategy_kwargs=strategy_kwargs,
+        **trainer_kwargs,
     )
     sampler = DistributedSampler(data, num_replicas=world, rank=hvd_trainer.rank(), shuffle=False)
     t.fit(dist_model, DataLoader(data, batch_size=batch_per_rank, sampler=sampler))
     ref_model = model_cls(optimizer, init_seed=0)
-    r = trainer(distributed=False, max_steps=steps, accumulate_grad_batches=accumulate, **trainer_kwargs)
+    r = trainer(distributed=False, max_steps=steps * epochs, accumulate_grad_batches=accumulate,
+                callbacks=extra(), **trainer_kwargs)
     r.fit(ref_model, DataLoader(data, batch_size=world * batch_per_rank, shuffle=False))
     return {"dist": weights(dist_model), "ref": weights(ref_model)}
 
@@ -213,3 +227,22 @@ class EvalNet(Net):
     def predict_step(self, batch: Any, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, _, idx = batch
         return idx, self(x)
+
+
+class FrozenFirstLayerNet(Net):
+    """``Net`` whose first layer starts frozen; :class:`UnfreezeFirstLayer` thaws it."""
+
+    def __init__(self, optimizer: str = "sgd", lr: float = 0.1, init_seed: int = 0) -> None:
+        super().__init__(optimizer, lr, init_seed)
+        self.body[0].requires_grad_(False)
+
+
+class UnfreezeFirstLayer(pl.Callback):
+    """Unfreezes ``body[0]`` at the start of epoch ``epoch`` (like BackboneFinetuning)."""
+
+    def __init__(self, epoch: int = 1) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch:
+            pl_module.body[0].requires_grad_(True)

@@ -17,7 +17,15 @@ from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
 from torch.distributed import ReduceOp
 from torch.utils.data import DataLoader, DistributedSampler
 
-from tests.dist._lightning_cases import TORCHRUN_ENV, Net, fit_pair, trainer, weights
+from tests.dist._lightning_cases import (
+    TORCHRUN_ENV,
+    FrozenFirstLayerNet,
+    Net,
+    UnfreezeFirstLayer,
+    fit_pair,
+    trainer,
+    weights,
+)
 from tests.multiproc import run_workers
 
 TOL = 1e-6
@@ -98,6 +106,12 @@ EQUIVALENCE = {
         dict(optimizer="momentum", gradient_clip_val=0.01, gradient_clip_algorithm="value"), TOL
     ),
     "accumulate2": (dict(optimizer="momentum", accumulate=2), TOL),
+    # first layer frozen in epoch 0 and unfrozen in epoch 1: the reducer must pick it up
+    "unfreeze": (dict(optimizer="sgd", epochs=2, model_cls=FrozenFirstLayerNet,
+                      callback_factory=lambda: [UnfreezeFirstLayer(1)]), TOL),
+    # one bucket per tensor (6 parameters -> 6 allreduces per step)
+    "no_fusion": (dict(optimizer="adam", strategy_kwargs=dict(fusion_threshold_bytes=0,
+                                                              first_bucket_bytes=0)), TOL),
     # bf16 autocast rounds matmul inputs to 8 mantissa bits; 2x4 and 1x8 sum the weight
     # gradient over different partitions of the batch, so results agree to bf16 precision only
     # (measured: 1.2e-4 after 5 steps; fp32 cases: <= 6e-8).
@@ -110,10 +124,10 @@ def _equivalence_worker() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for name, (kwargs, _) in EQUIVALENCE.items():
-        if name == "accumulate2":
+        if name in ("accumulate2", "no_fusion"):
             counter = LaunchCounter()
             out[name] = fit_pair(**kwargs, dist_callbacks=[counter])
-            out["launches_per_batch"] = counter.per_batch
+            out[f"{name}_launches"] = counter.per_batch
         else:
             out[name] = fit_pair(**kwargs)
     return out
@@ -127,9 +141,10 @@ def test_equivalence_optimizers_clipping_accumulation_bf16() -> None:
         diff = np.abs(d0 - results[0][name]["ref"]).max()
         assert diff <= tol, f"{name}: 2 ranks x 4 vs 1 x 8 max abs diff {diff} > {tol}"
     # accumulation: the accumulating micro-batch launches no bucket, the stepping one all of them
-    launches = results[0]["launches_per_batch"]
+    launches = results[0]["accumulate2_launches"]
     assert len(launches) == 10 and launches[0::2] == [0] * 5, launches
     assert all(n >= 1 for n in launches[1::2]) and len(set(launches[1::2])) == 1, launches
+    assert results[0]["no_fusion_launches"] == [6] * 5
 
 
 # -- manual optimization with two optimizers -----------------------------------------------------

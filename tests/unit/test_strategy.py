@@ -1,0 +1,44 @@
+"""HorovodStrategy arguments and registration (single process; training is in tests/dist)."""
+
+from __future__ import annotations
+
+import pytest
+
+import hvd_trainer  # noqa: F401
+from hvd_trainer.comm.fusion import FusionConfig
+from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+
+
+def test_registered_once_and_idempotent() -> None:
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    from hvd_trainer._register import register
+
+    assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy
+    register()  # a second registration is a no-op, not a "name already registered" error
+    assert isinstance(StrategyRegistry.get("horovod"), HorovodStrategy)
+
+
+def test_fusion_kwargs_reach_the_comm_config() -> None:
+    s = HorovodStrategy(fusion_threshold_bytes=1024, first_bucket_bytes=0)
+    assert s._fusion == FusionConfig(fusion_threshold_bytes=1024, first_bucket_bytes=0)
+    assert s.is_distributed is True and s.handles_gradient_accumulation is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(fusion_threshold_bytes=-1), "fusion_threshold_bytes=-1"),
+        (dict(first_bucket_bytes=1.5), "first_bucket_bytes=1.5"),
+        (dict(timeout_seconds=0), "timeout_seconds=0"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict, needle: str) -> None:
+    with pytest.raises(StrategyConfigError, match=needle) as info:
+        HorovodStrategy(**kwargs)
+    assert "HINT" in str(info.value)
+
+
+def test_unknown_kwarg_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="fusion_threshold_mb"):
+        HorovodStrategy(fusion_threshold_mb=64)
