@@ -11,22 +11,36 @@ Algorithm:
    it launches one async allreduce. Buckets launch strictly in index order so every rank issues
    the same sequence of collectives.
 4. :meth:`GradientReducer.wait` launches whatever is left (a parameter that got no gradient on
-   this rank contributes zeros, so no rank hangs), waits on all work, then divides by the world
-   size (``Average``). Low-precision buckets are divided *before* the sum to avoid fp16
-   overflow.
+   this rank contributes zeros, so no rank hangs), waits on all work, then divides by the set
+   size (``Average``) in the same pass as ``postscale_factor``. Low-precision buckets and
+   compressed wires are divided *before* the sum to avoid fp16 overflow
+   (:mod:`hvd_trainer.comm.reduce`).
+5. Each bucket launch is a checked collective: its signature carries the bucket's layout
+   (parameter names and shapes), so ranks whose layouts differ (e.g. a parameter that requires
+   grad on one rank only) get :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` naming
+   the parameter, on the first step; later steps hit the signature cache.
+
+Copies: after the first step every ``.grad`` *is* its bucket view, so autograd accumulates in
+place and nothing is copied in or out. When a ``.grad`` was set to ``None`` (``zero_grad()``,
+the default ``set_to_none=True``), autograd hands over a fresh tensor and the hook copies it into
+the bucket once (the same single copy DDP's ``gradient_as_bucket_view`` makes); zeroing with
+``set_to_none=False`` avoids that copy at the price of a memset.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from hvd_trainer.comm.checks import Signature
+from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.config import default_fusion_threshold_bytes
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
 
 __all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
@@ -34,28 +48,13 @@ __all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
 _MIB = 1024 * 1024
 
 
-def default_fusion_threshold_bytes() -> int:
-    """Fusion threshold in bytes: ``HOROVOD_FUSION_THRESHOLD`` when set, else 64 MiB."""
-    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if value in (None, ""):
-        return 64 * _MIB
-    try:
-        parsed = int(value)
-    except ValueError as exc:
-        raise ValueError(
-            f"HOROVOD_FUSION_THRESHOLD={value!r} is not an integer number of bytes."
-        ) from exc
-    if parsed < 0:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={parsed} must be >= 0 (0 disables fusion).")
-    return parsed
-
-
 @dataclass(kw_only=True, slots=True)
 class FusionConfig:
     """How gradients are packed into buckets."""
 
     fusion_threshold_bytes: int = field(default_factory=default_fusion_threshold_bytes)
-    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion)."""
+    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion). Default:
+    ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB (measured, see ``bench/allreduce_fusion.py``)."""
     first_bucket_bytes: int = 1 * _MIB
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
     early in backward."""
@@ -70,7 +69,7 @@ class FusionConfig:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work")
+    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work", "sig")
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
         self.index = index
@@ -84,7 +83,8 @@ class _Bucket:
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
         self.ready = [False] * len(params)
-        self.work: dist.Work | None = None
+        self.work: Reduction | None = None
+        self.sig: Signature | None = None
 
     @property
     def nbytes(self) -> int:
@@ -128,9 +128,14 @@ class GradientReducer:
         world: the world to reduce over.
         config: bucket sizes.
         op: ``Average`` (default) or ``Sum``.
+        compression: wire format of floating gradients (``Compression.none/fp16/bf16``).
+        prescale_factor: multiply gradients by this before the sum (e.g. a gradient predivide).
+        postscale_factor: multiply by this after the sum (on top of ``1/size`` for Average).
+        process_set: reduce over these ranks only; on other ranks the reducer does nothing.
 
     Raises:
         ValueError: duplicate names or parameters, or an op other than Average/Sum.
+        CollectiveMismatchError: (first step) the bucket layout differs between ranks.
     """
 
     def __init__(
@@ -140,12 +145,21 @@ class GradientReducer:
         world: World,
         config: FusionConfig | None = None,
         op: ReduceOp | str | None = None,
+        compression: Compressor = Compression.none,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet | None = None,
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
         self.op = to_reduce_op(op)
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
+        self.compression = compression
+        self.prescale_factor = prescale_factor
+        self.postscale_factor = postscale_factor
+        self.active = process_set is None or process_set.included()
+        self.process_set = resolve_set(process_set, world, "GradientReducer") if self.active else None
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         _check_unique(named)
         self.require_sync = True
@@ -161,12 +175,24 @@ class GradientReducer:
                 if p.grad is not None:
                     bucket.views[pos].copy_(p.grad)
                     p.grad = bucket.views[pos]
+        for bucket in self._buckets:
+            bucket.sig = self._bucket_signature(bucket)
         self._next_launch = 0
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            for b in self._buckets
-            for p in b.params
-        ]
+        self._handles = []
+        if self.active:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for b in self._buckets
+                for p in b.params
+            ]
+
+    def _bucket_signature(self, bucket: _Bucket) -> Signature:
+        layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
+        extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout))
+        return signature(
+            "bucket", f"gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat, self.op,
+            self.prescale_factor, self.postscale_factor, self.compression, extra,
+        )
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -220,11 +246,11 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.op is ReduceOp.AVERAGE and bucket.flat.dtype in (torch.float16, torch.bfloat16):
-            bucket.flat.div_(self.world.size)  # divide first: an fp16 sum can overflow
-        bucket.work = dist.all_reduce(
-            bucket.flat, op=dist.ReduceOp.SUM, group=self.world.group_for(bucket.flat),
-            async_op=True,
+        assert self.process_set is not None
+        bucket.work = start_allreduce(
+            bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
+            prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
+            compression=self.compression, kind="bucket", sig=bucket.sig,
         )
         self._next_launch += 1
 
@@ -243,25 +269,27 @@ class GradientReducer:
         """Finish the reduction of this step. On return every ``p.grad`` is reduced.
 
         A parameter whose hook did not fire on this rank (unused in this forward) contributes
-        its current ``.grad`` or zeros, so every rank issues the same collectives.
+        its current ``.grad`` or zeros, so every rank issues the same collectives. A parameter
+        with ``requires_grad=False`` and no gradient keeps ``.grad=None``. No-op on ranks
+        outside the reducer's process set.
         """
+        if not self.active:
+            return
         for bucket in self._buckets[self._next_launch :]:
             for pos in range(len(bucket.params)):
                 if not bucket.ready[pos]:
                     self._adopt_grad(bucket, pos)
                     bucket.ready[pos] = True
         self._launch_ready()
-        for bucket in self._buckets:
-            assert bucket.work is not None
-            bucket.work.wait()
-            if self.op is ReduceOp.AVERAGE and bucket.flat.dtype not in (
-                torch.float16,
-                torch.bfloat16,
-            ):
-                bucket.flat.div_(self.world.size)
-            bucket.work = None
-            bucket.ready = [False] * len(bucket.params)
-        self._next_launch = 0
+        try:
+            for bucket in self._buckets:
+                assert bucket.work is not None
+                bucket.work.finish()
+        finally:
+            for bucket in self._buckets:
+                bucket.work = None
+                bucket.ready = [False] * len(bucket.params)
+            self._next_launch = 0
 
     def remove(self) -> None:
         """Unregister the hooks; gradients stay where they are."""
