@@ -11,20 +11,23 @@ Algorithm:
    it launches one async allreduce. Buckets launch strictly in index order so every rank issues
    the same sequence of collectives.
 4. :meth:`GradientReducer.wait` launches whatever is left (a parameter that got no gradient on
-   this rank contributes zeros, so no rank hangs), waits on all work, then divides by the set
-   size (``Average``) in the same pass as ``postscale_factor``. Low-precision buckets and
-   compressed wires are divided *before* the sum to avoid fp16 overflow
-   (:mod:`hvd_trainer.comm.reduce`).
+   this rank contributes zeros, so no rank hangs) and waits on all work. ``prescale_factor``
+   and, for ``Average``, ``1/N`` are applied to each gradient as it enters its bucket (fused
+   with the copy, and before the sum so fp16 cannot overflow); ``postscale_factor`` after.
 5. Each bucket launch is a checked collective: its signature carries the bucket's layout
    (parameter names and shapes), so ranks whose layouts differ (e.g. a parameter that requires
    grad on one rank only) get :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` naming
    the parameter, on the first step; later steps hit the signature cache.
 
-Copies: after the first step every ``.grad`` *is* its bucket view, so autograd accumulates in
-place and nothing is copied in or out. When a ``.grad`` was set to ``None`` (``zero_grad()``,
-the default ``set_to_none=True``), autograd hands over a fresh tensor and the hook copies it into
-the bucket once (the same single copy DDP's ``gradient_as_bucket_view`` makes); zeroing with
-``set_to_none=False`` avoids that copy at the price of a memset.
+Copies: every ``.grad`` *is* its bucket view after the hook, and the reduction happens in the
+bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose default
+is ``set_to_none=True``), autograd hands over a fresh tensor and the hook writes it into the
+bucket *scaled by the pre-sum factor* in one pass (``torch.mul(g, f, out=view)``): the copy
+DDP's ``gradient_as_bucket_view`` makes, with the division by N folded in, so no separate pass
+divides the bucket afterwards. With ``zero_grad(set_to_none=False)`` autograd accumulates into
+the view in place and the hook only scales it. Re-pointing ``.grad`` at a zeroed view before
+backward (a tensor pre-hook) was measured too: memset + in-place add cost as much as the copy
+and need one more pass for the scale, so it is not used.
 """
 
 from __future__ import annotations
@@ -100,9 +103,10 @@ def _assign_buckets(
     for idx in reversed(range(len(named))):
         p = named[idx][1]
         key = (p.device, p.dtype)
-        cap = config.first_bucket_bytes if not buckets else config.fusion_threshold_bytes
         nbytes = p.numel() * p.element_size()
         current = open_bucket.get(key)
+        first = current is not None and current[0] is buckets[0]
+        cap = config.first_bucket_bytes if first else config.fusion_threshold_bytes
         if current is not None and current[1] + nbytes <= cap:
             current[0].append(idx)
             open_bucket[key] = (current[0], current[1] + nbytes)
@@ -160,6 +164,10 @@ class GradientReducer:
         self.postscale_factor = postscale_factor
         self.active = process_set is None or process_set.included()
         self.process_set = resolve_set(process_set, world, "GradientReducer") if self.active else None
+        set_size = process_set.size() if process_set is not None else world.size
+        # Gradients are scaled while they are copied into the bucket (one pass): prescale and,
+        # for Average, 1/N before the sum, which also keeps fp16 sums from overflowing.
+        self._pre_factor = prescale_factor / (set_size if self.op is ReduceOp.AVERAGE else 1)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         _check_unique(named)
         self.require_sync = True
@@ -226,17 +234,23 @@ class GradientReducer:
         self._launch_ready()
 
     def _adopt_grad(self, bucket: _Bucket, pos: int) -> None:
-        """Make ``param.grad`` the bucket view (copying the values in if autograd made a new
-        tensor, e.g. after ``zero_grad(set_to_none=True)``)."""
+        """Make ``param.grad`` the bucket view, multiplied by the pre-sum factor.
+
+        A new tensor from autograd (``.grad`` was ``None``) is copied in and scaled in one pass
+        (``torch.mul(..., out=view)``); a gradient already in the view is scaled in place.
+        """
         param, view = bucket.params[pos], bucket.views[pos]
         grad = param.grad
+        factor = self._pre_factor
         if grad is None:
             view.zero_()
             if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
                 param.grad = view
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            torch.mul(grad.detach().view_as(view), factor, out=view)
             param.grad = view
+        elif factor != 1.0:
+            view.mul_(factor)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
@@ -251,6 +265,7 @@ class GradientReducer:
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
             compression=self.compression, kind="bucket", sig=bucket.sig,
+            prescaled_post_factor=self.postscale_factor,
         )
         self._next_launch += 1
 

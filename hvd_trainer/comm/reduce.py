@@ -143,8 +143,13 @@ def start_allreduce(
     compression: Compressor = Compression.none,
     kind: str = "allreduce",
     sig: Signature | None = None,
+    prescaled_post_factor: float | None = None,
 ) -> Reduction:
     """Launch an in-place allreduce of the contiguous ``tensor``; see the module docstring.
+
+    ``prescaled_post_factor``: the caller already multiplied ``tensor`` by
+    ``prescale_factor`` (and ``1/N`` for Average), e.g. fused with the copy into a fusion
+    bucket; only this factor is applied after the sum.
 
     Raises:
         CommTypeError: not a tensor, bool Average/Product, or a bad compressor.
@@ -164,8 +169,11 @@ def start_allreduce(
     rec = pset.coordinator.begin(sig, tensor.numel() * tensor.element_size(), transports)
     rec.extra["device"] = tensor.device.type
     group = pset.group_for(tensor)
-    pre, post = _split_factors(tensor, op, n, prescale_factor, postscale_factor, compress)
-    _prescale(tensor, pre)
+    if prescaled_post_factor is None:
+        pre, post = _split_factors(tensor, op, n, prescale_factor, postscale_factor, compress)
+        _prescale(tensor, pre)
+    else:
+        post = prescaled_post_factor
     exp = 0
     if global_scale:
         exp = _global_exponent(tensor, op, n, pset, rec)
