@@ -14,6 +14,7 @@ from __future__ import annotations
 from hvd_trainer.comm import (
     Average,
     CollectiveMismatchError,
+    CommConfig,
     Compression,
     Handle,
     JoinedRankError,
@@ -48,7 +49,6 @@ from hvd_trainer.comm import (
     shutdown,
     synchronize,
 )
-from hvd_trainer.comm import CommConfig
 from hvd_trainer.comm import init as _comm_init
 
 __version__ = "0.1.0"
