@@ -13,6 +13,9 @@ In one run, interleaved per repetition so machine noise hits every variant alike
 (c) ``fused``: :class:`GradientReducer` driven by real autograd hooks: ``loss.backward()`` on
     parameters of exactly ResNet-50's shapes, then ``reducer.wait()``. Its time is the step
     (backward + wait) minus the same backward without a reducer, i.e. what the reducer adds.
+    Measured after ``zero_grad(set_to_none=True)`` (grads copied into buckets, scaled in the
+    same pass) and, for the default threshold, with grads kept as bucket views
+    (``zero_grad(set_to_none=False)``: autograd accumulates in place, nothing is copied).
 
 Prints ``RATIO fused_vs_flat=<x> per_tensor_vs_flat=<y>`` for the default threshold, one
 ``SWEEP`` line per threshold, and ``CHECK_OVERHEAD`` (cost of the cached cross-rank signature
@@ -89,13 +92,30 @@ class _Workload:
         self.zero_grad()
         return _timed(self.backward)
 
-    def fused(self, th: int) -> float:
+    def fused(self, th: int, set_to_none: bool = True) -> float:
         red = self.reducers[th]
         red._handles = [p.register_post_accumulate_grad_hook(red._on_grad_ready) for p in self.params]
-        self.zero_grad()
+        if set_to_none:
+            self.zero_grad()
+        else:  # zero_grad(set_to_none=False) before the step: grads stay bucket views
+            self.fused_warm(red)
         t = _timed(lambda: (self.backward(), red.wait()))
         red.remove()
         return t
+
+    def fused_warm(self, red) -> None:
+        for b in red._buckets:
+            b.flat.zero_()
+            for p, v in zip(b.params, b.views, strict=True):
+                p.grad = v
+
+    def plain_backward_inplace(self) -> float:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+        return _timed(self.backward)
 
 
 def _sample(w: _Workload, thresholds: list[int], default_threshold: int, cfg) -> dict[str, float]:
@@ -111,6 +131,8 @@ def _sample(w: _Workload, thresholds: list[int], default_threshold: int, cfg) ->
     cfg.check_signatures = False
     sample["fused_nocheck"] = w.fused(default_threshold)
     cfg.check_signatures = True
+    sample["backward_inplace"] = w.plain_backward_inplace()
+    sample["fused_inplace"] = w.fused(default_threshold, set_to_none=False)
     return sample
 
 
@@ -165,6 +187,9 @@ def main() -> None:
         fused = t[f"fused_{DEFAULT_FUSION_THRESHOLD_BYTES}"] - t["backward"]
         print(f"[{stat}] RATIO fused_vs_flat={fused / t['flat']:.3f} "
               f"per_tensor_vs_flat={t['per_tensor'] / t['flat']:.3f}")
+        inplace = t["fused_inplace"] - t["backward_inplace"]
+        print(f"[{stat}] zero_grad(set_to_none=False) (no copy in): fused_vs_flat={inplace / t['flat']:.3f} "
+              f"(step={t['fused_inplace'] * 1e3:.1f}ms backward={t['backward_inplace'] * 1e3:.1f}ms)")
     med = res["median"]
     step_on = med[f"fused_{DEFAULT_FUSION_THRESHOLD_BYTES}"]
     per_step = res["t_check"] * res["n_buckets"][DEFAULT_FUSION_THRESHOLD_BYTES]

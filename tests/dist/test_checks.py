@@ -96,7 +96,7 @@ def _stall() -> dict:
     for _ in range(3):
         hvd.allreduce(y, name="grads")  # the signature is cached from here on
     if r == 1:
-        time.sleep(8)  # "stuck in compute": never reaches the next allreduce in time
+        time.sleep(6)  # "stuck in compute": never reaches the next allreduce in time
         return {}
     t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
