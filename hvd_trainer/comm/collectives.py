@@ -105,7 +105,9 @@ def allreduce_async_(
     Args:
         tensor: any shape and dtype, identical on every rank of the set.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` (or a string /
-            ``torch.distributed.ReduceOp``).
+            ``torch.distributed.ReduceOp``). Integer ``Average`` is the exact integer sum
+            divided by the set size, rounded toward zero, in the input dtype
+            (``[1, 2] -> 1``, ``[-1, -2] -> -1``).
         name: label for error messages and the timeline.
         prescale_factor: multiply by this before the sum. postscale_factor: after it.
         compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only).

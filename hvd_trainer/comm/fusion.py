@@ -133,6 +133,8 @@ class GradientReducer:
         config: bucket sizes.
         op: ``Average`` (default) or ``Sum``.
         compression: wire format of floating gradients (``Compression.none/fp16/bf16``).
+            ``fp16`` adds one blocking 4-byte allreduce per bucket (the global scale, see
+            :mod:`hvd_trainer.comm.compression`); ``bf16`` stays fully asynchronous.
         prescale_factor: multiply gradients by this before the sum (e.g. a gradient predivide).
         postscale_factor: multiply by this after the sum (on top of ``1/size`` for Average).
         process_set: reduce over these ranks only; on other ranks the reducer does nothing.

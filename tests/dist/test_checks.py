@@ -30,6 +30,7 @@ def _cases(hvd, r: int) -> list[tuple[str, object]]:
         ("name", lambda: hvd.allreduce(x, name=f"w_name_{r}")),
         ("order", lambda: hvd.allreduce(x, name="w_first") if r == 0 else hvd.allgather(x, name="w_second")),
         ("grouped", lambda: hvd.grouped_allreduce([x, torch.ones(2 + r)], name="w_group")),
+        ("process_set", lambda: hvd.ProcessSet([r])),  # new_group order/ranks must agree
     ]
 
 
@@ -71,6 +72,7 @@ EXPECTED_TEXT = {
     "name": ["w_name_0", "w_name_1"],
     "order": ["w_first", "w_second", "allreduce", "allgather"],
     "grouped": ["w_group", "shapes"],
+    "process_set": ["process_set#1", "ranks", "rank 0 = [0], rank 1 = [1]"],
     "blocked": ["'steady'", "[4]", "[5]"],
 }
 
