@@ -10,7 +10,9 @@ Mechanism (the cheapest correct one we found; cost printed by ``bench/allreduce_
    is a new key too. When the key is new on this rank, the rank writes its signature to the
    job's key-value store (the ``TCPStore`` of the process group) under ``(set, seq, rank)``,
    waits for the other ranks' entries and compares them. Training repeats the same pairs every
-   step, so after the first steps the check is a tuple hash and a set lookup.
+   step, so after the first steps the check is a tuple hash and a set lookup. Entries are
+   deleted once a later collective proves every rank has moved past them, and the cache holds
+   at most ``CACHE_CAPACITY`` pairs, so neither the store nor the cache grows without bound.
 3. A collective still running after ``suspect_after_seconds`` writes its signature under the
    same key and reads the others'. Ranks that disagree about whether a check is needed (only
    possible when their histories differ) therefore still meet: the rank in the check and the
@@ -51,6 +53,12 @@ log = logging.getLogger(__name__)
 
 REDUCING_KINDS = frozenset({"allreduce", "grouped_allreduce", "bucket"})
 """Collectives a joined rank can take part in (with zeros)."""
+
+_RECEIVE_FROM_ALL = REDUCING_KINDS | {"allgather", "alltoall", "reducescatter", "barrier"}
+"""Collectives that cannot complete on a rank before every member has entered them."""
+
+CACHE_CAPACITY = 4096
+"""Signature pairs remembered per process set (Horovod's response cache holds 1024)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +158,7 @@ class Coordinator:
         self._prev: Signature | None = None
         self._cache: set[tuple[Signature | None, Signature]] = set()
         self.outstanding: dict[int, Op] = {}
+        self._checked_seqs: list[int] = []
         self.board = JoinBoard(store, prefix, rank, ranks)
         self.multi = len(self.ranks) > 1 and store is not None
         self.check_seconds_total = 0.0
@@ -175,6 +184,8 @@ class Coordinator:
         self._prev = sig
         if self.config.check_signatures and key not in self._cache:
             self._exchange(op)
+            if len(self._cache) >= CACHE_CAPACITY:
+                self._cache.clear()
             self._cache.add(key)
         return op
 
@@ -198,9 +209,9 @@ class Coordinator:
         op.done = True
         self.outstanding.pop(op.seq, None)
         if op.extra.get("unpublish"):
-            # Only entries written while blocked in the transport are removed (bounded store).
-            # Pre-check entries stay: a peer may pass a broadcast before a slow reader reads.
-            self._unpublish(op)
+            self._unpublish(op.seq)
+        if self._checked_seqs and op.sig.kind in _RECEIVE_FROM_ALL:
+            self._drop_checked_before(op.seq)
         if self.timeline:
             self._record(op, t_wait_us)
 
@@ -274,6 +285,7 @@ class Coordinator:
         t0_us = self.timeline.now_us() if self.timeline else 0.0
         self.store.set(self._key(op.seq, self.rank), op.sig.encode())
         op.published = True
+        self._checked_seqs.append(op.seq)
         others = [q for q in self.ranks if q != self.rank]
         keys = [self._key(op.seq, q) for q in others]
         arrived = not self.board.active and self._poll_keys(keys, self.config.suspect_after_seconds)
@@ -356,9 +368,20 @@ class Coordinator:
             op.warned = True
             warnings.warn(text, RuntimeWarning, stacklevel=3)
 
-    def _unpublish(self, op: Op) -> None:
+    def _unpublish(self, seq: int) -> None:
         with contextlib.suppress(RuntimeError):
-            self.store.delete_key(self._key(op.seq, self.rank))
+            self.store.delete_key(self._key(seq, self.rank))
+
+    def _drop_checked_before(self, seq: int) -> None:
+        """Delete this rank's pre-check entries older than ``seq``. Safe once a collective
+        that receives from every member completed at ``seq``: every member has entered it, so
+        none can still be reading an older entry. (A broadcast root may finish first, so a
+        broadcast does not count.) Keeps the store bounded."""
+        keep = [k for k in self._checked_seqs if k >= seq]
+        for k in self._checked_seqs:
+            if k < seq:
+                self._unpublish(k)
+        self._checked_seqs = keep
 
     def _diagnose_failure(self, op: Op, exc: BaseException) -> None:
         """The transport failed (e.g. a peer exited): raise a mismatch instead if one is known."""
