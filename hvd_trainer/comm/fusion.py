@@ -57,7 +57,7 @@ class FusionConfig:
 
     fusion_threshold_bytes: int = field(default_factory=default_fusion_threshold_bytes)
     """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion). Default:
-    ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB (measured, see ``bench/allreduce_fusion.py``)."""
+    ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB (measured, see ``config.DEFAULT_FUSION_THRESHOLD_BYTES``)."""
     first_bucket_bytes: int = 1 * _MIB
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
     early in backward."""
