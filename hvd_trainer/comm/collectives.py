@@ -124,6 +124,7 @@ def allreduce_async_(
         postscale_factor=postscale_factor, compression=compression,
     )
 
+    @torch.no_grad()
     def finish() -> torch.Tensor:
         if target is not tensor:
             tensor.copy_(target)
@@ -232,6 +233,7 @@ def grouped_allreduce_async(
                               kind="grouped_allreduce", sig=sig)
         parts.append((idx, flat, red))
 
+    @torch.no_grad()
     def finish() -> list[torch.Tensor]:
         out: list[torch.Tensor] = list(tensors)
         for idx, flat, _ in parts:

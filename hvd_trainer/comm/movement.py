@@ -99,6 +99,7 @@ def allgather(
     return torch.cat([o[:c] for o, c in zip(out, counts, strict=True)], dim=0)
 
 
+@torch.no_grad()  # writes into parameters in place (broadcast_parameters)
 def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None,
     process_set: ProcessSet | None = None, *, world: World | None = None,

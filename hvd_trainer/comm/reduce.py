@@ -66,6 +66,7 @@ class Reduction:
         """True when the transport has completed (never blocks)."""
         return self.op.done or self.op.work is None or bool(self.op.work.is_completed())
 
+    @torch.no_grad()
     def finish(self) -> torch.Tensor:
         if self.finished:
             return self.tensor
@@ -132,6 +133,7 @@ def signature(
     )
 
 
+@torch.no_grad()  # collectives write into parameters and gradients in place
 def start_allreduce(
     tensor: torch.Tensor,
     *,

@@ -83,6 +83,9 @@ def test_world_of_one() -> None:
         assert hvd.alltoall(torch.arange(3.0), splits=[3])[1].tolist() == [3]
         assert hvd.reducescatter(torch.arange(4.0)).tolist() == [0.0, 1.0, 2.0, 3.0]
         assert hvd.join() == 0
+        param = torch.nn.Parameter(torch.ones(2, 3))  # in place into a leaf that requires grad
+        assert hvd.broadcast_(param.t(), 0) is not None and param.requires_grad
+        assert hvd.allreduce_(param, prescale_factor=2.0).sum().item() == 12.0
         assert hvd.ProcessSet([0]).size() == 1
         with pytest.raises(ValueError, match="outside a world of size 1"):
             hvd.ProcessSet([1])
