@@ -14,24 +14,40 @@ from __future__ import annotations
 from hvd_trainer.comm import (
     Average,
     CollectiveMismatchError,
+    CommConfig,
+    Compression,
+    Handle,
+    JoinedRankError,
     Max,
     Min,
     NotInitializedError,
+    ProcessSet,
     Product,
     ReduceOp,
+    StallError,
     Sum,
     World,
     allgather,
     allgather_object,
     allreduce,
     allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
     barrier,
     broadcast,
     broadcast_,
     broadcast_object,
     get_world,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
     is_initialized,
+    join,
+    poll,
+    reducescatter,
     shutdown,
+    synchronize,
 )
 from hvd_trainer.comm import init as _comm_init
 
@@ -41,24 +57,30 @@ __all__ = [
     "__version__",
     "init", "shutdown", "is_initialized", "get_world", "World",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
-    "allreduce", "allreduce_", "allgather", "broadcast", "broadcast_", "barrier",
-    "broadcast_object", "allgather_object",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize", "Handle",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",
+    "broadcast_object", "allgather_object", "ProcessSet", "Compression",
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
-    "CollectiveMismatchError", "NotInitializedError",
+    "CollectiveMismatchError", "NotInitializedError", "StallError", "JoinedRankError",
 ]
 
 
-def init(*, backend: str | None = None, timeout_seconds: float = 600.0) -> World:
+def init(
+    *, backend: str | None = None, timeout_seconds: float = 600.0, config: CommConfig | None = None
+) -> World:
     """Join the job started by hvdrun/torchrun (or form a world of one). Idempotent.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
         timeout_seconds: collective and rendezvous timeout, seconds.
+        config: cross-rank checks, stall inspection and timeline (default: from the
+            environment, e.g. ``HOROVOD_TIMELINE``).
 
     Returns:
         The :class:`World` (rank, size, local_rank, ..., device, backend).
     """
-    return _comm_init(backend=backend, timeout_seconds=timeout_seconds)
+    return _comm_init(backend=backend, timeout_seconds=timeout_seconds, config=config)
 
 
 def size() -> int:

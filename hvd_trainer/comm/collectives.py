@@ -1,190 +1,258 @@
-"""Collectives over a :class:`~hvd_trainer.comm.world.World`: Horovod semantics on
-``torch.distributed``.
+"""Reductions with Horovod semantics: ``allreduce`` (+ in-place and async forms),
+``grouped_allreduce``, and the async handles ``poll`` / ``synchronize``.
 
-Every function takes the world explicitly (``world=None`` means the one from
-:func:`~hvd_trainer.comm.world.get_world`). CPU tensors travel over the world's gloo group even
-when the main backend is NCCL. Results are new tensors unless the name ends in ``_``.
+Every function takes ``process_set=`` (``None``: the whole job) and ``world=`` (``None``: the
+world from :func:`~hvd_trainer.comm.world.get_world`). CPU tensors travel over gloo even when
+the main backend is NCCL. Results are new tensors unless the name ends in ``_``. Numerics
+(Average, integers, scale factors, compression) are described in :mod:`hvd_trainer.comm.reduce`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
-from hvd_trainer.comm.world import World, get_world
+from hvd_trainer.comm.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
+from hvd_trainer.comm.world import World
 
 __all__ = [
+    "Handle",
     "allreduce",
     "allreduce_",
-    "allgather",
-    "broadcast",
-    "broadcast_",
-    "barrier",
-    "broadcast_object",
-    "allgather_object",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "poll",
+    "synchronize",
 ]
 
 
-def _world(world: World | None) -> World:
-    return get_world() if world is None else world
+class Handle:
+    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`."""
+
+    __slots__ = ("_reductions", "_finish", "_result", "_done")
+
+    def __init__(self, reductions: list[Reduction], finish: Callable[[], Any]) -> None:
+        self._reductions = reductions
+        self._finish = finish
+        self._result: Any = None
+        self._done = False
+
+    def poll(self) -> bool:
+        """True when the result is ready (never blocks)."""
+        return self._done or all(r.poll() for r in self._reductions)
+
+    def wait(self) -> Any:
+        """Block until done and return the result (idempotent)."""
+        if not self._done:
+            for r in self._reductions:
+                r.finish()
+            self._result = self._finish()
+            self._done = True
+        return self._result
 
 
-def _check_tensor(tensor: Any, fn: str) -> torch.Tensor:
+def poll(handle: Handle) -> bool:
+    """Whether the async collective behind ``handle`` has completed (never blocks)."""
+    return _handle(handle).poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle`` and return its result tensor (or list of tensors).
+
+    Raises:
+        CollectiveMismatchError, StallError, JoinedRankError: found while waiting.
+    """
+    return _handle(handle).wait()
+
+
+def _handle(handle: Any) -> Handle:
+    if not isinstance(handle, Handle):
+        raise CommTypeError(
+            f"expected a Handle from an *_async call, got {type(handle).__name__}. "
+            "HINT: h = allreduce_async(t); result = synchronize(h)."
+        )
+    return handle
+
+
+def _tensor(tensor: Any, fn: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{fn} expects a torch.Tensor, got {type(tensor).__name__}.")
+        raise CommTypeError(f"{fn} expects a torch.Tensor, got {type(tensor).__name__}.")
     return tensor
 
 
-def _average_inplace(tensor: torch.Tensor, size: int) -> None:
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.div_(size)
-    elif tensor.dtype == torch.bool:
-        raise TypeError("Average of a bool tensor is undefined; use Sum, Min or Max.")
-    else:
-        # Integer Average: the exact sum divided by the world size, rounded toward zero, in
-        # the input dtype (Horovod divides integers the same way).
-        tensor.copy_(torch.div(tensor, size, rounding_mode="trunc"))
+def allreduce_async_(
+    tensor: torch.Tensor,
+    op: ReduceOp | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Compressor = Compression.none,
+    process_set: ProcessSet | None = None,
+    *,
+    world: World | None = None,
+) -> Handle:
+    """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor``.
+
+    Args:
+        tensor: any shape and dtype, identical on every rank of the set.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` (or a string /
+            ``torch.distributed.ReduceOp``). Integer ``Average`` is the exact integer sum
+            divided by the set size, rounded toward zero, in the input dtype
+            (``[1, 2] -> 1``, ``[-1, -2] -> -1``).
+        name: label for error messages and the timeline.
+        prescale_factor: multiply by this before the sum. postscale_factor: after it.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only).
+        process_set: the ranks to reduce over (this rank must be a member).
+
+    Raises:
+        CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
+    """
+    _tensor(tensor, "allreduce")
+    pset = resolve_set(process_set, world, "allreduce")
+    target = tensor if tensor.is_contiguous() else tensor.contiguous()
+    red = start_allreduce(
+        target, op=to_reduce_op(op), pset=pset, name=name, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, compression=compression,
+    )
+
+    @torch.no_grad()
+    def finish() -> torch.Tensor:
+        if target is not tensor:
+            tensor.copy_(target)
+        return tensor
+
+    return Handle([red], finish)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: ReduceOp | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Compressor = Compression.none,
+    process_set: ProcessSet | None = None,
+    *,
+    world: World | None = None,
+) -> Handle:
+    """Out-of-place :func:`allreduce_async_`: ``tensor`` is unchanged; the result is new."""
+    _tensor(tensor, "allreduce")
+    return allreduce_async_(
+        tensor.detach().clone(memory_format=torch.contiguous_format), op, name, prescale_factor,
+        postscale_factor, compression, process_set, world=world,
+    )
 
 
 def allreduce_(
     tensor: torch.Tensor,
     op: ReduceOp | str | None = None,
     name: str | None = None,
-    *,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    compression: Compressor = Compression.none,
+    process_set: ProcessSet | None = None,
+    *,
     world: World | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks, in place, and return it.
-
-    Args:
-        tensor: any shape and dtype, identical on every rank.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` (or a string /
-            ``torch.distributed.ReduceOp``). Integer ``Average`` = sum // size (toward zero).
-        name: label for error messages and the timeline.
-        prescale_factor: multiply by this before reducing.
-        postscale_factor: multiply by this after reducing.
-
-    Raises:
-        TypeError: not a tensor, or ``Average`` of a bool tensor.
-    """
-    _check_tensor(tensor, "allreduce")
-    w = _world(world)
-    rop = to_reduce_op(op)
-    low_precision = tensor.dtype in (torch.float16, torch.bfloat16)
-    if prescale_factor != 1.0:
-        tensor.mul_(prescale_factor)
-    if rop is ReduceOp.AVERAGE and low_precision:
-        # Divide first so the fp16/bf16 sum cannot overflow to inf.
-        tensor.div_(w.size)
-    dist.all_reduce(tensor, op=rop.torch_op, group=w.group_for(tensor))
-    if rop is ReduceOp.AVERAGE and not low_precision:
-        _average_inplace(tensor, w.size)
-    if postscale_factor != 1.0:
-        tensor.mul_(postscale_factor)
-    return tensor
+    """Reduce ``tensor`` over the set, in place, and return it. See :func:`allreduce_async_`."""
+    return allreduce_async_(
+        tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
+    ).wait()
 
 
 def allreduce(
     tensor: torch.Tensor,
     op: ReduceOp | str | None = None,
     name: str | None = None,
-    *,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    compression: Compressor = Compression.none,
+    process_set: ProcessSet | None = None,
+    *,
     world: World | None = None,
 ) -> torch.Tensor:
-    """Out-of-place :func:`allreduce_`: returns a new tensor, ``tensor`` is unchanged."""
-    _check_tensor(tensor, "allreduce")
-    return allreduce_(
-        tensor.detach().clone(),
-        op,
-        name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
-        world=world,
-    )
+    """Return the reduction of ``tensor`` over the set; ``tensor`` is unchanged.
 
-
-def allgather(tensor: torch.Tensor, name: str | None = None, *, world: World | None = None):
-    """Concatenate every rank's ``tensor`` along dim 0, in rank order.
-
-    Args:
-        tensor: shape ``[n_r, *rest]``; ``n_r`` may differ per rank, ``rest`` and dtype must
-            match. A 0-d tensor is treated as shape ``[1]``.
-
-    Returns:
-        Tensor of shape ``[sum_r n_r, *rest]``.
+    Example:
+        >>> hvd.allreduce(torch.tensor([float(hvd.rank())]))   # mean of the ranks
     """
-    _check_tensor(tensor, "allgather")
-    w = _world(world)
-    t = tensor.detach()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    t = t.contiguous()
-    group = w.group_for(t)
-    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
-    all_rows = [torch.zeros_like(rows) for _ in range(w.size)]
-    dist.all_gather(all_rows, rows, group=group)
-    counts = [int(r.item()) for r in all_rows]
-    max_rows = max(counts)
-    padded = t
-    if t.shape[0] < max_rows:
-        pad = t.new_zeros((max_rows - t.shape[0], *t.shape[1:]))
-        padded = torch.cat([t, pad], dim=0)
-    out = [torch.empty_like(padded) for _ in range(w.size)]
-    dist.all_gather(out, padded, group=group)
-    return torch.cat([o[:c] for o, c in zip(out, counts, strict=True)], dim=0)
+    return allreduce_async(
+        tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
+    ).wait()
 
 
-def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, *, world: World | None = None
-) -> torch.Tensor:
-    """Overwrite ``tensor`` on every rank with ``root_rank``'s values, in place, and return it.
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    op: ReduceOp | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Compressor = Compression.none,
+    process_set: ProcessSet | None = None,
+    *,
+    inplace: bool = False,
+    world: World | None = None,
+) -> Handle:
+    """Reduce a list of tensors as one fused operation per dtype (one collective each).
+
+    The tensors are packed into one flat buffer per dtype (in list order), reduced, and
+    unpacked. :func:`synchronize` returns the list of results (the inputs when ``inplace``).
 
     Raises:
-        ValueError: ``root_rank`` outside ``[0, size)``.
+        CommValueError: an empty list or tensors on different devices.
     """
-    _check_tensor(tensor, "broadcast")
-    w = _world(world)
-    if not 0 <= root_rank < w.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank of a world of size {w.size}.")
-    dist.broadcast(tensor, src=root_rank, group=w.group_for(tensor))
-    return tensor
+    tensors = [_tensor(t, "grouped_allreduce") for t in tensors]
+    if not tensors:
+        raise CommValueError("grouped_allreduce got an empty list. HINT: pass at least one tensor.")
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:
+        raise CommValueError(f"grouped_allreduce needs one device, got tensors on {devices}.")
+    pset = resolve_set(process_set, world, "grouped_allreduce")
+    rop = to_reduce_op(op)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    parts = []
+    for dtype, idx in by_dtype.items():
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+        label = f"{name}.{str(dtype).replace('torch.', '')}" if name else None
+        shapes = ("shapes", [list(tensors[i].shape) for i in idx])
+        sig = signature("grouped_allreduce", label, flat, rop, prescale_factor, postscale_factor,
+                        compression, (shapes,))
+        red = start_allreduce(flat, op=rop, pset=pset, name=label, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, compression=compression,
+                              kind="grouped_allreduce", sig=sig)
+        parts.append((idx, flat, red))
+
+    @torch.no_grad()
+    def finish() -> list[torch.Tensor]:
+        out: list[torch.Tensor] = list(tensors)
+        for idx, flat, _ in parts:
+            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
+                view = piece.view(tensors[i].shape)
+                if inplace:
+                    tensors[i].copy_(view)
+                else:
+                    out[i] = view
+        return out
+
+    return Handle([red for _, _, red in parts], finish)
 
 
-def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, *, world: World | None = None
-) -> torch.Tensor:
-    """Out-of-place :func:`broadcast_`."""
-    _check_tensor(tensor, "broadcast")
-    return broadcast_(tensor.detach().clone(), root_rank, name, world=world)
+def grouped_allreduce(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """Out-of-place grouped allreduce; same arguments as :func:`grouped_allreduce_async`."""
+    return grouped_allreduce_async(tensors, *args, **kwargs).wait()
 
 
-def barrier(*, world: World | None = None) -> None:
-    """Block until every rank reaches this call."""
-    w = _world(world)
-    dist.barrier(group=w.cpu_group)
-
-
-def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, *, world: World | None = None
-) -> Any:
-    """Return ``root_rank``'s ``obj`` (pickled) on every rank."""
-    w = _world(world)
-    if not 0 <= root_rank < w.size:
-        raise ValueError(f"root_rank={root_rank} is not a rank of a world of size {w.size}.")
-    box = [obj if w.rank == root_rank else None]
-    dist.broadcast_object_list(box, src=root_rank, group=w.cpu_group)
-    return box[0]
-
-
-def allgather_object(obj: Any, name: str | None = None, *, world: World | None = None) -> list:
-    """Return the list of every rank's ``obj`` (pickled), in rank order."""
-    w = _world(world)
-    out: list[Any] = [None] * w.size
-    dist.all_gather_object(out, obj, group=w.cpu_group)
-    return out
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
+    """In-place grouped allreduce; returns ``tensors``."""
+    return grouped_allreduce_async(tensors, *args, inplace=True, **kwargs).wait()

@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
-__all__ = ["CommError", "NotInitializedError", "CollectiveMismatchError"]
+__all__ = [
+    "CommError",
+    "CommValueError",
+    "CommTypeError",
+    "NotInitializedError",
+    "CollectiveMismatchError",
+    "StallError",
+    "JoinedRankError",
+]
 
 
 class CommError(RuntimeError):
     """Base class for hvd_trainer communication errors."""
+
+
+class CommValueError(ValueError):
+    """A collective received an invalid argument (bad root rank, splits, process set...)."""
+
+
+class CommTypeError(TypeError):
+    """A collective received an argument of the wrong type (not a tensor, bool Average...)."""
 
 
 class NotInitializedError(ValueError):
@@ -23,8 +39,16 @@ class NotInitializedError(ValueError):
 
 
 class CollectiveMismatchError(CommError):
-    """Ranks disagreed on a collective (op, name, shape, dtype, root, ...).
+    """Ranks disagreed on a collective (op, name, shape, dtype, root, call order, ...).
 
     Raised on every rank, naming the tensor and listing each rank's value, instead of the
     hang or silent corruption the transport would otherwise produce.
     """
+
+
+class StallError(CommError):
+    """Some ranks did not reach a collective within the stall timeout; they are named."""
+
+
+class JoinedRankError(CommError):
+    """A collective other than allreduce ran while a rank had called :func:`join`."""

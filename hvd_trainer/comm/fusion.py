@@ -11,22 +11,39 @@ Algorithm:
    it launches one async allreduce. Buckets launch strictly in index order so every rank issues
    the same sequence of collectives.
 4. :meth:`GradientReducer.wait` launches whatever is left (a parameter that got no gradient on
-   this rank contributes zeros, so no rank hangs), waits on all work, then divides by the world
-   size (``Average``). Low-precision buckets are divided *before* the sum to avoid fp16
-   overflow.
+   this rank contributes zeros, so no rank hangs) and waits on all work. ``prescale_factor``
+   and, for ``Average``, ``1/N`` are applied to each gradient as it enters its bucket (fused
+   with the copy, and before the sum so fp16 cannot overflow); ``postscale_factor`` after.
+5. Each bucket launch is a checked collective: its signature carries the bucket's layout
+   (parameter names and shapes), so ranks whose layouts differ (e.g. a parameter that requires
+   grad on one rank only) get :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` naming
+   the parameter, on the first step; later steps hit the signature cache.
+
+Copies: every ``.grad`` *is* its bucket view after the hook, and the reduction happens in the
+bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose default
+is ``set_to_none=True``), autograd hands over a fresh tensor and the hook writes it into the
+bucket *scaled by the pre-sum factor* in one pass (``torch.mul(g, f, out=view)``): the copy
+DDP's ``gradient_as_bucket_view`` makes, with the division by N folded in, so no separate pass
+divides the bucket afterwards. With ``zero_grad(set_to_none=False)`` autograd accumulates into
+the view in place and the hook only scales it. Re-pointing ``.grad`` at a zeroed view before
+backward (a tensor pre-hook) was measured too: memset + in-place add cost as much as the copy
+and need one more pass for the scale, so it is not used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from hvd_trainer.comm.checks import Signature
+from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.config import default_fusion_threshold_bytes
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
 
 __all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
@@ -34,28 +51,13 @@ __all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
 _MIB = 1024 * 1024
 
 
-def default_fusion_threshold_bytes() -> int:
-    """Fusion threshold in bytes: ``HOROVOD_FUSION_THRESHOLD`` when set, else 64 MiB."""
-    value = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if value in (None, ""):
-        return 64 * _MIB
-    try:
-        parsed = int(value)
-    except ValueError as exc:
-        raise ValueError(
-            f"HOROVOD_FUSION_THRESHOLD={value!r} is not an integer number of bytes."
-        ) from exc
-    if parsed < 0:
-        raise ValueError(f"HOROVOD_FUSION_THRESHOLD={parsed} must be >= 0 (0 disables fusion).")
-    return parsed
-
-
 @dataclass(kw_only=True, slots=True)
 class FusionConfig:
     """How gradients are packed into buckets."""
 
     fusion_threshold_bytes: int = field(default_factory=default_fusion_threshold_bytes)
-    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion)."""
+    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion). Default:
+    ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB (measured, see ``config.DEFAULT_FUSION_THRESHOLD_BYTES``)."""
     first_bucket_bytes: int = 1 * _MIB
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
     early in backward."""
@@ -70,7 +72,7 @@ class FusionConfig:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work")
+    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work", "sig")
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
         self.index = index
@@ -84,7 +86,8 @@ class _Bucket:
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
         self.ready = [False] * len(params)
-        self.work: dist.Work | None = None
+        self.work: Reduction | None = None
+        self.sig: Signature | None = None
 
     @property
     def nbytes(self) -> int:
@@ -100,9 +103,10 @@ def _assign_buckets(
     for idx in reversed(range(len(named))):
         p = named[idx][1]
         key = (p.device, p.dtype)
-        cap = config.first_bucket_bytes if not buckets else config.fusion_threshold_bytes
         nbytes = p.numel() * p.element_size()
         current = open_bucket.get(key)
+        first = current is not None and current[0] is buckets[0]
+        cap = config.first_bucket_bytes if first else config.fusion_threshold_bytes
         if current is not None and current[1] + nbytes <= cap:
             current[0].append(idx)
             open_bucket[key] = (current[0], current[1] + nbytes)
@@ -128,9 +132,16 @@ class GradientReducer:
         world: the world to reduce over.
         config: bucket sizes.
         op: ``Average`` (default) or ``Sum``.
+        compression: wire format of floating gradients (``Compression.none/fp16/bf16``).
+            ``fp16`` adds one blocking 4-byte allreduce per bucket (the global scale, see
+            :mod:`hvd_trainer.comm.compression`); ``bf16`` stays fully asynchronous.
+        prescale_factor: multiply gradients by this before the sum (e.g. a gradient predivide).
+        postscale_factor: multiply by this after the sum (on top of ``1/size`` for Average).
+        process_set: reduce over these ranks only; on other ranks the reducer does nothing.
 
     Raises:
         ValueError: duplicate names or parameters, or an op other than Average/Sum.
+        CollectiveMismatchError: (first step) the bucket layout differs between ranks.
     """
 
     def __init__(
@@ -140,12 +151,25 @@ class GradientReducer:
         world: World,
         config: FusionConfig | None = None,
         op: ReduceOp | str | None = None,
+        compression: Compressor = Compression.none,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet | None = None,
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
         self.op = to_reduce_op(op)
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
+        self.compression = compression
+        self.prescale_factor = prescale_factor
+        self.postscale_factor = postscale_factor
+        self.active = process_set is None or process_set.included()
+        self.process_set = resolve_set(process_set, world, "GradientReducer") if self.active else None
+        set_size = process_set.size() if process_set is not None else world.size
+        # Gradients are scaled while they are copied into the bucket (one pass): prescale and,
+        # for Average, 1/N before the sum, which also keeps fp16 sums from overflowing.
+        self._pre_factor = prescale_factor / (set_size if self.op is ReduceOp.AVERAGE else 1)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         _check_unique(named)
         self.require_sync = True
@@ -161,12 +185,24 @@ class GradientReducer:
                 if p.grad is not None:
                     bucket.views[pos].copy_(p.grad)
                     p.grad = bucket.views[pos]
+        for bucket in self._buckets:
+            bucket.sig = self._bucket_signature(bucket)
         self._next_launch = 0
-        self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
-            for b in self._buckets
-            for p in b.params
-        ]
+        self._handles = []
+        if self.active:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for b in self._buckets
+                for p in b.params
+            ]
+
+    def _bucket_signature(self, bucket: _Bucket) -> Signature:
+        layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
+        extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout))
+        return signature(
+            "bucket", f"gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat, self.op,
+            self.prescale_factor, self.postscale_factor, self.compression, extra,
+        )
 
     # -- properties -------------------------------------------------------------------------
     @property
@@ -200,17 +236,23 @@ class GradientReducer:
         self._launch_ready()
 
     def _adopt_grad(self, bucket: _Bucket, pos: int) -> None:
-        """Make ``param.grad`` the bucket view (copying the values in if autograd made a new
-        tensor, e.g. after ``zero_grad(set_to_none=True)``)."""
+        """Make ``param.grad`` the bucket view, multiplied by the pre-sum factor.
+
+        A new tensor from autograd (``.grad`` was ``None``) is copied in and scaled in one pass
+        (``torch.mul(..., out=view)``); a gradient already in the view is scaled in place.
+        """
         param, view = bucket.params[pos], bucket.views[pos]
         grad = param.grad
+        factor = self._pre_factor
         if grad is None:
             view.zero_()
             if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
                 param.grad = view
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            torch.mul(grad.detach().view_as(view), factor, out=view)
             param.grad = view
+        elif factor != 1.0:
+            view.mul_(factor)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
@@ -220,11 +262,12 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        if self.op is ReduceOp.AVERAGE and bucket.flat.dtype in (torch.float16, torch.bfloat16):
-            bucket.flat.div_(self.world.size)  # divide first: an fp16 sum can overflow
-        bucket.work = dist.all_reduce(
-            bucket.flat, op=dist.ReduceOp.SUM, group=self.world.group_for(bucket.flat),
-            async_op=True,
+        assert self.process_set is not None
+        bucket.work = start_allreduce(
+            bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
+            prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
+            compression=self.compression, kind="bucket", sig=bucket.sig,
+            prescaled_post_factor=self.postscale_factor,
         )
         self._next_launch += 1
 
@@ -243,25 +286,27 @@ class GradientReducer:
         """Finish the reduction of this step. On return every ``p.grad`` is reduced.
 
         A parameter whose hook did not fire on this rank (unused in this forward) contributes
-        its current ``.grad`` or zeros, so every rank issues the same collectives.
+        its current ``.grad`` or zeros, so every rank issues the same collectives. A parameter
+        with ``requires_grad=False`` and no gradient keeps ``.grad=None``. No-op on ranks
+        outside the reducer's process set.
         """
+        if not self.active:
+            return
         for bucket in self._buckets[self._next_launch :]:
             for pos in range(len(bucket.params)):
                 if not bucket.ready[pos]:
                     self._adopt_grad(bucket, pos)
                     bucket.ready[pos] = True
         self._launch_ready()
-        for bucket in self._buckets:
-            assert bucket.work is not None
-            bucket.work.wait()
-            if self.op is ReduceOp.AVERAGE and bucket.flat.dtype not in (
-                torch.float16,
-                torch.bfloat16,
-            ):
-                bucket.flat.div_(self.world.size)
-            bucket.work = None
-            bucket.ready = [False] * len(bucket.params)
-        self._next_launch = 0
+        try:
+            for bucket in self._buckets:
+                assert bucket.work is not None
+                bucket.work.finish()
+        finally:
+            for bucket in self._buckets:
+                bucket.work = None
+                bucket.ready = [False] * len(bucket.params)
+            self._next_launch = 0
 
     def remove(self) -> None:
         """Unregister the hooks; gradients stay where they are."""

@@ -12,14 +12,18 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.errors import NotInitializedError
 from hvd_trainer.comm.launch_env import LaunchEnv, from_mpi, from_slurm, from_torchrun
+
+if TYPE_CHECKING:
+    from hvd_trainer.comm.config import CommConfig
 
 __all__ = [
     "LaunchEnv",
@@ -50,6 +54,8 @@ class World:
         group: the global ``torch.distributed`` process group.
         cpu_group: a group for CPU tensors and objects (the global group on gloo; a gloo side
             group when the global backend is NCCL, so CPU tensors never hit NCCL).
+        runtime: the comm layer's state for this world (``CommRuntime``: config, key-value
+            store, timeline, global process set); ``None`` for a hand-made ``World``.
     """
 
     rank: int
@@ -62,6 +68,7 @@ class World:
     backend: str
     group: dist.ProcessGroup | None = None
     cpu_group: dist.ProcessGroup | None = None
+    runtime: Any = None
 
     def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
         """The process group that can carry ``tensor`` (CPU tensors use ``cpu_group``)."""
@@ -165,6 +172,7 @@ def init(
     backend: str | None = None,
     timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
     environ: Mapping[str, str] | None = None,
+    config: CommConfig | None = None,
 ) -> World:
     """Initialise the global process group once and return the :class:`World`.
 
@@ -175,6 +183,8 @@ def init(
         backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
         timeout_seconds: timeout of the process group's collectives and rendezvous, seconds.
         environ: environment to read instead of ``os.environ`` (tests).
+        config: checks, stall inspection and timeline settings (default:
+            ``CommConfig.from_env()``, which reads ``HOROVOD_TIMELINE`` and the stall variables).
 
     Raises:
         ValueError: inconsistent launcher variables, or NCCL requested without a GPU.
@@ -212,7 +222,12 @@ def init(
             local_size=info.local_size,
             launcher=info.launcher,
         )
-    _WORLD = _world_from_group(info, device, backend)
+    from hvd_trainer.comm.config import CommConfig
+    from hvd_trainer.comm.runtime import CommRuntime
+
+    runtime = CommRuntime(config or CommConfig.from_env(environ), info.rank)
+    _WORLD = replace(_world_from_group(info, device, backend), runtime=runtime)
+    runtime.attach(_WORLD)
     return _WORLD
 
 
@@ -235,6 +250,8 @@ def get_world() -> World:
 def shutdown() -> None:
     """Destroy the process group. Safe to call twice; ``init()`` may be called again after."""
     global _WORLD
+    if _WORLD is not None and _WORLD.runtime is not None:
+        _WORLD.runtime.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _WORLD = None

@@ -1,0 +1,429 @@
+"""Ranks agree before they communicate: cached cross-rank signature checks and stall inspection.
+
+Mechanism (the cheapest correct one we found; cost printed by ``bench/allreduce_fusion.py``):
+
+1. Every collective on a process set gets a sequence number ``seq`` (equal on all ranks of a
+   correct program) and a :class:`Signature`: kind, name, reduce op, shape (dims after the
+   first for allgather/alltoall), dtype, device type, root rank, number of splits, scale
+   factors, compression, bucket layout.
+2. The cache key is the pair (previous signature, this signature), so a change of call order
+   is a new key too. When the key is new on this rank, the rank writes its signature to the
+   job's key-value store (the ``TCPStore`` of the process group) under ``(set, seq, rank)``,
+   waits for the other ranks' entries and compares them. Training repeats the same pairs every
+   step, so after the first steps the check is a tuple hash and a set lookup. Entries are
+   deleted once a later collective proves every rank has moved past them, and the cache holds
+   at most ``CACHE_CAPACITY`` pairs, so neither the store nor the cache grows without bound.
+3. A collective still running after ``suspect_after_seconds`` writes its signature under the
+   same key and reads the others'. Ranks that disagree about whether a check is needed (only
+   possible when their histories differ) therefore still meet: the rank in the check and the
+   rank blocked in the transport both see the mismatch and raise.
+4. Ranks without an entry when the wait reaches ``stall_warning_seconds`` are named in a
+   warning together with the collective; after ``stall_shutdown_seconds`` a
+   :class:`StallError` is raised.
+
+Why the store and not a collective on a side group: a store read never enters the ordered
+stream of a process group, so a rank that gives up leaves no half-finished collective behind,
+and one store round trip costs ~30 us where a tiny gloo allreduce costs ~500 us on a 2-core
+machine. A rank that detects a mismatch waits (bounded) until every rank has seen it before
+raising, so no rank is left talking to a peer that has already exited.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from hvd_trainer.comm.config import CommConfig
+from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, StallError
+from hvd_trainer.comm.join import JoinBoard, Transport
+from hvd_trainer.comm.timeline import Timeline
+
+__all__ = ["Signature", "Op", "Coordinator", "REDUCING_KINDS"]
+
+log = logging.getLogger(__name__)
+
+REDUCING_KINDS = frozenset({"allreduce", "grouped_allreduce", "bucket"})
+"""Collectives a joined rank can take part in (with zeros)."""
+
+_RECEIVE_FROM_ALL = REDUCING_KINDS | {"allgather", "alltoall", "reducescatter", "barrier"}
+"""Collectives that cannot complete on a rank before every member has entered them."""
+
+CACHE_CAPACITY = 4096
+"""Signature pairs remembered per process set (Horovod's response cache holds 1024)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What every rank must agree on for one collective. ``fields`` are JSON-serialisable."""
+
+    kind: str
+    name: str | None
+    fields: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", tuple((k, _freeze(v)) for k, v in self.fields))
+
+    def encode(self) -> str:
+        return json.dumps([self.kind, self.name, [[k, v] for k, v in self.fields]])
+
+    def label(self) -> str:
+        return f"{self.kind} {self.name!r}" if self.name else f"{self.kind} (unnamed)"
+
+
+def _freeze(value: Any) -> Any:
+    """Lists become tuples so signatures hash (JSON still encodes them as lists)."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _decode(text: str) -> dict[str, Any]:
+    kind, name, fields = json.loads(text)
+    return {"kind": kind, "name": name, **{k: v for k, v in fields}}
+
+
+def describe_mismatch(own: Signature, seq: int, set_ranks: Sequence[int], entries: dict[int, str]) -> str:
+    """Message naming the tensor and listing each rank's value of every differing field."""
+    decoded = {q: _decode(t) for q, t in sorted(entries.items())}
+    keys: list[str] = []
+    for d in decoded.values():
+        keys.extend(k for k in d if k not in keys)
+    lines = []
+    for k in keys:
+        values = {q: d.get(k, "<absent>") for q, d in decoded.items()}
+        if len({json.dumps(v) for v in values.values()}) > 1:
+            per_rank = ", ".join(f"rank {q} = {_short(v)}" for q, v in values.items())
+            lines.append(f"  {k}: {per_rank}")
+    names = sorted({str(d.get("name")) for d in decoded.values()})
+    return (
+        f"ranks disagree on collective #{seq} ({own.label()}; tensor name(s) {names}) on "
+        f"process set {list(set_ranks)}:\n" + "\n".join(lines) + "\nHINT: every rank must call the "
+        "same collectives in the same order with the same op, name, shape, dtype and root; "
+        "a parameter that requires grad on one rank only changes the bucket layout."
+    )
+
+
+def _short(value: Any, limit: int = 300) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(slots=True)
+class Op:
+    """One collective in flight on this rank."""
+
+    seq: int
+    sig: Signature
+    nbytes: int
+    transports: list[Transport] | None
+    t_call_us: float
+    t_start: float
+    t_launch_us: float = 0.0
+    work: Any = None
+    published: bool = False
+    warned: bool = False
+    done: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Per-process-set state: sequence numbers, signature cache, join board, stall inspection."""
+
+    def __init__(
+        self,
+        *,
+        store: Any,
+        prefix: str,
+        rank: int,
+        ranks: Sequence[int],
+        config: CommConfig,
+        timeline: Timeline | None,
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.ranks = tuple(ranks)
+        self.config = config
+        self.timeline = timeline
+        self.seq = 0
+        self._prev: Signature | None = None
+        self._cache: set[tuple[Signature | None, Signature]] = set()
+        self.outstanding: dict[int, Op] = {}
+        self._checked_seqs: list[int] = []
+        self.board = JoinBoard(store, prefix, rank, ranks)
+        self.multi = len(self.ranks) > 1 and store is not None
+        self.check_seconds_total = 0.0
+        self.checks_run = 0
+
+    # -- begin / launch / wait ------------------------------------------------------------
+    def begin(self, sig: Signature, nbytes: int, transports: list[Transport] | None = None) -> Op:
+        """Assign the next ``seq`` to a collective and check it (if new) before it is launched.
+
+        Raises:
+            CollectiveMismatchError: ranks disagree; JoinedRankError: a non-reducing collective
+            while a rank is joined.
+        """
+        now_us = self.timeline.now_us() if self.timeline else 0.0
+        op = Op(self.seq, sig, nbytes, transports, now_us, time.monotonic())
+        self.seq += 1
+        if not self.multi:
+            return op
+        self.outstanding[op.seq] = op
+        if self.board.active:
+            self._announce(op)
+        key = (self._prev, sig)
+        self._prev = sig
+        if self.config.check_signatures and key not in self._cache:
+            self._exchange(op)
+            if len(self._cache) >= CACHE_CAPACITY:
+                self._cache.clear()
+            self._cache.add(key)
+        return op
+
+    def launched(self, op: Op, work: Any) -> None:
+        """Record that ``op``'s transport call was issued and returned ``work``."""
+        op.work = work
+        if self.timeline:
+            op.t_launch_us = self.timeline.now_us()
+
+    def wait(self, op: Op) -> None:
+        """Block until ``op`` completes, inspecting for joins, mismatches and stalls meanwhile."""
+        if op.done:
+            return
+        t_wait_us = self.timeline.now_us() if self.timeline else 0.0
+        work = op.work
+        if work is not None:
+            if self.multi and _is_cpu_work(op):
+                self._guarded_wait(op, work)
+            else:
+                work.wait()
+        op.done = True
+        self.outstanding.pop(op.seq, None)
+        if op.extra.get("unpublish"):
+            self._unpublish(op.seq)
+        if self._checked_seqs and op.sig.kind in _RECEIVE_FROM_ALL:
+            self._drop_checked_before(op.seq)
+        if self.timeline:
+            self._record(op, t_wait_us)
+
+    def settle(self, op: Op) -> None:
+        """Mark an op without a transport call (a pure agreement) as done. Its store entry is
+        kept: a slower rank may still have to read it."""
+        op.done = True
+        self.outstanding.pop(op.seq, None)
+
+    def wait_work(self, op: Op, work: Any) -> None:
+        """Wait for an intermediate transport call of ``op`` (same inspection as :meth:`wait`)."""
+        if self.multi and _is_cpu_work(op):
+            self._guarded_wait(op, work)
+        else:
+            work.wait()
+
+    def forget_history(self) -> None:
+        """Reset the order key (after join, where ranks' histories legitimately differ)."""
+        self._prev = None
+
+    # -- internals ------------------------------------------------------------------------
+    def _key(self, seq: int, rank: int) -> str:
+        return f"{self.prefix}/s/{seq}/{rank}"
+
+    def _guarded_wait(self, op: Op, work: Any) -> None:
+        slice_s = 0.002
+        while True:
+            try:
+                work.wait(timedelta(seconds=slice_s))
+                return
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower():
+                    self._diagnose_failure(op, exc)
+                    raise
+            self._on_slow(op, time.monotonic() - op.t_start)
+            slice_s = min(slice_s * 2, 0.25)
+
+    def _on_slow(self, op: Op, elapsed: float) -> None:
+        if not self.board.active and self.board.started():
+            self._activate_join()
+        if not self.config.check_signatures:
+            return
+        if not op.published and elapsed >= self.config.suspect_after_seconds:
+            self.store.set(self._key(op.seq, self.rank), op.sig.encode())
+            op.published = op.extra["unpublish"] = True
+        if op.published:
+            entries = self._read_entries(op.seq)
+            self._compare(op, entries)
+            self._inspect_stall(op, entries, elapsed)
+
+    def _activate_join(self) -> None:
+        self.board.active = True
+        for pending in sorted(self.outstanding.values(), key=lambda o: o.seq):
+            self._announce(pending)
+
+    def _announce(self, op: Op) -> None:
+        if op.sig.kind in REDUCING_KINDS:
+            self.board.announce(op.seq, op.transports)
+            return
+        message = (
+            f"{op.sig.label()} (collective #{op.seq}) cannot run while a rank has called join(): "
+            "joined ranks only take part in allreduce. HINT: call allgather/broadcast/alltoall/"
+            "reducescatter/barrier before join(), or after every rank has joined."
+        )
+        self.board.announce(op.seq, None, error=message)
+        raise JoinedRankError(message)
+
+    def _exchange(self, op: Op) -> None:
+        """Publish this rank's signature for ``op.seq`` and compare with every other rank's."""
+        t0 = time.perf_counter()
+        t0_us = self.timeline.now_us() if self.timeline else 0.0
+        self.store.set(self._key(op.seq, self.rank), op.sig.encode())
+        op.published = True
+        self._checked_seqs.append(op.seq)
+        others = [q for q in self.ranks if q != self.rank]
+        keys = [self._key(op.seq, q) for q in others]
+        arrived = not self.board.active and self._poll_keys(keys, self.config.suspect_after_seconds)
+        entries = self._read_entries(op.seq) if arrived else {}
+        if len(entries) < len(self.ranks):  # late, joined, blocked elsewhere: inspect slowly
+            entries = self._slow_exchange(op)
+        self._compare(op, entries)
+        self.checks_run += 1
+        self.check_seconds_total += time.perf_counter() - t0
+        if self.timeline:
+            self.timeline.event(op.sig.name or op.sig.kind, "check", t0_us, self.timeline.now_us(),
+                                seq=op.seq)
+
+    def _poll_keys(self, keys: list[str], budget_seconds: float) -> bool:
+        """Whether all ``keys`` exist within ``budget_seconds`` (polling: a timed-out
+        ``store.wait`` leaves a late reply on the client socket, so it is never used)."""
+        deadline = time.monotonic() + budget_seconds
+        pause = 5e-5
+        while not self.store.check(keys):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return True
+
+    def _slow_exchange(self, op: Op) -> dict[int, str]:
+        pause = 0.01
+        while True:
+            if not self.board.active and self.board.started():
+                self.board.active = True
+            excused = self.board.joined_ranks() if self.board.active else set()
+            entries = self._read_entries(op.seq)
+            self._compare(op, entries)
+            if all(q in entries or q in excused for q in self.ranks):
+                if self.board.active:
+                    self._announce(op)
+                return entries
+            self._inspect_stall(op, entries, time.monotonic() - op.t_start, excused)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.25)
+
+    def _read_entries(self, seq: int) -> dict[int, str]:
+        entries = {}
+        for q in self.ranks:
+            value = try_get(self.store, self._key(seq, q))
+            if value is not None:
+                entries[q] = value
+        return entries
+
+    def _compare(self, op: Op, entries: dict[int, str]) -> None:
+        if len(set(entries.values())) <= 1:
+            return
+        message = describe_mismatch(op.sig, op.seq, self.ranks, entries)
+        self._await_peers_seen(op.seq)
+        raise CollectiveMismatchError(message)
+
+    def _await_peers_seen(self, seq: int) -> None:
+        """Before raising, wait (bounded) until every rank has seen the mismatch too, so no
+        rank is left blocked on a peer that already exited."""
+        self.store.set(f"{self.prefix}/m/{seq}/{self.rank}", "1")
+        keys = [f"{self.prefix}/m/{seq}/{q}" for q in self.ranks]
+        budget = 2 * self.config.suspect_after_seconds + 2.0
+        if not self._poll_keys(keys, budget):
+            log.warning("not every rank acknowledged collective #%d's mismatch within %.1fs", seq, budget)
+
+    def _inspect_stall(
+        self, op: Op, entries: dict[int, str], elapsed: float, excused: set[int] | None = None
+    ) -> None:
+        cfg = self.config
+        missing = [q for q in self.ranks if q not in entries and q not in (excused or set())]
+        if not missing:
+            return
+        text = (
+            f"rank(s) {missing} have not reached {op.sig.label()} (collective #{op.seq} on process "
+            f"set {list(self.ranks)}) after {elapsed:.1f}s; rank {self.rank} is waiting for them."
+        )
+        if cfg.stall_shutdown_seconds and elapsed >= cfg.stall_shutdown_seconds:
+            raise StallError(text + " HINT: a rank is stuck, crashed, or skipped this collective.")
+        if cfg.stall_warning_seconds and elapsed >= cfg.stall_warning_seconds and not op.warned:
+            op.warned = True
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    def _unpublish(self, seq: int) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.store.delete_key(self._key(seq, self.rank))
+
+    def _drop_checked_before(self, seq: int) -> None:
+        """Delete this rank's pre-check entries older than ``seq``. Safe once a collective
+        that receives from every member completed at ``seq``: every member has entered it, so
+        none can still be reading an older entry. (A broadcast root may finish first, so a
+        broadcast does not count.) Keeps the store bounded."""
+        keep = [k for k in self._checked_seqs if k >= seq]
+        for k in self._checked_seqs:
+            if k < seq:
+                self._unpublish(k)
+        self._checked_seqs = keep
+
+    def _diagnose_failure(self, op: Op, exc: BaseException) -> None:
+        """The transport failed (e.g. a peer exited): raise a mismatch instead if one is known."""
+        try:
+            entries = self._read_entries(op.seq)
+            entries.setdefault(self.rank, op.sig.encode())
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            return
+        if len(set(entries.values())) > 1:
+            raise CollectiveMismatchError(
+                describe_mismatch(op.sig, op.seq, self.ranks, entries)
+            ) from exc
+
+    def _record(self, op: Op, t_wait_us: float) -> None:
+        tl = self.timeline
+        assert tl is not None
+        end = tl.now_us()
+        name = op.sig.name or op.sig.kind
+        launch = op.t_launch_us or op.t_call_us
+        tl.event(name, "queue", op.t_call_us, launch, seq=op.seq, bytes=op.nbytes)
+        tl.event(name, op.sig.kind, launch, end, seq=op.seq, bytes=op.nbytes)
+        tl.event(name, "wait", t_wait_us, end, seq=op.seq)
+
+
+_ABSENT = "\x00hvd-absent\x00"
+
+
+def try_get(store: Any, key: str) -> str | None:
+    """Read ``key`` without blocking: ``None`` when absent. One atomic round trip
+    (``compare_set`` with a sentinel never creates the key), so a key deleted between an
+    existence check and a ``get`` cannot block the reader."""
+    value = store.compare_set(key, _ABSENT, _ABSENT)
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return None if text == _ABSENT else text
+
+
+def _is_cpu_work(op: Op) -> bool:
+    return op.extra.get("device", "cpu") == "cpu"
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (``None`` before init)."""
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
