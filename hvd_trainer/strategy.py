@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from hvd_trainer import comm
 from hvd_trainer.cluster_env import HorovodEnvironment
+from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
 from hvd_trainer.sync_batchnorm import HorovodSyncBatchNorm
@@ -75,6 +76,9 @@ class _HorovodStrategyLogic:
         first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
             starts early in backward (``None``: the comm default, 1 MiB).
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
+        compression: wire format of gradient buckets: ``Compression.none`` (default),
+            ``Compression.fp16``, ``Compression.bf16`` or the strings ``"none"``, ``"fp16"``,
+            ``"bf16"``. Gradients are scaled before the cast, so fp16 does not overflow.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
@@ -97,6 +101,7 @@ class _HorovodStrategyLogic:
         first_bucket_bytes: int | None = None,
         timeout_seconds: float = 600.0,
         scale_lr_by_world_size: bool = False,
+        compression: Compressor | str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -110,6 +115,7 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
+        self._compression = _compression(compression)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -228,7 +234,9 @@ class _HorovodStrategyLogic:
         for p in frozen:  # hooks can only be registered on tensors that require grad
             p.requires_grad_(True)
         try:
-            self._reducer = GradientReducer(named, world=self._require_world(), config=self._fusion)
+            self._reducer = GradientReducer(
+                named, world=self._require_world(), config=self._fusion, compression=self._compression
+            )
         finally:
             for p in frozen:
                 p.requires_grad_(False)
@@ -392,6 +400,20 @@ def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:
             )
         kwargs[name] = value
     return FusionConfig(**kwargs)
+
+
+def _compression(value: Compressor | str | None) -> Compressor:
+    if value is None:
+        return Compression.none
+    if isinstance(value, Compressor):
+        return value
+    choices = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
+    if isinstance(value, str) and value.lower() in choices:
+        return choices[value.lower()]
+    raise StrategyConfigError(
+        f"compression={value!r} is not a compressor. HINT: use one of {sorted(choices)} "
+        "or hvd_trainer.Compression.fp16 / .bf16 / .none."
+    )
 
 
 def _check_group(group: Any | None) -> None:

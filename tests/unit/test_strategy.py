@@ -31,6 +31,7 @@ def test_fusion_kwargs_reach_the_comm_config() -> None:
         (dict(fusion_threshold_bytes=-1), "fusion_threshold_bytes=-1"),
         (dict(first_bucket_bytes=1.5), "first_bucket_bytes=1.5"),
         (dict(timeout_seconds=0), "timeout_seconds=0"),
+        (dict(compression="int8"), "compression='int8'"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, needle: str) -> None:
@@ -42,3 +43,11 @@ def test_bad_arguments_are_named(kwargs: dict, needle: str) -> None:
 def test_unknown_kwarg_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="fusion_threshold_mb"):
         HorovodStrategy(fusion_threshold_mb=64)
+
+
+def test_compression_accepts_names_and_compressors() -> None:
+    from hvd_trainer import Compression
+
+    assert HorovodStrategy(compression="fp16")._compression is Compression.fp16
+    assert HorovodStrategy(compression=Compression.bf16)._compression is Compression.bf16
+    assert HorovodStrategy()._compression is Compression.none
