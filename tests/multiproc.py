@@ -51,6 +51,37 @@ def _worker(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dic
             pass
 
 
+def _drain(q, results: dict[int, tuple[str, Any]]) -> None:
+    while not q.empty():
+        rank, status, value = q.get()
+        results[rank] = (status, value)
+
+
+def _collect(q, procs: list, world_size: int, timeout_seconds: float) -> dict[int, tuple[str, Any]]:
+    """Results by rank; raises AssertionError naming ranks that hang or die without a result."""
+    results: dict[int, tuple[str, Any]] = {}
+    deadline = time.monotonic() + timeout_seconds
+    while len(results) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout_seconds}s")
+        try:
+            rank, status, value = q.get(timeout=min(remaining, 1.0))
+            results[rank] = (status, value)
+            continue
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+        if dead:
+            time.sleep(0.5)
+            _drain(q, results)
+            codes = {r: procs[r].exitcode for r in dead if r not in results}
+            if codes:
+                raise AssertionError(f"ranks died without a result: exit codes {codes}")
+    return results
+
+
 def run_workers(
     fn: Callable,
     world_size: int = 2,
@@ -74,31 +105,8 @@ def run_workers(
     ]
     for p in procs:
         p.start()
-    results: dict[int, tuple[str, Any]] = {}
-    deadline = time.monotonic() + timeout_seconds
     try:
-        while len(results) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = sorted(set(range(world_size)) - set(results))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout_seconds}s")
-            try:
-                rank, status, value = q.get(timeout=min(remaining, 1.0))
-                results[rank] = (status, value)
-            except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(procs)
-                    if r not in results and p.exitcode not in (None, 0)
-                ]
-                if dead:
-                    time.sleep(0.5)
-                    while not q.empty():
-                        rank, status, value = q.get()
-                        results[rank] = (status, value)
-                    dead = [r for r in dead if r not in results]
-                    if dead:
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise AssertionError(f"ranks died without a result: exit codes {codes}")
+        results = _collect(q, procs, world_size, timeout_seconds)
     finally:
         for p in procs:
             p.join(timeout=5)
