@@ -72,7 +72,7 @@ class _HorovodStrategyLogic:
             injected by the Trainer, as for every Lightning strategy. ``cluster_environment``
             defaults to :class:`~hvd_trainer.cluster_env.HorovodEnvironment`.
         fusion_threshold_bytes: cap of one fused gradient bucket, bytes (``None``: the comm
-            default, ``HOROVOD_FUSION_THRESHOLD`` or 64 MiB; 0 disables fusion).
+            default, ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
         first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
             starts early in backward (``None``: the comm default, 1 MiB).
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
