@@ -72,7 +72,10 @@ class FusionConfig:
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "names", "offsets", "flat", "views", "ready", "work", "sig")
+    __slots__ = (
+        "index", "params", "names", "offsets", "flat", "views", "used", "ready", "work", "sig",
+        "grad_numel",
+    )
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
         self.index = index
@@ -80,18 +83,26 @@ class _Bucket:
         self.params = params
         numels = [p.numel() for p in params]
         self.offsets = [sum(numels[:i]) for i in range(len(numels))]
-        self.flat = torch.zeros(sum(numels), dtype=params[0].dtype, device=params[0].device)
+        self.grad_numel = sum(numels)
+        # One trailing "used" flag per parameter travels in the same collective: after the sum
+        # it is 0 exactly when no rank produced a gradient, and such a gradient is left None,
+        # as in a single process (and as DDP does for globally unused parameters).
+        self.flat = torch.zeros(
+            self.grad_numel + len(params), dtype=params[0].dtype, device=params[0].device
+        )
         self.views = [
             self.flat[o : o + n].view_as(p)
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
+        self.used = self.flat[self.grad_numel :]
         self.ready = [False] * len(params)
         self.work: Reduction | None = None
         self.sig: Signature | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        """Gradient bytes in this bucket (the per-parameter used flags not counted)."""
+        return self.grad_numel * self.flat.element_size()
 
 
 def _assign_buckets(
@@ -188,6 +199,7 @@ class GradientReducer:
         for bucket in self._buckets:
             bucket.sig = self._bucket_signature(bucket)
         self._next_launch = 0
+        self._saw_missing_grad = False
         self._handles = []
         if self.active:
             self._handles = [
@@ -244,6 +256,8 @@ class GradientReducer:
         param, view = bucket.params[pos], bucket.views[pos]
         grad = param.grad
         factor = self._pre_factor
+        bucket.used[pos] = 0.0 if grad is None else 1.0
+        self._saw_missing_grad |= grad is None
         if grad is None:
             view.zero_()
             if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
@@ -302,11 +316,23 @@ class GradientReducer:
             for bucket in self._buckets:
                 assert bucket.work is not None
                 bucket.work.finish()
+            if self._saw_missing_grad:  # common path (every gradient present): no host sync
+                self._drop_globally_unused()
         finally:
+            self._saw_missing_grad = False
             for bucket in self._buckets:
                 bucket.work = None
                 bucket.ready = [False] * len(bucket.params)
             self._next_launch = 0
+
+    def _drop_globally_unused(self) -> None:
+        """Reset ``.grad`` to None where no rank produced a gradient this step."""
+        for bucket in self._buckets:
+            unused = (bucket.used == 0).nonzero().flatten().tolist()
+            for pos in unused:
+                param = bucket.params[pos]
+                if param.grad is not None and param.grad.data_ptr() == bucket.views[pos].data_ptr():
+                    param.grad = None
 
     def remove(self) -> None:
         """Unregister the hooks; gradients stay where they are."""

@@ -42,8 +42,10 @@ def _reference_case(hvd, threshold: int, scale: float, **kwargs) -> dict:
 
     model, unused = _model(), torch.nn.Linear(2, 2)
     params = list(model.named_parameters()) + [("unused." + n, p) for n, p in unused.named_parameters()]
+    never = torch.nn.Linear(3, 3)  # used on no rank: its grads must stay None, as in one process
+    all_params = params[:2] + [("never." + n, p) for n, p in never.named_parameters()] + params[2:]
     cfg = FusionConfig(fusion_threshold_bytes=threshold, first_bucket_bytes=threshold)
-    reducer = GradientReducer(params, world=hvd.get_world(), config=cfg, **kwargs)
+    reducer = GradientReducer(all_params, world=hvd.get_world(), config=cfg, **kwargs)
     out = {"n_buckets": len(reducer.bucket_sizes_bytes)}
     for step in range(2):  # step 2 after zero_grad(set_to_none=True): same result again
         model.zero_grad(set_to_none=True)
@@ -51,6 +53,7 @@ def _reference_case(hvd, threshold: int, scale: float, **kwargs) -> dict:
         _step(hvd, model, unused, reducer)
         out[f"grads{step}"] = {n: p.grad.clone() for n, p in params}
         out["views"] = all(_in_bucket(reducer, p) for _, p in params)
+        out["never_none"] = all(p.grad is None for p in never.parameters())
     reducer.remove()
     locals_ = [_local_grads(model, unused, r) for r in range(hvd.size())]
     ref = {k: sum(loc[k] for loc in locals_) * scale for k in locals_[0]}
@@ -148,13 +151,14 @@ def _fusion_checks() -> dict:
 def _check_case(case: dict, tol: float = 1e-6) -> None:
     assert case["err0"] <= tol and case["err1"] <= tol, (case["err0"], case["err1"])
     assert case["views"]
+    assert case["never_none"]
 
 
 def test_fused_reducer() -> None:
     results = run_workers(_fusion_checks, 2, timeout_seconds=150)
     for res in results:
         _check_case(res["avg0"])
-        assert res["avg0"]["n_buckets"] == 6
+        assert res["avg0"]["n_buckets"] == 8
         _check_case(res["avg1m"])
         assert res["avg1m"]["n_buckets"] == 1
         _check_case(res["sum_scaled"])
