@@ -73,8 +73,8 @@ class FusionConfig:
 
 class _Bucket:
     __slots__ = (
-        "index", "params", "names", "offsets", "flat", "views", "used", "ready", "work", "sig",
-        "grad_numel",
+        "index", "params", "names", "offsets", "flat", "views", "used", "used_flags", "ready",
+        "work", "sig", "grad_numel",
     )
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
@@ -95,6 +95,7 @@ class _Bucket:
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
         self.used = self.flat[self.grad_numel :]
+        self.used_flags = [1.0] * len(params)  # written into ``used`` once per launch
         self.ready = [False] * len(params)
         self.work: Reduction | None = None
         self.sig: Signature | None = None
@@ -256,7 +257,7 @@ class GradientReducer:
         param, view = bucket.params[pos], bucket.views[pos]
         grad = param.grad
         factor = self._pre_factor
-        bucket.used[pos] = 0.0 if grad is None else 1.0
+        bucket.used_flags[pos] = 0.0 if grad is None else 1.0
         self._saw_missing_grad |= grad is None
         if grad is None:
             view.zero_()
@@ -277,6 +278,7 @@ class GradientReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         assert self.process_set is not None
+        bucket.used.copy_(torch.tensor(bucket.used_flags, dtype=bucket.used.dtype))
         bucket.work = start_allreduce(
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
