@@ -80,20 +80,6 @@ class World:
 _WORLD: World | None = None
 
 
-def _int(env: Mapping[str, str], *names: str) -> int | None:
-    for name in names:
-        value = env.get(name)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError as exc:
-                raise ValueError(
-                    f"environment variable {name}={value!r} is not an integer. "
-                    "HINT: unset it or launch with hvdrun/torchrun."
-                ) from exc
-    return None
-
-
 def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables. The only place that reads launch environment variables.
 
