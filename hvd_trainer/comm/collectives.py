@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hvd_trainer.comm.autograd import allreduce_with_grad, needs_autograd
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
@@ -184,7 +185,12 @@ def allreduce(
 
     Example:
         >>> hvd.allreduce(torch.tensor([float(hvd.rank())]))   # mean of the ranks
+
+    Differentiable when ``tensor`` requires grad (backward: the same allreduce of the gradient,
+    see :mod:`hvd_trainer.comm.autograd`); compression is not applied on that path.
     """
+    if isinstance(tensor, torch.Tensor) and needs_autograd(tensor):
+        return allreduce_with_grad(tensor, op, prescale_factor, postscale_factor, process_set, world)
     return allreduce_async(
         tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
     ).wait()

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hvd_trainer.comm.autograd import allgather_with_grad, broadcast_with_grad, needs_autograd
 from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.errors import CommTypeError, CommValueError, StallError
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op  # noqa: F401 (annotations)
@@ -78,6 +79,8 @@ def allgather(
         CollectiveMismatchError: ``rest``, ndim or dtype differ between ranks.
     """
     _tensor(tensor, "allgather")
+    if needs_autograd(tensor):  # backward: average the gradient, keep this rank's rows
+        return allgather_with_grad(tensor, process_set, world)
     pset = resolve_set(process_set, world, "allgather")
     t = tensor.detach()
     t = (t.reshape(1) if t.dim() == 0 else t).contiguous()
@@ -130,8 +133,14 @@ def broadcast(
     tensor: torch.Tensor, root_rank: int, name: str | None = None,
     process_set: ProcessSet | None = None, *, world: World | None = None,
 ) -> torch.Tensor:
-    """Out-of-place :func:`broadcast_`: returns ``root_rank``'s tensor; ``tensor`` unchanged."""
+    """Out-of-place :func:`broadcast_`: returns ``root_rank``'s tensor; ``tensor`` unchanged.
+
+    Differentiable when ``tensor`` requires grad: the gradient is averaged over the set and
+    kept on the root (zeros elsewhere), as in Horovod.
+    """
     _tensor(tensor, "broadcast")
+    if needs_autograd(tensor):
+        return broadcast_with_grad(tensor, root_rank, process_set, world)
     return broadcast_(tensor.detach().clone(), root_rank, name, process_set, world=world)
 
 
