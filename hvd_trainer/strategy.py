@@ -46,7 +46,7 @@ from hvd_trainer.cluster_env import HorovodEnvironment
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
-from hvd_trainer.sync_batchnorm import HorovodSyncBatchNorm
+from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "lightning_pytorch_strategy_class"]
 
@@ -445,3 +445,14 @@ def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: in
                 n = t.numel()
                 t.copy_(flat[offset : offset + n].view_as(t))
                 offset += n
+
+
+def _register_when_imported() -> None:
+    # Importing this module imports Lightning, whose import hook (hvd_trainer._register) defers
+    # to this call because the strategy class did not exist yet at that moment.
+    from hvd_trainer._register import register
+
+    register()
+
+
+_register_when_imported()

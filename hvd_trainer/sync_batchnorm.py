@@ -24,12 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pytorch_lightning.plugins import TorchSyncBatchNorm
-from typing_extensions import override
 
 from hvd_trainer.comm import World, get_world, is_initialized
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "HorovodSyncBatchNorm"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 
 def _channel_dims(x: torch.Tensor) -> list[int]:
@@ -194,11 +192,11 @@ def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
     return SyncBatchNorm.convert_sync_batchnorm(module)
 
 
-class HorovodSyncBatchNorm(TorchSyncBatchNorm):
-    """Lightning ``LayerSync`` plugin that converts BatchNorm layers to our
-    :class:`SyncBatchNorm` (CPU and CUDA). ``revert`` is Lightning's (ours subclasses
-    ``torch.nn.SyncBatchNorm``)."""
+def __getattr__(name: str) -> Any:
+    # The Lightning plugin lives in hvd_trainer.lightning_plugins so that importing this module
+    # (and hvd_trainer) does not import Lightning.
+    if name == "HorovodSyncBatchNorm":
+        from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
 
-    @override
-    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
-        return SyncBatchNorm.convert_sync_batchnorm(model)
+        return HorovodSyncBatchNorm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,3 +51,25 @@ def test_compression_accepts_names_and_compressors() -> None:
     assert HorovodStrategy(compression="fp16")._compression is Compression.fp16
     assert HorovodStrategy(compression=Compression.bf16)._compression is Compression.bf16
     assert HorovodStrategy()._compression is Compression.none
+
+
+_LAZY = """
+import sys
+import hvd_trainer
+assert "pytorch_lightning" not in sys.modules, "import hvd_trainer must not import Lightning"
+import hvd_trainer.keras.callbacks  # noqa: F401  (nor do the other front ends)
+assert "pytorch_lightning" not in sys.modules
+from pytorch_lightning import Trainer
+print(type(Trainer(strategy="horovod", logger=False).strategy).__name__)
+"""
+
+
+def test_registration_waits_for_lightning_import() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    proc = subprocess.run([sys.executable, "-c", _LAZY], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "HorovodStrategy"
