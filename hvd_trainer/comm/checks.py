@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, StallError
+from hvd_trainer.comm.fatal import exit_hard_at_exit
 from hvd_trainer.comm.join import JoinBoard, Transport
 from hvd_trainer.comm.timeline import Timeline
 
@@ -363,6 +364,7 @@ class Coordinator:
             f"set {list(self.ranks)}) after {elapsed:.1f}s; rank {self.rank} is waiting for them."
         )
         if cfg.stall_shutdown_seconds and elapsed >= cfg.stall_shutdown_seconds:
+            exit_hard_at_exit()  # the transport is wedged: never hang at exit
             raise StallError(text + " HINT: a rank is stuck, crashed, or skipped this collective.")
         if cfg.stall_warning_seconds and elapsed >= cfg.stall_warning_seconds and not op.warned:
             op.warned = True

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hvd_trainer.comm.autograd import allgather_with_grad, broadcast_with_grad, needs_autograd
 from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.errors import CommTypeError, CommValueError, StallError
+from hvd_trainer.comm.fatal import exit_hard_at_exit
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op  # noqa: F401 (annotations)
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import run_identity_allreduce, start_allreduce
@@ -294,6 +295,7 @@ def join(process_set: ProcessSet | None = None, *, world: World | None = None) -
     def on_idle(seconds: float) -> None:
         text = f"rank {pset.world.rank} joined and has waited {seconds:.1f}s for the others to join."
         if cfg.stall_shutdown_seconds and seconds >= cfg.stall_shutdown_seconds:
+            exit_hard_at_exit()  # the transport is wedged: never hang at exit
             raise StallError(text + " HINT: every rank must call join() when it runs out of data.")
         if cfg.stall_warning_seconds and seconds >= cfg.stall_warning_seconds and not warned[0]:
             warned[0] = True

@@ -83,3 +83,17 @@ def test_mpirun_sigkill_is_reported() -> None:
     seconds = res.ended_at - fail_time(res.output)
     print(f"SCENARIO mpirun-sigkill: hvdrun exited {seconds:.1f} s after the kill")
     assert seconds < 30, res.explain()
+
+
+def test_lightning_stall_ends_the_job() -> None:
+    """A rank that stops calling collectives: the waiting rank raises StallError naming it and
+    exits (it must not hang in gloo's teardown), so hvdrun fails instead of hanging."""
+    env = clean_env(HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="5")
+    res = hvdrun(["-np", "2", "python", str(SCRIPTS / "lightning_stall.py")], timeout=150, env=env)
+    assert res.returncode != 0, res.explain()
+    assert "StallError: rank(s) [1] have not reached" in res.output, res.explain()
+    assert "hvdrun: error:" in res.output, res.explain()
+    start = float(res.output.split("STALL rank 1 at ")[1].split()[0])
+    seconds = res.ended_at - start
+    print(f"SCENARIO lightning-stall: hvdrun exited {seconds:.1f} s after rank 1 stalled")
+    assert seconds < 60, res.explain()

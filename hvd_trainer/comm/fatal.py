@@ -1,0 +1,36 @@
+"""What happens to a process whose transport is wedged.
+
+After a :class:`~hvd_trainer.comm.errors.StallError` a collective is still in flight and will never
+complete, and gloo's process group cannot be destroyed then: its destructor joins a worker thread
+that waits forever for the missing rank. So the process would raise a clear error and then hang at
+exit, and the launcher would never learn that it failed. :func:`exit_hard_at_exit` makes the
+interpreter leave with status 1 right after the ``atexit`` handlers, before that destructor runs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+
+__all__ = ["exit_hard_at_exit"]
+
+_registered = False
+
+
+def _hard_exit() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not keep us alive
+            stream.flush()
+    os._exit(1)
+
+
+def exit_hard_at_exit() -> None:
+    """Once per process: end with ``os._exit(1)`` at interpreter exit (after other handlers)."""
+    global _registered
+    if not _registered:
+        _registered = True
+        # atexit runs handlers last-in first-out; registered now, it runs after handlers that
+        # libraries registered at import (timeline flush, loggers), which is what we want.
+        atexit.register(_hard_exit)
