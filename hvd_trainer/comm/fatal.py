@@ -13,13 +13,23 @@ import atexit
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 
-__all__ = ["exit_hard_at_exit"]
+__all__ = ["exit_hard_at_exit", "flush_before_hard_exit"]
 
 _registered = False
+_flushers: list[Callable[[], None]] = []
+
+
+def flush_before_hard_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (e.g. the timeline's final write) before a hard exit, too."""
+    _flushers.append(fn)
 
 
 def _hard_exit() -> None:
+    for fn in _flushers:
+        with contextlib.suppress(Exception):
+            fn()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream must not keep us alive
             stream.flush()
@@ -31,6 +41,6 @@ def exit_hard_at_exit() -> None:
     global _registered
     if not _registered:
         _registered = True
-        # atexit runs handlers last-in first-out; registered now, it runs after handlers that
-        # libraries registered at import (timeline flush, loggers), which is what we want.
+        # atexit runs handlers last-in first-out, so this one runs before those registered
+        # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)

@@ -10,16 +10,20 @@ collective name; each collective contributes one event per phase:
 * ``wait``: time the caller spent blocked waiting for completion.
 
 ``args`` carry ``bytes`` (payload of this rank) and ``seq`` (the collective's index).
-The file is rewritten, complete and valid, every ``flush_every`` events and on :meth:`close`.
+The file is rewritten, complete and valid, every ``flush_every`` events, on :meth:`close` and at
+interpreter exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
 from typing import Any
+
+from hvd_trainer.comm.fatal import flush_before_hard_exit
 
 __all__ = ["Timeline"]
 
@@ -43,6 +47,9 @@ class Timeline:
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self.flush()
+        # Also write at exit: most scripts never call hvd.shutdown(), and Lightning does not.
+        atexit.register(self.flush)
+        flush_before_hard_exit(self.flush)
 
     def now_us(self) -> float:
         """Microseconds since the timeline started (the clock of every event)."""

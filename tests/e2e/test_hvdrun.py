@@ -97,3 +97,17 @@ def test_lightning_stall_ends_the_job() -> None:
     seconds = res.ended_at - start
     print(f"SCENARIO lightning-stall: hvdrun exited {seconds:.1f} s after rank 1 stalled")
     assert seconds < 60, res.explain()
+
+
+def test_timeline_written_without_shutdown(tmp_path: Path) -> None:
+    """--timeline-filename: rank 0's Chrome trace holds the collectives even when the script
+    never calls hvd.shutdown() (written at interpreter exit)."""
+    import json
+
+    trace = tmp_path / "timeline.json"
+    code = "import torch, hvd_trainer as hvd; hvd.init(); hvd.allreduce(torch.ones(3), name='ones')"
+    res = hvdrun(["-np", "2", "--timeline-filename", str(trace), "python", "-c", code], timeout=120)
+    assert res.returncode == 0, res.explain()
+    events = json.loads(trace.read_text())["traceEvents"]
+    tensors = {e["args"].get("tensor") for e in events if e.get("ph") == "X"}
+    assert "ones" in tensors, events
