@@ -47,7 +47,8 @@ def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) 
     """Merge ``schema`` defaults, the YAML file and the dotlist; return a ``schema`` instance.
 
     Raises:
-        ConfigError: an unknown key (the message lists the valid keys) or a wrong type.
+        ConfigError: an unknown key (the message lists the valid keys), a wrong type (the key
+            is named) or a value the schema's ``__post_init__`` rejects.
     """
     base = OmegaConf.structured(schema)
     valid = _valid_keys(schema())
@@ -59,13 +60,19 @@ def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) 
             raise ConfigError(f"overrides must look like key=value, got {bad}.")
         base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         return OmegaConf.to_object(base)
+    except ConfigError:
+        raise
     except ConfigKeyError as exc:
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
         raise ConfigError(
             f"unknown config key {key!r}. Valid keys: {', '.join(valid)}"
         ) from None
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"invalid config: {str(exc).splitlines()[0]}") from None
+        key = getattr(exc, "full_key", None)
+        where = f" for {key!r}" if key else ""
+        raise ConfigError(f"invalid value{where}: {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:  # a schema's __post_init__ range check
+        raise ConfigError(str(exc)) from None
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -96,6 +103,9 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hvd-train``. Returns 0 on success, 2 on a config error."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip())
+        return 0
     try:
         name, overrides = _split_args(argv)
         try:

@@ -22,8 +22,9 @@ Example::
 
     @elastic.run(checkpoint_dir="runs/exp1")
     def train(state):
-        for state.epoch in range(state.epoch, epochs):
+        for epoch in range(state.epoch, epochs):
             ...
+            state.epoch = epoch + 1   # commit what a restart should start from
             state.commit()
 
     train(state)

@@ -40,10 +40,11 @@ def test_wrong_type_is_an_error() -> None:
     with pytest.raises(ConfigError) as info:
         load_config(Config, None, ["trainer.max_epochs=many"])
     assert "many" in str(info.value)
+    assert "'trainer.max_epochs'" in str(info.value)  # the key is named
 
 
 def test_schema_validation_runs() -> None:
-    with pytest.raises(ValueError, match="max_epochs"):
+    with pytest.raises(ConfigError, match="max_epochs"):
         load_config(Config, None, ["trainer.max_epochs=0"])
 
 
@@ -52,6 +53,10 @@ def test_main_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nope" in capsys.readouterr().err
     assert main(["recipe=no_such_recipe"]) == 2
     assert "digits" in capsys.readouterr().err
+    assert main(["recipe=digits", "optim.lr=-1"]) == 2  # a range error: a message, not a traceback
+    assert "optim.lr=-1.0 must be > 0" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "recipe=NAME" in capsys.readouterr().out
 
 
 def test_result_line_format() -> None:
