@@ -167,6 +167,9 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
     for key in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH"):
         if key in os.environ:
             cmd += ["-x", key]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Open MPI refuses to start as root unless told; containers commonly run as root.
+        cmd += ["--allow-run-as-root"]
     if opts.network_interface is not None:
         cmd += ["--mca", "btl_tcp_if_include", opts.network_interface,
                 "--mca", "oob_tcp_if_include", opts.network_interface]

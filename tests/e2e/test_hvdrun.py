@@ -72,8 +72,8 @@ def test_missing_host_is_reported_within_start_timeout() -> None:
 
 @pytest.mark.skipif(find_mpirun() is None, reason="needs Open MPI's mpirun (PATH or the venv)")
 def test_mpirun_sigkill_is_reported() -> None:
-    env = clean_env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",  # CI runs as root
-                    OMPI_MCA_rmaps_base_oversubscribe="1")
+    # No OMPI_ALLOW_RUN_AS_ROOT here: hvdrun passes --allow-run-as-root itself when root (CI is).
+    env = clean_env(OMPI_MCA_rmaps_base_oversubscribe="1")
     res = hvdrun(["--mpi", "-np", "2", "--fusion-threshold-mb", "1", "python", WORKER, "sigkill", "1", "3"],
                  env=env, timeout=180)
     assert res.returncode != 0, res.explain()
