@@ -104,7 +104,7 @@ def describe_mismatch(own: Signature, seq: int, set_ranks: Sequence[int], entrie
         if len({json.dumps(v) for v in values.values()}) > 1:
             per_rank = ", ".join(f"rank {q} = {_short(v)}" for q, v in values.items())
             lines.append(f"  {k}: {per_rank}")
-    names = sorted({str(d.get("name")) for d in decoded.values()})
+    names = sorted({str(d.get("name") or "(unnamed)") for d in decoded.values()})
     return (
         f"ranks disagree on collective #{seq} ({own.label()}; tensor name(s) {names}) on "
         f"process set {list(set_ranks)}:\n" + "\n".join(lines) + "\nHINT: every rank must call the "
