@@ -48,13 +48,21 @@ from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
 from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
 
-__all__ = ["HorovodStrategy", "StrategyConfigError", "lightning_pytorch_strategy_class"]
+__all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
 log = logging.getLogger(__name__)
 
 
 class StrategyConfigError(ValueError):
     """An invalid ``HorovodStrategy`` argument; the message names it and gives the fix."""
+
+
+class UnevenBatchesError(RuntimeError):
+    """Ranks would run different numbers of training steps per epoch.
+
+    The rank with fewer batches would leave the epoch while the others still wait for it in the
+    next gradient allreduce; the job would hang until the process-group timeout.
+    """
 
 
 class _HorovodStrategyLogic:
@@ -85,6 +93,9 @@ class _HorovodStrategyLogic:
 
     Raises:
         StrategyConfigError: a negative byte size or timeout.
+        UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
+            training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
+            shards), which would otherwise hang the job at the end of the first epoch.
     """
 
     strategy_name = "horovod"
@@ -286,6 +297,14 @@ class _HorovodStrategyLogic:
             self.model = self._layer_sync.revert(self.model)  # undo setup's apply, as DDP does
         super().teardown()
 
+    @override
+    def on_train_start(self) -> None:
+        """Refuse to train when ranks have different numbers of training batches per epoch."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and self.world_size > 1:
+            _check_equal_batches(trainer, self._require_world())
+        super().on_train_start()
+
     # -- backward ---------------------------------------------------------------------------
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -387,6 +406,31 @@ def lightning_pytorch_strategy_class() -> type:
         """``Trainer(strategy="horovod")`` for ``lightning.pytorch``."""
 
     return LightningHorovodStrategy
+
+
+def _check_equal_batches(trainer: pl.Trainer, world: World) -> None:
+    """Raise :class:`UnevenBatchesError` on every rank when the per-rank count of training
+    batches per epoch differs in a way that matters (one allgather of a float64 scalar).
+
+    Counts that are infinite (an ``IterableDataset`` without ``__len__``) cannot be compared and
+    are skipped; a ``max_steps`` reached before the shortest rank's epoch ends is harmless.
+    """
+    mine = torch.tensor([float(trainer.num_training_batches)], dtype=torch.float64)
+    counts = comm.allgather(mine, name="hvd_trainer.num_training_batches", world=world).tolist()
+    if any(c == float("inf") for c in counts) or min(counts) == max(counts):
+        return
+    stop = trainer.max_steps * trainer.accumulate_grad_batches
+    if 0 <= stop <= min(counts):  # max_steps ends training inside the first epoch
+        return
+    per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
+    raise UnevenBatchesError(
+        f"ranks have different numbers of training batches per epoch ({per_rank}); the rank with "
+        "fewer batches would leave the epoch while the others wait for it in the next gradient "
+        "allreduce. HINT: keep Trainer(use_distributed_sampler=True) (its DistributedSampler gives "
+        "every rank an equal-length shard), give each rank an equal-length shard yourself "
+        "(DistributedSampler(drop_last=True) or equal dataset sizes), or cap every rank with "
+        f"Trainer(limit_train_batches={int(min(counts))})."
+    )
 
 
 def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:

@@ -3,7 +3,9 @@
 * ``sync_batchnorm=True``: BatchNorm statistics over the global batch, so 2 ranks x batch b equal
   1 process x batch 2b (weights and running stats);
 * ``HorovodStrategy(compression="bf16")``: gradients travel as bf16, weights stay within bf16
-  rounding of the fp32 reference and bit-identical across ranks.
+  rounding of the fp32 reference and bit-identical across ranks;
+* ranks with different numbers of training batches per epoch: a clear ``UnevenBatchesError`` on
+  every rank at the start of ``fit`` instead of a hang at the end of the first epoch.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
@@ -73,15 +76,51 @@ def _worker() -> dict[str, Any]:
     t.fit(plain, DataLoader(data, batch_size=b, sampler=sampler))
     out["bf16"] = _state(plain)
     out["bf16_ref"] = _state(ref_plain)
+    out.update(_uneven_batches(b))
     return out
 
 
-def test_sync_batchnorm_and_bf16_compression_match_the_global_batch() -> None:
-    results = run_workers(_worker, 2, env=TORCHRUN_ENV, timeout_seconds=240)
+def _uneven_batches(b: int) -> dict[str, Any]:
+    """Rank 0 has 6 batches per epoch, rank 1 has 5 (no distributed sampler)."""
+    import hvd_trainer
+    from hvd_trainer.strategy import UnevenBatchesError
+
+    data = make_data(b * (6 - hvd_trainer.rank()), seed=hvd_trainer.rank())
+    out: dict[str, Any] = {}
+    try:
+        trainer(distributed=True, max_epochs=2, use_distributed_sampler=False).fit(
+            Net("sgd"), DataLoader(data, batch_size=b)
+        )
+        out["uneven_error"] = None
+    except UnevenBatchesError as err:
+        out["uneven_error"] = str(err)
+    # max_steps ends training before the shorter rank's epoch does: allowed, and it finishes
+    model = Net("sgd", init_seed=hvd_trainer.rank())
+    trainer(distributed=True, max_steps=5, use_distributed_sampler=False).fit(
+        model, DataLoader(data, batch_size=b)
+    )
+    out["short_run"] = _state(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_workers(_worker, 2, env=TORCHRUN_ENV, timeout_seconds=240)
+
+
+def test_sync_batchnorm_and_bf16_compression_match_the_global_batch(results: list[dict[str, Any]]) -> None:
     for res in results:
         assert res["converted"]
         assert np.abs(res["dist"] - res["ref"]).max() <= 1e-5
         err = np.abs(res["bf16"] - res["bf16_ref"]).max()
         assert 0 < err <= 5e-3  # bf16 keeps 8 mantissa bits: close to fp32, not equal
     assert np.array_equal(results[0]["dist"], results[1]["dist"])
+
+
+def test_uneven_batches_per_rank_is_a_clear_error_on_every_rank(results: list[dict[str, Any]]) -> None:
+    for res in results:
+        assert res["uneven_error"] is not None
+        assert "rank 0: 6, rank 1: 5" in res["uneven_error"]
+        assert "limit_train_batches=5" in res["uneven_error"]
+    assert np.array_equal(results[0]["short_run"], results[1]["short_run"])
     assert np.array_equal(results[0]["bf16"], results[1]["bf16"])
