@@ -11,17 +11,40 @@
                                hvd_keras.callbacks.MetricAverageCallback()],
               verbose=1 if hvd_trainer.rank() == 0 else 0)
 
+``import hvd_trainer.keras as hvd`` also gives Horovod's module-level names: ``hvd.init()``,
+``hvd.size()``, ``hvd.rank()``, ``hvd.local_rank()``, ``hvd.allreduce(value)``,
+``hvd.allgather(value)``, ``hvd.broadcast(value, root_rank)``, ``hvd.broadcast_variables(vars,
+root_rank)`` and ``hvd.load_model(path)``.
+
 Importing this module imports Keras, so ``KERAS_BACKEND`` must be set first.
 """
 
 from __future__ import annotations
 
-from hvd_trainer.comm import Average, Sum
+from hvd_trainer import (
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from hvd_trainer.comm import Average, Max, Min, Product, Sum, allgather_object, broadcast_object
 from hvd_trainer.keras import callbacks
+from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
+from hvd_trainer.keras.collectives import KerasCollectiveError, allgather, allreduce, broadcast
 from hvd_trainer.keras.compression import Compression
+from hvd_trainer.keras.load import load_model
 from hvd_trainer.keras.optimizer import DistributedOptimizer, DistributedOptimizerError
 
 __all__ = [
-    "DistributedOptimizer", "DistributedOptimizerError", "Compression", "callbacks",
-    "Average", "Sum",
+    "DistributedOptimizer", "DistributedOptimizerError", "Compression", "callbacks", "load_model",
+    "Average", "Sum", "Min", "Max", "Product",
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "cross_size", "cross_rank",
+    "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",
+    "allgather_object", "KerasCollectiveError",
 ]

@@ -1,0 +1,147 @@
+"""Collectives on Keras values, named as in ``horovod.tensorflow.keras``.
+
+``allreduce``, ``allgather`` and ``broadcast`` take a Keras/backend tensor, a numpy array or a
+Python number and return a backend tensor (``keras.ops.convert_to_tensor``) of the reduced value.
+They run eagerly; on the TensorFlow backend a symbolic tensor (inside ``tf.function``) goes
+through ``tf.numpy_function``, so the same call also works in a traced ``train_step``. Every rank
+must call them in the same order with the same shapes (allgather: the same trailing shape).
+
+Example:
+    >>> import hvd_trainer.keras as hvd
+    >>> hvd.init()
+    >>> mean_loss = float(hvd.allreduce(loss_value))          # average over ranks
+    >>> everything = hvd.allgather(predictions)               # (sum of N_r, ...) rows
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from hvd_trainer import comm
+from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.world import get_world
+
+__all__ = ["allreduce", "allgather", "broadcast", "KerasCollectiveError"]
+
+# numpy dtypes torch.from_numpy accepts; anything else (e.g. ml_dtypes.bfloat16) travels as float32.
+_TORCH_OK = {
+    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8", "int8", "bool")
+}
+
+
+class KerasCollectiveError(ValueError):
+    """Contradictory arguments to a Keras-level collective (e.g. ``average`` and ``op``)."""
+
+
+def _resolve_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
+    if average is not None and op is not None:
+        raise KerasCollectiveError(
+            f"allreduce got both average={average!r} and op={op!r}. HINT: pass only op= "
+            "(average= is Horovod's deprecated spelling)."
+        )
+    if average is not None:
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return to_reduce_op(op)
+
+
+def _run(value: Any, fn: Callable[[np.ndarray], np.ndarray], leading_dim_changes: bool = False) -> Any:
+    """Apply the numpy-level collective ``fn`` to ``value`` and return a backend tensor."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if tf.is_tensor(value) and not tf.executing_eagerly():
+            out = tf.numpy_function(lambda a: fn(np.asarray(a)), [value], Tout=value.dtype, stateful=True)
+            shape = value.shape
+            if leading_dim_changes and shape.rank:
+                shape = tf.TensorShape([None]).concatenate(shape[1:])
+            out.set_shape(shape)
+            return out
+    array = np.asarray(keras.ops.convert_to_numpy(value))
+    return keras.ops.convert_to_tensor(fn(array))
+
+
+def _as_torch(array: np.ndarray) -> tuple[torch.Tensor, np.dtype]:
+    dtype = array.dtype
+    wire = dtype if dtype in _TORCH_OK else np.dtype("float32")
+    wire_array = np.asarray(array, dtype=wire)
+    if not (wire_array.flags.c_contiguous and wire_array.flags.writeable):
+        wire_array = wire_array.copy(order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
+    return torch.from_numpy(wire_array), dtype
+
+
+def allreduce(
+    value: Any,
+    name: str | None = None,
+    average: bool | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: ReduceOp | str | None = None,
+    compression: Any = None,
+) -> Any:
+    """Reduce ``value`` over all ranks (default: average).
+
+    Args:
+        value: tensor/array/number of any shape and a numeric dtype; same shape on every rank.
+        name: label for cross-rank checks and the timeline.
+        average: Horovod's older flag (True = Average, False = Sum); do not combine with ``op``.
+        prescale_factor / postscale_factor: multiply before / after the reduction.
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        compression: ``None`` or a compressor such as ``Compression.fp16`` (wire format only).
+
+    Returns:
+        A backend tensor with the shape and dtype of ``value``.
+
+    Raises:
+        KerasCollectiveError: both ``average`` and ``op`` were given.
+        hvd_trainer.CollectiveMismatchError: shapes or dtypes differ across ranks.
+    """
+    rop = _resolve_op(average, op)
+
+    def reduce(array: np.ndarray) -> np.ndarray:
+        tensor, dtype = _as_torch(array)
+        ctx = None
+        if compression is not None:
+            tensor, ctx = compression.compress(tensor)
+        out = comm.allreduce(tensor, op=rop, name=name or "keras.allreduce", prescale_factor=prescale_factor,
+                             postscale_factor=postscale_factor, world=get_world())
+        if compression is not None:
+            out = compression.decompress(out, ctx)
+        return out.numpy().astype(dtype, copy=False)
+
+    return _run(value, reduce)
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    """Concatenate every rank's ``value`` along dimension 0, in rank order.
+
+    Args:
+        value: tensor/array of shape ``(N_r, ...)``; ``N_r`` may differ per rank, the trailing
+            dimensions and the dtype may not. A scalar is gathered as shape ``(1,)``.
+
+    Returns:
+        A backend tensor of shape ``(sum_r N_r, ...)``.
+    """
+
+    def gather(array: np.ndarray) -> np.ndarray:
+        tensor, dtype = _as_torch(np.atleast_1d(array))
+        out = comm.allgather(tensor, name=name or "keras.allgather", world=get_world())
+        return out.numpy().astype(dtype, copy=False)
+
+    return _run(value, gather, leading_dim_changes=True)
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``value`` on every rank (same shape and dtype everywhere)."""
+
+    def bcast(array: np.ndarray) -> np.ndarray:
+        tensor, dtype = _as_torch(array)
+        tensor = tensor.clone()
+        comm.broadcast_(tensor, root_rank, name=name or "keras.broadcast", world=get_world())
+        return tensor.numpy().astype(dtype, copy=False)
+
+    return _run(value, bcast)
