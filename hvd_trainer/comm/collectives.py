@@ -37,7 +37,11 @@ __all__ = [
 
 
 class Handle:
-    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`."""
+    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`.
+
+    Calling it (``handle()``) is :func:`synchronize` too, which is how Horovod's
+    ``sparse_allreduce_async`` handles are used.
+    """
 
     __slots__ = ("_reductions", "_finish", "_result", "_done")
 
@@ -59,6 +63,9 @@ class Handle:
             self._result = self._finish()
             self._done = True
         return self._result
+
+    finish = wait  # a Handle can be a part of another Handle
+    __call__ = wait
 
 
 def poll(handle: Handle) -> bool:
