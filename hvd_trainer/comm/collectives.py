@@ -125,10 +125,11 @@ def allreduce_async_(
         CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
     """
     _tensor(tensor, "allreduce")
+    rop = to_reduce_op(op)  # argument errors (e.g. Adasum) before any process group is needed
     pset = resolve_set(process_set, world, "allreduce")
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     red = start_allreduce(
-        target, op=to_reduce_op(op), pset=pset, name=name, prescale_factor=prescale_factor,
+        target, op=rop, pset=pset, name=name, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, compression=compression,
     )
 
