@@ -227,6 +227,8 @@ def grouped_reducescatter_async(
         CommValueError: an empty list or a 0-d tensor.
     """
     tensors = [_tensor(t, "grouped_reducescatter") for t in tensors]
+    if not tensors:
+        raise CommValueError("grouped_reducescatter got an empty list. HINT: pass at least one tensor.")
     if any(t.dim() == 0 for t in tensors):
         raise CommValueError("grouped_reducescatter needs tensors with at least one dimension, "
                              "got a scalar.")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -160,10 +160,10 @@ class _GlobalProcessSet(ProcessSet):
 
     process_set_id = 0  # type: ignore[assignment]  # known before init(), as in Horovod
 
-    def __init__(self) -> None:  # noqa: D107 - no state: everything is read from the world
+    def __init__(self) -> None:  # no state: everything is read from the initialised world
         pass
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(get_world().runtime.global_set, name)

@@ -120,3 +120,34 @@ def test_world_of_one_init_arguments_and_timeline_restart(tmp_path) -> None:
         assert json.loads(first.read_text())["traceEvents"] == []  # restarted: nothing recorded
     finally:
         hvd.shutdown()
+
+
+def test_world_of_one_async_forms_on_the_default_backend(tmp_path) -> None:
+    """On a CUDA machine init() picks NCCL and these run on the GPU; here they run on gloo."""
+    world = hvd.init()
+    try:
+        x = torch.arange(6.0, device=world.device).reshape(3, 2)
+        assert hvd.synchronize(hvd.allgather_async(x)).tolist() == x.tolist()
+        b = x.clone()
+        assert hvd.synchronize(hvd.broadcast_async_(b, 0)) is b and b.tolist() == x.tolist()
+        assert hvd.synchronize(hvd.broadcast_async(x, 0)).device == x.device
+        assert hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum)).tolist() == x.tolist()
+        out, received = hvd.synchronize(hvd.alltoall_async(x))
+        assert out.tolist() == x.tolist() and received.tolist() == [3]
+        grouped = hvd.grouped_reducescatter([x, x.long()], op=hvd.Sum)
+        assert [t.tolist() for t in grouped] == [x.tolist(), x.long().tolist()]
+        assert grouped[0].device == x.device
+        assert hvd.grouped_allgather([x, x[:1]])[1].tolist() == x[:1].tolist()
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 2]]), torch.tensor([1.0, 2.0]), (4,),
+                                         check_invariants=True)
+        assert hvd.sparse_allreduce_async(sparse.to(world.device))().to_dense().tolist() == [1, 0, 2, 0]
+        path = tmp_path / "tl.json"
+        hvd.start_timeline(str(path))
+        hvd.allreduce(x, name="dev_tensor")
+        hvd.synchronize(hvd.allgather_async(x, name="dev_gather"))
+        hvd.stop_timeline()
+        events = json.loads(path.read_text())["traceEvents"]
+        assert {"dev_tensor", "dev_gather"} <= {e["args"]["tensor"] for e in events if e.get("ph") == "X"}
+        assert hvd.gloo_enabled() is (world.backend == "gloo")
+    finally:
+        hvd.shutdown()
