@@ -11,12 +11,19 @@ Importing the package also registers ``Trainer(strategy="horovod")`` with Lightn
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Sequence
+from typing import Any
+
 from hvd_trainer.comm import (
+    Adasum,
     Average,
     CollectiveMismatchError,
     CommConfig,
     Compression,
     Handle,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     JoinedRankError,
     Max,
     Min,
@@ -26,30 +33,58 @@ from hvd_trainer.comm import (
     ReduceOp,
     StallError,
     Sum,
+    UnsupportedOpError,
     World,
+    add_process_set,
     allgather,
+    allgather_async,
     allgather_object,
     allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
     alltoall,
+    alltoall_async,
     barrier,
     broadcast,
     broadcast_,
+    broadcast_async,
+    broadcast_async_,
     broadcast_object,
+    ccl_built,
+    cuda_built,
+    ddl_built,
     get_world,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    grouped_allgather,
+    grouped_allgather_async,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    is_homogeneous,
     is_initialized,
     join,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     poll,
     reducescatter,
+    reducescatter_async,
+    register_process_sets,
+    remove_process_set,
+    rocm_built,
     shutdown,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from hvd_trainer.comm import init as _comm_init
+from hvd_trainer.comm.world import check_comm_arg as _check_comm_arg
 
 __version__ = "0.1.0"
 
@@ -63,15 +98,36 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "Compression",
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
     "CollectiveMismatchError", "NotInitializedError", "StallError", "JoinedRankError",
+    # the rest of horovod.torch's names
+    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "start_timeline", "stop_timeline",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast_async",
+    "broadcast_async_", "alltoall_async", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "Adasum", "UnsupportedOpError",
+    "add_process_set", "remove_process_set", "global_process_set",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "elastic",
 ]
 
 
 def init(
-    *, backend: str | None = None, timeout_seconds: float = 600.0, config: CommConfig | None = None
+    comm: Any = None,
+    process_sets: Sequence[ProcessSet] | str | None = None,
+    *,
+    backend: str | None = None,
+    timeout_seconds: float = 600.0,
+    config: CommConfig | None = None,
 ) -> World:
     """Join the job started by hvdrun/torchrun (or form a world of one). Idempotent.
 
+    ``init(comm=None, process_sets=None)`` is Horovod's signature; the rest is ours.
+
     Args:
+        comm: ``None``, or (Horovod) all launched ranks as a list or an mpi4py communicator
+            of the job's size; a subset is rejected (see ``comm.world.check_comm_arg``).
+        process_sets: ``ProcessSet`` objects built before ``init()`` to create now, in order,
+            on every rank; or ``"dynamic"`` / ``None`` (sets can always be added later with
+            :func:`add_process_set`).
         backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
         timeout_seconds: collective and rendezvous timeout, seconds.
         config: cross-rank checks, stall inspection and timeline (default: from the
@@ -79,8 +135,15 @@ def init(
 
     Returns:
         The :class:`World` (rank, size, local_rank, ..., device, backend).
+
+    Raises:
+        CommValueError: ``comm`` is a subset of the job; duplicate ``process_sets``.
+        CommTypeError: ``comm`` or a ``process_sets`` entry has the wrong type.
     """
-    return _comm_init(backend=backend, timeout_seconds=timeout_seconds, config=config)
+    _check_comm_arg(comm)
+    world = _comm_init(backend=backend, timeout_seconds=timeout_seconds, config=config)
+    register_process_sets(process_sets, world=world)
+    return world
 
 
 def size() -> int:
@@ -128,5 +191,18 @@ __all__ += [
     "broadcast_parameters", "broadcast_optimizer_state", "sparse_allreduce",
     "SyncBatchNorm", "convert_sync_batchnorm",
 ]
+
+from hvd_trainer.sparse import sparse_allreduce_async  # noqa: E402
+
+__all__ += ["sparse_allreduce_async"]
+
+
+def __getattr__(name: str) -> Any:
+    """``hvd.elastic`` (Horovod's ``hvd.elastic.run`` / ``hvd.elastic.TorchState``), imported on
+    first use so that ``import hvd_trainer`` stays light."""
+    if name == "elastic":
+        return importlib.import_module("hvd_trainer.elastic")
+    raise AttributeError(f"module 'hvd_trainer' has no attribute {name!r}")
+
 
 from hvd_trainer import _register  # noqa: E402,F401  (registers strategy="horovod")

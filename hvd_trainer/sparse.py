@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from hvd_trainer.comm import ReduceOp, World, allgather, to_reduce_op
+from hvd_trainer.comm import Handle, ProcessSet, ReduceOp, World, allgather, to_reduce_op
+from hvd_trainer.comm.errors import CommTypeError, CommValueError
+from hvd_trainer.comm.movement_async import allgather_async
+from hvd_trainer.comm.process_set import resolve_set
 
-__all__ = ["sparse_allreduce"]
+__all__ = ["sparse_allreduce", "sparse_allreduce_async"]
 
 
 def sparse_allreduce(
@@ -60,3 +63,56 @@ def sparse_allreduce(
             out.indices(), out.values() * scale, like.shape, check_invariants=False
         ).coalesce()
     return out
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp | str | None = None,
+    process_set: ProcessSet | None = None,
+    *,
+    world: World | None = None,
+) -> Handle:
+    """Start summing (or averaging) a sparse COO tensor over the set (Horovod's
+    ``sparse_allreduce_async``): two async allgathers, of the indices and of the values.
+
+    Args:
+        tensor: sparse COO tensor of the same dense shape, dtype and ``sparse_dim`` on every
+            member; its ``nnz`` may differ.
+        name: label for errors and the timeline (``<name>.indices`` / ``<name>.values``).
+        op: ``Average`` (default: values divided by the set size) or ``Sum``.
+        process_set: the ranks to reduce over (``None``: the whole job).
+
+    Returns:
+        A :class:`Handle`; ``synchronize(handle)`` (or ``handle()``, Horovod's idiom) returns the
+        coalesced sparse COO result with ``tensor``'s shape, identical on every member.
+
+    Raises:
+        CommTypeError: ``tensor`` is not a sparse COO tensor. CommValueError: ``op`` is not
+        Average or Sum.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.sparse_coo:
+        raise CommTypeError(
+            f"sparse_allreduce_async expects a sparse COO tensor, got "
+            f"{getattr(tensor, 'layout', type(tensor).__name__)}. HINT: use allreduce_async for dense "
+            "tensors, or tensor.to_sparse()."
+        )
+    rop = to_reduce_op(op)
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise CommValueError(f"sparse_allreduce_async(op={rop}) supports Average or Sum only.")
+    pset = resolve_set(process_set, world, "sparse_allreduce_async")
+    t = tensor.detach().coalesce()
+    indices = allgather_async(t.indices().t().contiguous(), f"{name}.indices" if name else None,
+                              process_set, world=world)
+    values = allgather_async(t.values().contiguous(), f"{name}.values" if name else None,
+                             process_set, world=world)
+
+    def finish() -> torch.Tensor:
+        out = torch.sparse_coo_tensor(indices.wait().t(), values.wait(), t.shape,
+                                      check_invariants=False).coalesce()
+        if rop is ReduceOp.AVERAGE:
+            out = torch.sparse_coo_tensor(out.indices(), out.values() / pset.size(), t.shape,
+                                          check_invariants=False).coalesce()
+        return out
+
+    return Handle([indices, values], finish)

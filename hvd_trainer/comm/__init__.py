@@ -6,6 +6,19 @@ Knows nothing of Lightning or Keras; every upper layer sits on it.
 
 from __future__ import annotations
 
+from hvd_trainer.comm.build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
 from hvd_trainer.comm.collectives import (
     Handle,
     allreduce,
@@ -25,6 +38,8 @@ from hvd_trainer.comm.errors import (
     CommError,
     CommTypeError,
     CommValueError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
     JoinedRankError,
     NotInitializedError,
     StallError,
@@ -41,9 +56,35 @@ from hvd_trainer.comm.movement import (
     join,
     reducescatter,
 )
-from hvd_trainer.comm.ops import Average, Max, Min, Product, ReduceOp, Sum, to_reduce_op
-from hvd_trainer.comm.process_set import ProcessSet
-from hvd_trainer.comm.timeline import Timeline
+from hvd_trainer.comm.movement_async import (
+    allgather_async,
+    alltoall_async,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
+from hvd_trainer.comm.ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    UnsupportedOpError,
+    to_reduce_op,
+)
+from hvd_trainer.comm.process_set import ProcessSet, global_process_set
+from hvd_trainer.comm.process_set_registry import (
+    add_process_set,
+    register_process_sets,
+    remove_process_set,
+)
+from hvd_trainer.comm.timeline import Timeline, start_timeline, stop_timeline
 from hvd_trainer.comm.world import (
     LaunchEnv,
     World,
@@ -67,4 +108,13 @@ __all__ = [
     "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
     "CollectiveMismatchError", "StallError", "JoinedRankError",
+    # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)
+    "Adasum", "UnsupportedOpError", "HorovodInternalError", "HostsUpdatedInterrupt",
+    "gloo_built", "nccl_built", "mpi_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",
+    "mpi_enabled", "gloo_enabled", "mpi_threads_supported", "is_homogeneous",
+    "start_timeline", "stop_timeline",
+    "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async", "reducescatter_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "global_process_set", "add_process_set", "remove_process_set", "register_process_sets",
 ]

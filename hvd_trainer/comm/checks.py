@@ -175,6 +175,8 @@ class Coordinator:
         """
         now_us = self.timeline.now_us() if self.timeline else 0.0
         op = Op(self.seq, sig, nbytes, transports, now_us, time.monotonic())
+        if self.timeline:  # start_timeline() may swap timelines while ops are in flight
+            op.extra["timeline"] = self.timeline
         self.seq += 1
         if not self.multi:
             return op
@@ -213,7 +215,7 @@ class Coordinator:
             self._unpublish(op.seq)
         if self._checked_seqs and op.sig.kind in _RECEIVE_FROM_ALL:
             self._drop_checked_before(op.seq)
-        if self.timeline:
+        if self.timeline and op.extra.get("timeline") is self.timeline:
             self._record(op, t_wait_us)
 
     def settle(self, op: Op) -> None:

@@ -37,7 +37,11 @@ __all__ = [
 
 
 class Handle:
-    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`."""
+    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`.
+
+    Calling it (``handle()``) is :func:`synchronize` too, which is how Horovod's
+    ``sparse_allreduce_async`` handles are used.
+    """
 
     __slots__ = ("_reductions", "_finish", "_result", "_done")
 
@@ -59,6 +63,9 @@ class Handle:
             self._result = self._finish()
             self._done = True
         return self._result
+
+    finish = wait  # a Handle can be a part of another Handle
+    __call__ = wait
 
 
 def poll(handle: Handle) -> bool:
@@ -118,10 +125,11 @@ def allreduce_async_(
         CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
     """
     _tensor(tensor, "allreduce")
+    rop = to_reduce_op(op)  # argument errors (e.g. Adasum) before any process group is needed
     pset = resolve_set(process_set, world, "allreduce")
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     red = start_allreduce(
-        target, op=to_reduce_op(op), pset=pset, name=name, prescale_factor=prescale_factor,
+        target, op=rop, pset=pset, name=name, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, compression=compression,
     )
 

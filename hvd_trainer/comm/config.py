@@ -96,7 +96,8 @@ class CommConfig:
         if env.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
             values["stall_warning_seconds"] = 0.0
             values["stall_shutdown_seconds"] = 0.0
-        if env.get("HOROVOD_TIMELINE"):
+        if env.get("HOROVOD_TIMELINE") and env["HOROVOD_TIMELINE"].upper() != "DYNAMIC":
+            # DYNAMIC is Horovod's "start_timeline() will be called"; ours always allows it.
             values["timeline_path"] = env["HOROVOD_TIMELINE"]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]

@@ -10,6 +10,8 @@ __all__ = [
     "CollectiveMismatchError",
     "StallError",
     "JoinedRankError",
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
 ]
 
 
@@ -52,3 +54,30 @@ class StallError(CommError):
 
 class JoinedRankError(CommError):
     """A collective other than allreduce ran while a rank had called :func:`join`."""
+
+
+class HorovodInternalError(CommError):
+    """Horovod's error for a failed collective, kept so ported ``except HorovodInternalError:``
+    clauses stay valid.
+
+    hvd_trainer never raises it today: a failed or mismatched collective raises
+    :class:`CollectiveMismatchError`, :class:`StallError`, :class:`JoinedRankError` or torch's
+    ``DistBackendError``, and elastic recovery restarts every worker through torchrun's agent
+    (:mod:`hvd_trainer.elastic`) instead of catching an exception in-process.
+    """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's signal that hosts were added or removed during elastic training, kept so
+    ported ``except HostsUpdatedInterrupt:`` clauses stay valid.
+
+    hvd_trainer never raises it: when the set of workers changes, torchrun's elastic agent
+    restarts all workers and :func:`hvd_trainer.elastic.run` resumes from the last commit.
+
+    Args:
+        skip_sync: Horovod's flag: the state need not be synced from rank 0 on reset.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__(f"hosts updated (skip_sync={skip_sync})")
+        self.skip_sync = skip_sync

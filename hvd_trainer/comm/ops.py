@@ -1,5 +1,9 @@
 """Reduction operators, with Horovod's public names (``Average``, ``Sum``, ``Min``, ``Max``,
-``Product``) and the mapping from Lightning's strings and ``torch.distributed.ReduceOp``."""
+``Product``, ``Adasum``) and the mapping from Lightning's strings and ``torch.distributed.ReduceOp``.
+
+``Adasum`` exists so that ported code imports; every reduction rejects it with
+:class:`UnsupportedOpError` (hvd_trainer does not implement adaptive summation).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,17 @@ import enum
 
 import torch.distributed as dist
 
-__all__ = ["ReduceOp", "Average", "Sum", "Min", "Max", "Product", "to_reduce_op"]
+from hvd_trainer.comm.errors import CommValueError
+
+__all__ = [
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "to_reduce_op",
+    "UnsupportedOpError",
+]
+
+
+class UnsupportedOpError(CommValueError, NotImplementedError):
+    """A reduce op that hvd_trainer names but does not run (``Adasum``). A ``ValueError`` and,
+    like Horovod's errors for unsupported Adasum setups, a ``NotImplementedError``."""
 
 
 class ReduceOp(enum.Enum):
@@ -18,6 +32,7 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"
 
     @property
     def torch_op(self) -> dist.ReduceOp.RedOpType:
@@ -30,6 +45,7 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
 _TORCH_OPS = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,
@@ -57,10 +73,16 @@ def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | 
     ``None`` means ``Average`` (Horovod's and Lightning's default).
 
     Raises:
+        UnsupportedOpError: ``Adasum``.
         ValueError: an unknown string or op, naming the valid choices.
     """
     if op is None:
         return ReduceOp.AVERAGE
+    if op is ReduceOp.ADASUM or (isinstance(op, str) and op.lower() == "adasum"):
+        raise UnsupportedOpError(
+            f"op={op!r} (Adasum) is not implemented by hvd_trainer. HINT: use op=hvd.Average "
+            "(the usual gradient mean) or op=hvd.Sum; with Sum, scale the learning rate yourself."
+        )
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):

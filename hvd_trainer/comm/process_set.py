@@ -7,26 +7,32 @@ compares the requested ranks across the whole job first and raises
 :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` (listing each rank's request) instead of
 letting ``new_group`` hang or pair up the wrong groups.
 
-Every collective takes ``process_set=``; ``None`` means the whole job. ``root_rank`` arguments
-are always *global* ranks (as in Horovod and ``torch.distributed``).
+Every collective takes ``process_set=``; ``None`` (or :data:`global_process_set`) means the whole
+job. ``root_rank`` arguments are always *global* ranks (as in Horovod and ``torch.distributed``).
+
+Horovod's registration flow works too: a ``ProcessSet(ranks)`` built *before* ``init()`` is only a
+description until ``hvd.init(process_sets=[...])`` or :func:`add_process_set` creates its group;
+sets can be removed again with :func:`remove_process_set`. All three are collective over the whole
+job (every rank calls them identically and in the same order), as in Horovod.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.checks import Coordinator, Signature
 from hvd_trainer.comm.errors import CommValueError
-from hvd_trainer.comm.world import World, get_world
+from hvd_trainer.comm.world import World, get_world, is_initialized
 
 if TYPE_CHECKING:
     from hvd_trainer.comm.runtime import CommRuntime
 
-__all__ = ["ProcessSet", "resolve_set"]
+__all__ = ["ProcessSet", "resolve_set", "global_process_set"]
 
 
 class ProcessSet:
@@ -39,16 +45,28 @@ class ProcessSet:
 
     Args:
         ranks: global ranks (any order, no duplicates); sorted internally.
-        world: the world (default: the initialised one).
+        world: the world (default: the initialised one). Before ``init()`` (and without
+            ``world``) the set is only recorded; ``init(process_sets=[...])`` or
+            :func:`add_process_set` creates it later, on every rank.
 
     Raises:
         CommValueError: empty, duplicate or out-of-range ranks.
         CollectiveMismatchError: ranks created different sets at this point.
     """
 
+    world: World | None
+    ranks: tuple[int, ...]
+    set_id: int | None
+
     def __init__(self, ranks: Sequence[int] | range, *, world: World | None = None) -> None:
+        if world is None and not is_initialized():
+            self.world, self.set_id = None, None
+            self.ranks = _validate(ranks, None)
+            return
         w = get_world() if world is None else world
-        members = _validate(ranks, w.size)
+        self._create(w, _validate(ranks, w.size))
+
+    def _create(self, w: World, members: tuple[int, ...]) -> None:
         runtime = _runtime(w)
         # Agree first: new_group must be called with the same ranks, in the same order, on all.
         coord = runtime.global_set.coordinator
@@ -59,6 +77,7 @@ class ProcessSet:
         group = dist.new_group(list(members))
         cpu_group = group if w.backend == "gloo" else dist.new_group(list(members), backend="gloo")
         self._setup(w, members, group, cpu_group, runtime.allocate_set_id())
+        runtime.sets[self.set_id] = self
 
     @classmethod
     def _for_world(cls, world: World, set_id: int) -> ProcessSet:
@@ -82,13 +101,24 @@ class ProcessSet:
             timeline=runtime.timeline if runtime else None,
         )
 
+    @property
+    def process_set_id(self) -> int | None:
+        """Horovod's id: 0 for the whole job, then 1, 2, ... in creation order; ``None`` while
+        the set is not created yet or after :func:`remove_process_set`."""
+        return self.set_id
+
     def size(self) -> int:
         """Number of ranks in the set."""
         return len(self.ranks)
 
     def included(self) -> bool:
-        """Whether this process is a member."""
-        return self.world.rank in self.ranks
+        """Whether this process is a member.
+
+        Raises:
+            NotInitializedError: a set recorded before ``init()``, asked before ``init()``.
+        """
+        world = self.world if self.world is not None else get_world()
+        return world.rank in self.ranks
 
     def rank(self) -> int:
         """This process's index within the set.
@@ -108,6 +138,13 @@ class ProcessSet:
         return self._cpu_group
 
     def require_member(self, what: str) -> None:
+        """Raise :class:`CommValueError` unless this set is usable and this rank is a member."""
+        if self.set_id is None:
+            raise CommValueError(
+                f"{what} got {self!r}, which {'was removed' if self.world else 'is not created yet'}. "
+                "HINT: pass it to hvd.init(process_sets=[...]) or hvd.add_process_set(...) first, "
+                "on every rank."
+            )
         if not self.included():
             raise CommValueError(
                 f"{what} ran on rank {self.world.rank}, which is not in process set {list(self.ranks)}. "
@@ -115,19 +152,55 @@ class ProcessSet:
             )
 
     def __repr__(self) -> str:
-        return f"ProcessSet(ranks={list(self.ranks)})"
+        return f"ProcessSet(process_set_id={self.set_id}, ranks={list(self.ranks)})"
 
 
-def _validate(ranks: Sequence[int] | range, size: int) -> tuple[int, ...]:
-    members = [int(r) for r in ranks]
+class _GlobalProcessSet(ProcessSet):
+    """:data:`global_process_set`: the whole job, whatever world is initialised right now."""
+
+    process_set_id = 0  # type: ignore[assignment]  # known before init(), as in Horovod
+
+    def __init__(self) -> None:  # no state: everything is read from the initialised world
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(get_world().runtime.global_set, name)
+
+    def __repr__(self) -> str:
+        if not is_initialized():
+            return "ProcessSet(process_set_id=0, ranks=<all ranks, after init()>)"
+        return f"ProcessSet(process_set_id=0, ranks={list(self.ranks)})"
+
+
+global_process_set: ProcessSet = _GlobalProcessSet()
+"""The whole job (Horovod's ``hvd.global_process_set``); the same as ``process_set=None``."""
+
+
+def _validate(ranks: Sequence[int] | range, size: int | None) -> tuple[int, ...]:
+    if isinstance(ranks, str | bytes) or not hasattr(ranks, "__iter__"):
+        raise CommValueError(
+            f"ProcessSet(ranks={ranks!r}) needs a sequence of global ranks, got {type(ranks).__name__}. "
+            "HINT: ProcessSet([0, 2]). MPI communicators are not supported."
+        )
+    members = []
+    for r in ranks:
+        try:
+            members.append(operator.index(r) if not isinstance(r, bool) else None)
+        except TypeError:
+            members.append(None)
+    if None in members:
+        raise CommValueError(f"ProcessSet(ranks={list(ranks)!r}) has non-integer ranks.")
     if not members:
         raise CommValueError("ProcessSet(ranks=[]) is empty. HINT: pass at least one rank.")
     if len(set(members)) != len(members):
         raise CommValueError(f"ProcessSet(ranks={members}) lists a rank twice.")
-    bad = [r for r in members if not 0 <= r < size]
+    bad = [r for r in members if r < 0 or (size is not None and r >= size)]
     if bad:
         raise CommValueError(
             f"ProcessSet(ranks={members}) has ranks {bad} outside a world of size {size}."
+            if size is not None else f"ProcessSet(ranks={members}) has negative ranks {bad}."
         )
     return tuple(sorted(members))
 
@@ -152,7 +225,7 @@ def resolve_set(process_set: ProcessSet | None, world: World | None, what: str) 
     Raises:
         CommValueError: this rank is not a member of ``process_set``.
     """
-    if process_set is None:
+    if process_set is None or isinstance(process_set, _GlobalProcessSet):
         w = get_world() if world is None else world
         if w.runtime is None:
             return ProcessSet._for_world(w, 0)

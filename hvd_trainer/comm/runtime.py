@@ -1,4 +1,4 @@
-"""The comm layer's per-world runtime state: config, store, timeline and the global process set.
+"""The comm layer's per-world runtime state: config, store, timeline and the process sets.
 
 Created by :func:`hvd_trainer.comm.world.init` and reachable only through ``World.runtime``
 (no module globals).
@@ -6,6 +6,7 @@ Created by :func:`hvd_trainer.comm.world.init` and reachable only through ``Worl
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from hvd_trainer.comm.checks import default_store
@@ -18,21 +19,32 @@ if TYPE_CHECKING:
 
 __all__ = ["CommRuntime"]
 
+_LOCAL_SIZE_KEY = "hvd/local_size/{rank}"
+
 
 class CommRuntime:
     """Mutable state shared by every collective of one world."""
 
     def __init__(self, config: CommConfig, rank: int) -> None:
         self.config = config
+        self.rank = rank
         self.store: Any = default_store()
         self.timeline = Timeline(config.timeline_path) if config.timeline_path and rank == 0 else None
         self._next_set_id = 1
         self.global_set: ProcessSet  # set by attach()
+        # Live process sets by id (weak: a set nobody holds may be collected).
+        self.sets: weakref.WeakValueDictionary[int, ProcessSet] = weakref.WeakValueDictionary()
+        self._homogeneous: bool | None = None
+        self._size = 1
 
     def attach(self, world: World) -> None:
         from hvd_trainer.comm.process_set import ProcessSet
 
+        self._size = world.size
         self.global_set = ProcessSet._for_world(world, 0)
+        self.sets[0] = self.global_set
+        if self.store is not None and world.size > 1:
+            self.store.set(_LOCAL_SIZE_KEY.format(rank=world.rank), str(world.local_size))
 
     @property
     def next_set_id(self) -> int:
@@ -42,6 +54,20 @@ class CommRuntime:
         set_id = self._next_set_id
         self._next_set_id += 1
         return set_id
+
+    def homogeneous(self) -> bool:
+        """Whether every rank published the same ``local_size`` (read once, then cached)."""
+        if self._homogeneous is None:
+            keys = [_LOCAL_SIZE_KEY.format(rank=r) for r in range(self._size)]
+            values = {bytes(self.store.get(k)) for k in keys}
+            self._homogeneous = len(values) == 1
+        return self._homogeneous
+
+    def set_timeline(self, timeline: Timeline | None) -> None:
+        """Route every process set's events to ``timeline`` (``None``: record nothing)."""
+        self.timeline = timeline
+        for pset in list(self.sets.values()):
+            pset.coordinator.timeline = timeline
 
     def close(self) -> None:
         if self.timeline is not None:

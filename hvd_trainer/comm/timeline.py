@@ -11,7 +11,8 @@ collective name; each collective contributes one event per phase:
 
 ``args`` carry ``bytes`` (payload of this rank) and ``seq`` (the collective's index).
 The file is rewritten, complete and valid, every ``flush_every`` events, on :meth:`close` and at
-interpreter exit.
+interpreter exit. ``HOROVOD_TIMELINE=<file>`` records from ``init()`` on; :func:`start_timeline` and
+:func:`stop_timeline` switch recording on and off while the job runs.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import json
 import os
 import threading
 import time
+import warnings
 from typing import Any
 
+from hvd_trainer.comm.errors import CommTypeError
 from hvd_trainer.comm.fatal import flush_before_hard_exit
+from hvd_trainer.comm.world import get_world
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "start_timeline", "stop_timeline"]
 
 
 class Timeline:
@@ -44,6 +48,7 @@ class Timeline:
         self._unflushed = 0
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
+        self._closed = False
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         self.flush()
@@ -77,8 +82,10 @@ class Timeline:
             self.flush()
 
     def flush(self) -> None:
-        """Rewrite the whole file (atomically, via a temporary file)."""
+        """Rewrite the whole file (atomically, via a temporary file). No-op once closed."""
         with self._lock:
+            if self._closed:
+                return
             meta = [
                 {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
                 for name, tid in self._tids.items()
@@ -91,5 +98,56 @@ class Timeline:
         os.replace(tmp, self.path)
 
     def close(self) -> None:
-        """Write the final file."""
+        """Write the final file; later events and flushes are ignored (the file stays as is,
+        even if a new timeline reuses the path)."""
         self.flush()
+        with self._lock:
+            self._closed = True
+        atexit.unregister(self.flush)
+
+
+def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False) -> None:
+    """Start writing the Chrome-trace timeline of every collective to ``file_path``.
+
+    Call it on every rank, like Horovod; rank 0 writes the file (creating parent folders) and
+    the other ranks record nothing. The file is valid JSON from the start and is rewritten
+    as events arrive, on :func:`stop_timeline` and at exit. A timeline already running (from
+    ``HOROVOD_TIMELINE`` or an earlier call) is closed first. Collectives already in flight
+    when it starts are not recorded.
+
+    Args:
+        file_path: output file, e.g. ``"timeline.json"``.
+        mark_cycles: accepted for Horovod compatibility. hvd_trainer has no background
+            negotiation cycle to mark, so ``True`` only warns.
+
+    Raises:
+        NotInitializedError: before ``init()``. CommTypeError: ``file_path`` is not a path.
+    """
+    runtime = get_world().runtime
+    if not isinstance(file_path, str | os.PathLike) or not os.fspath(file_path):
+        raise CommTypeError(
+            f"start_timeline(file_path={file_path!r}) needs a non-empty path. "
+            "HINT: hvd.start_timeline('timeline.json')."
+        )
+    if mark_cycles:
+        warnings.warn("start_timeline(mark_cycles=True): hvd_trainer has no negotiation cycles "
+                      "to mark; the timeline shows each collective's phases instead.",
+                      UserWarning, stacklevel=2)
+    if runtime is None:
+        return
+    if runtime.timeline is not None:
+        runtime.timeline.close()
+    runtime.set_timeline(Timeline(os.fspath(file_path)) if runtime.rank == 0 else None)
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the timeline file (a no-op when none is running).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+    """
+    runtime = get_world().runtime
+    if runtime is None or runtime.timeline is None:
+        return
+    runtime.timeline.close()
+    runtime.set_timeline(None)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hvd_trainer.comm.errors import NotInitializedError
+from hvd_trainer.comm.errors import CommTypeError, CommValueError, NotInitializedError
 from hvd_trainer.comm.launch_env import LaunchEnv, from_mpi, from_slurm, from_torchrun
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ __all__ = [
     "shutdown",
     "is_initialized",
     "get_world",
+    "check_comm_arg",
 ]
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
@@ -248,3 +249,37 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def check_comm_arg(comm: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Accept Horovod's ``init(comm=...)`` when it means "every launched process".
+
+    hvd_trainer's world is always every process the launcher started. ``comm`` may be
+    ``None``, the list of all ranks (``[0, ..., size-1]``, any order) or an mpi4py communicator
+    of that size (e.g. ``MPI.COMM_WORLD``); anything smaller is rejected rather than silently
+    ignored.
+
+    Raises:
+        CommValueError: ``comm`` names a subset of the launched processes.
+        CommTypeError: ``comm`` is neither a list of ranks nor a communicator.
+    """
+    if comm is None:
+        return
+    size = detect_launch_env(environ).size
+    if hasattr(comm, "Get_size"):
+        asked, what = int(comm.Get_size()), f"a communicator of size {comm.Get_size()}"
+        ok = asked == size
+    elif isinstance(comm, list | tuple | range):
+        ranks = sorted(int(r) for r in comm)
+        ok, what = ranks == list(range(size)), f"ranks {ranks}"
+    else:
+        raise CommTypeError(
+            f"init(comm={comm!r}): expected a list of ranks or an mpi4py communicator, got "
+            f"{type(comm).__name__}. HINT: call hvd.init() without comm."
+        )
+    if not ok:
+        raise CommValueError(
+            f"init(comm=...) asked for {what}, but hvd_trainer's world is all {size} launched "
+            "processes. HINT: launch only the processes you need (hvdrun -np N), or keep them "
+            "all and run the subset's collectives on hvd.ProcessSet(ranks)."
+        )

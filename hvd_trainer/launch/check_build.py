@@ -14,16 +14,12 @@ def _mark(ok: bool) -> str:
 
 
 def _nccl_line() -> str:
-    import torch
-    import torch.distributed as dist
+    from hvd_trainer.comm.build_info import nccl_version
 
-    if not (dist.is_available() and dist.is_nccl_available()):
+    version = nccl_version()
+    if version is None:
         return f"{_mark(False)} NCCL"
-    try:
-        version = ".".join(str(v) for v in torch.cuda.nccl.version())
-    except Exception:  # noqa: BLE001 - a CPU build may report NCCL but lack the library
-        version = "unknown version"
-    return f"{_mark(True)} NCCL {version}"
+    return f"{_mark(True)} NCCL {'.'.join(str(v) for v in version)}"
 
 
 def _keras_backends() -> list[str]:
@@ -43,7 +39,8 @@ def _version(dist_name: str) -> str | None:
 def check_build_report() -> str:
     """A Horovod ``--check-build``-style report; checks only, never initialises a transport."""
     import torch
-    import torch.distributed as dist
+
+    from hvd_trainer.comm.build_info import gloo_built, mpi4py_installed
 
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
@@ -62,9 +59,9 @@ def check_build_report() -> str:
         f"    {_mark(cuda)} CUDA ({count} device{'s' if count != 1 else ''})",
         "",
         "Transports:",
-        f"    {_mark(dist.is_available() and dist.is_gloo_available())} gloo",
+        f"    {_mark(gloo_built())} gloo",
         f"    {_nccl_line()}",
         f"    {_mark(mpirun is not None)} MPI launcher (mpirun{': ' + mpirun if mpirun else ' not on PATH'})",
-        f"    {_mark(importlib.util.find_spec('mpi4py') is not None)} mpi4py",
+        f"    {_mark(mpi4py_installed())} mpi4py",
     ]
     return "\n".join(lines)
