@@ -6,7 +6,9 @@
   memory, so the only copies are the pack and TF's copy of the result.
 - torch: the Keras variables' ``.value`` are leaf ``torch.nn.Parameter`` s, so the comm
   layer's hook-driven :class:`~hvd_trainer.comm.GradientReducer` reduces them while backward
-  runs; ``DistributedOptimizer.apply`` only waits.
+  runs; ``DistributedOptimizer.apply`` only waits. With ``backward_passes_per_step > 1`` the
+  hooks are not installed (Keras' train step zeroes ``.grad`` before every backward, so the
+  sums live in separate accumulators) and the N-th ``apply`` does one grouped allreduce.
 - Variables (broadcast): numpy in, numpy out, one broadcast per dtype.
 """
 
