@@ -39,7 +39,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     Gradient accumulation (``backward_passes_per_step=N > 1``, Horovod's semantics): every
     ``apply()`` call adds the local gradients into local accumulators (one per trainable
     variable, same shape and dtype). Only every N-th call reduces the sums over ranks (one
-    fused allreduce per dtype; divided by N first when ``average_aggregated_gradients``), hands
+    fused allreduce per dtype; also divided by N when ``average_aggregated_gradients``, folded
+    into the allreduce's post-scale factor), hands
     them to the inner optimizer and zeroes the accumulators. The other N-1 calls communicate
     nothing and change no model or optimizer-slot variable, but ``iterations`` still advances
     by one on every call, as in Horovod (so ``iterations`` counts batches, and LR schedules and
@@ -54,7 +55,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     of the next epoch (Horovod does the same). Accumulators and counter are never saved: a
     partially filled window restarts empty after loading. With a ``LossScaleOptimizer`` the
     accumulated gradients are scaled ones (the scale only changes on update steps) and a
-    non-finite pass makes the whole window's update be skipped on every rank.
+    non-finite pass makes the whole window's update be skipped on every rank (that call then
+    does not advance ``iterations``, as any skipped step in Keras). On torch a variable that
+    got no gradient on any rank during the window is passed to the inner optimizer as ``None``.
 
     Mixed precision: the optimizer must sit *outside* the ``LossScaleOptimizer`` so every rank
     sees the same reduced gradients and takes the same inf/NaN skip decision (a rank that
