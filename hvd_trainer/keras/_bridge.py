@@ -6,7 +6,9 @@
   memory, so the only copies are the pack and TF's copy of the result.
 - torch: the Keras variables' ``.value`` are leaf ``torch.nn.Parameter`` s, so the comm
   layer's hook-driven :class:`~hvd_trainer.comm.GradientReducer` reduces them while backward
-  runs; ``DistributedOptimizer.apply`` only waits.
+  runs; ``DistributedOptimizer.apply`` only waits. With ``backward_passes_per_step > 1`` the
+  hooks are not installed (Keras' train step zeroes ``.grad`` before every backward, so the
+  sums live in separate accumulators) and the N-th ``apply`` does one grouped allreduce.
 - Variables (broadcast): numpy in, numpy out, one broadcast per dtype.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 from hvd_trainer.comm import allreduce_, broadcast_
+from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.world import World
 
@@ -80,7 +83,7 @@ def allreduce_arrays(
     op: ReduceOp,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Any = None,
+    compression: Compressor = Compression.none,
     buffers: FlatBuffers | None = None,
 ) -> list[np.ndarray]:
     """Reduce every array over ranks: one fused allreduce per dtype, arrays in rank-equal order.
@@ -89,8 +92,8 @@ def allreduce_arrays(
         arrays: numpy arrays of any shapes; the same shapes and dtypes on every rank.
         op: ``Average`` or ``Sum``.
         prescale_factor / postscale_factor: multiply before / after the reduction.
-        compression: ``None`` or an object with ``compress(t) -> (t, ctx)`` and
-            ``decompress(t, ctx) -> t`` (Horovod's ``Compression.fp16`` protocol).
+        compression: the comm compressor for the wire (``Compression.fp16`` scales before
+            the cast; see :mod:`hvd_trainer.comm.compression`).
         buffers: reuse these flat buffers (the result then aliases them; see FlatBuffers).
 
     Returns:
@@ -100,13 +103,8 @@ def allreduce_arrays(
     for idx in _groups(arrays).values():
         flat, dtype = _pack(arrays, idx, buffers)
         tensor = torch.from_numpy(flat)
-        ctx = None
-        if compression is not None:
-            tensor, ctx = compression.compress(tensor)
         allreduce_(tensor, op=op, name="keras.gradients", prescale_factor=prescale_factor,
-                   postscale_factor=postscale_factor, world=world)
-        if compression is not None:
-            tensor = compression.decompress(tensor, ctx)
+                   postscale_factor=postscale_factor, compression=compression, world=world)
         _unpack(tensor.numpy(), arrays, idx, dtype, out)
     return out
 

@@ -1,44 +1,49 @@
-"""Gradient compression for the wire (Horovod's ``Compression.none`` / ``Compression.fp16``).
+"""Gradient compression for the wire (Horovod's ``Compression.none`` / ``fp16`` / ``bf16``).
 
-A compressor has ``compress(tensor) -> (tensor, ctx)`` and ``decompress(tensor, ctx) -> tensor``
-on torch tensors; it applies to the TensorFlow bridge of :class:`DistributedOptimizer`.
+``hvd_trainer.keras.Compression`` *is* the comm layer's
+:class:`~hvd_trainer.comm.compression.Compression`, so one set of compressors serves both
+Keras backends: the TensorFlow bridge and the torch path hand it to the comm allreduce, which
+scales before the cast (fp16: a global power-of-two scale, so sums cannot overflow).
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-__all__ = ["Compression", "NoneCompressor", "FP16Compressor"]
+from hvd_trainer.comm.compression import (
+    BF16Compressor,
+    Compression,
+    Compressor,
+    FP16Compressor,
+    NoneCompressor,
+)
 
-
-class NoneCompressor:
-    """Send gradients as they are."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
-        return tensor
-
-
-class FP16Compressor:
-    """Send floating-point gradients as float16 (half the bytes; about 3 significant digits)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
-        if tensor.is_floating_point() and tensor.dtype != torch.float16:
-            return tensor.to(torch.float16), tensor.dtype
-        return tensor, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
-        return tensor if tensor.dtype == ctx else tensor.to(ctx)
+__all__ = [
+    "Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor",
+    "CompressionError", "resolve_compression",
+]
 
 
-class Compression:
-    """Namespace of compressors, as in ``horovod.tensorflow.keras.Compression``."""
+class CompressionError(ValueError):
+    """``compression=`` is not a known compressor."""
 
-    none = NoneCompressor
-    fp16 = FP16Compressor
+
+def resolve_compression(compression: Any) -> Compressor:
+    """Return the comm :class:`Compressor` for ``compression``.
+
+    Accepts ``None`` (no compression), a compressor instance (``Compression.fp16``) or a
+    compressor class (``FP16Compressor``, instantiated here).
+
+    Raises:
+        CompressionError: anything else (the message echoes the value).
+    """
+    if compression is None:
+        return Compression.none
+    if isinstance(compression, Compressor):
+        return compression
+    if isinstance(compression, type) and issubclass(compression, Compressor):
+        return compression()
+    raise CompressionError(
+        f"compression={compression!r} is not a compressor. HINT: pass "
+        "hvd_trainer.keras.Compression.none, .fp16 or .bf16."
+    )

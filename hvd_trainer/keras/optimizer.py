@@ -14,7 +14,8 @@ import keras
 
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
 from hvd_trainer.comm.world import World, get_world
-from hvd_trainer.keras import _bridge
+from hvd_trainer.keras import _accumulate, _bridge
+from hvd_trainer.keras.compression import CompressionError, resolve_compression
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
 
@@ -34,6 +35,29 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback`; without it the
     trace fails with a HINT). torch backend: the comm layer's hook-driven bucket reducer starts
     allreduces while ``loss.backward()`` runs; ``apply()`` waits for them.
+
+    Gradient accumulation (``backward_passes_per_step=N > 1``, Horovod's semantics): every
+    ``apply()`` call adds the local gradients into local accumulators (one per trainable
+    variable, same shape and dtype). Only every N-th call reduces the sums over ranks (one
+    fused allreduce per dtype; also divided by N when ``average_aggregated_gradients``, folded
+    into the allreduce's post-scale factor), hands
+    them to the inner optimizer and zeroes the accumulators. The other N-1 calls communicate
+    nothing and change no model or optimizer-slot variable, but ``iterations`` still advances
+    by one on every call, as in Horovod (so ``iterations`` counts batches, and LR schedules and
+    callbacks keyed on it stay per batch). With ``op=Average`` the applied gradient is
+    ``sum over passes of (mean over ranks)``, i.e. ``N`` times the mean gradient of the
+    ``N * size`` micro-batches, or exactly that mean with ``average_aggregated_gradients=True``.
+    On TensorFlow the accumulators are ``tf.Variable`` s and the update is a ``tf.cond`` (the
+    allreduce runs only in its true branch); on torch the hook reducer is not used and the
+    update step does one grouped comm allreduce. The window counter runs across epochs and
+    ``steps_per_execution`` (each train step is one pass): with a number of batches not
+    divisible by N the leftover gradients stay in the accumulators and join the first update
+    of the next epoch (Horovod does the same). Accumulators and counter are never saved: a
+    partially filled window restarts empty after loading. With a ``LossScaleOptimizer`` the
+    accumulated gradients are scaled ones (the scale only changes on update steps) and a
+    non-finite pass makes the whole window's update be skipped on every rank (that call then
+    does not advance ``iterations``, as any skipped step in Keras). On torch a variable that
+    got no gradient on any rank during the window is passed to the inner optimizer as ``None``.
 
     Mixed precision: the optimizer must sit *outside* the ``LossScaleOptimizer`` so every rank
     sees the same reduced gradients and takes the same inf/NaN skip decision (a rank that
@@ -56,8 +80,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         optimizer: the Keras optimizer to wrap (not modified, except that a
             ``LossScaleOptimizer`` owns it under ``mixed_float16``).
         name: optional name (default ``"distributed_<inner name>"``).
-        compression: ``None``/``Compression.none`` or ``Compression.fp16`` (TensorFlow only).
-        backward_passes_per_step: only 1 is supported.
+        compression: wire format of floating gradients: ``None``/``Compression.none``,
+            ``Compression.fp16`` or ``Compression.bf16`` (a compressor instance or class from
+            :mod:`hvd_trainer.keras.compression`); both backends.
+        backward_passes_per_step: N >= 1, ``apply()`` calls per update (see above).
+        average_aggregated_gradients: with N > 1, divide the accumulated sum by N (default
+            False, as in Horovod).
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.
@@ -65,7 +93,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
-        DistributedOptimizerError: unsupported ``op``, ``backward_passes_per_step`` or factor.
+        DistributedOptimizerError: unsupported ``op``, ``compression`` or factor, or
+            ``backward_passes_per_step`` not an int >= 1.
     """
 
     def __init__(
@@ -76,6 +105,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         backward_passes_per_step: int = 1,
         op: ReduceOp | str | None = None,
         gradient_predivide_factor: float = 1.0,
+        average_aggregated_gradients: bool = False,
         *,
         world: World | None = None,
         **kwargs: Any,
@@ -96,6 +126,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "gradients twice. HINT: wrap the plain Keras optimizer once."
             )
         rop = _check_args(op, backward_passes_per_step, gradient_predivide_factor)
+        try:
+            compressor = resolve_compression(compression)
+        except CompressionError as exc:
+            raise DistributedOptimizerError(str(exc)) from None
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -103,7 +137,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
         self._op = rop
-        self._compression = compression
+        self._compression = compressor
+        self._passes = int(backward_passes_per_step)
+        self._average_passes = bool(average_aggregated_gradients)
+        self._accum: Any = None  # _accumulate.TFAccumulation / TorchAccumulation when N > 1
         self._predivide = float(gradient_predivide_factor)
         self._world = world
         self._reducer = None
@@ -170,28 +207,82 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.build(var_list)
         super().build(var_list)
-        if not self._tf and self.world.size > 1:
+        if self._passes > 1:
+            kind = _accumulate.TFAccumulation if self._tf else _accumulate.TorchAccumulation
+            self._accum = kind(list(var_list), self._passes)
+        elif not self._tf and self.world.size > 1:
             self._build_torch_reducer(var_list)
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
         from hvd_trainer.comm import GradientReducer
 
-        if self._compression is not None and getattr(self._compression, "__name__", "") != "NoneCompressor":
-            raise DistributedOptimizerError(
-                f"compression={self._compression!r} is not supported on the torch backend "
-                "(gradients are reduced in place by the hook-driven reducer). HINT: drop it."
-            )
         named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable]
-        self._reducer = GradientReducer(named, world=self.world, op=self._op)
+        op, pre, post = self._scales()
+        self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
+                                        prescale_factor=pre, postscale_factor=post)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built and trainable_variables is not None:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+        if self._passes > 1:
+            self._apply_accumulated(grads, trainable_variables)
+            return
         if self.world.size > 1:
             grads = self._reduce_tf(grads) if self._tf else self._reduce_torch(grads, trainable_variables)
         self.inner_optimizer.apply(grads, trainable_variables)
+
+    def _apply_accumulated(self, grads, trainable_variables) -> None:
+        """N > 1: accumulate; on the N-th call reduce the sums and apply them (class docstring)."""
+        tvs = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        counter = _accumulate.iteration_variable(self.inner_optimizer)
+        if self._tf:
+            def update(summed):
+                if self.world.size > 1:
+                    summed = self._reduce_tf(summed, passes=self._passes)
+                elif self._average_passes:
+                    summed = [None if g is None else g / self._passes for g in summed]
+                self.inner_optimizer.apply(summed, tvs)
+
+            def accumulate():
+                counter.assign_add(1)
+
+            self._accum.step(grads, update, accumulate)
+            return
+        if not self._accum.add(grads):
+            counter.assign_add(1)
+            return
+        try:
+            self.inner_optimizer.apply(self._reduce_torch_sums(), tvs)
+        finally:
+            self._accum.reset()
+
+    def _reduce_torch_sums(self) -> list[Any]:
+        """Reduce the accumulators in place (one grouped allreduce); None where no rank had a gradient."""
+        acc = self._accum
+        if self.world.size > 1:
+            from hvd_trainer.comm import grouped_allreduce_
+
+            op, pre, post = self._scales(passes=self._passes)
+            grouped_allreduce_([*acc.sums, acc.used], op=op, name="keras.accumulated_gradients",
+                               prescale_factor=pre, postscale_factor=post,
+                               compression=self._compression, world=self.world)
+        elif self._average_passes:
+            for s in acc.sums:
+                s.div_(self._passes)
+        used = acc.used.tolist()
+        return [s if u > 0 else None for s, u in zip(acc.sums, used, strict=True)]
+
+    def _scales(self, passes: int = 1) -> tuple[ReduceOp, float, float]:
+        """(op, prescale, postscale) for the allreduce: predivide factor and the 1/N of
+        ``average_aggregated_gradients`` folded into the factors."""
+        op, pre, post = self._op, 1.0, 1.0
+        if op is ReduceOp.AVERAGE and self._predivide != 1.0:
+            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
+        if passes > 1 and self._average_passes:
+            post /= passes
+        return op, pre, post
 
     def _reduce_torch(self, grads, trainable_variables):
         assert self._reducer is not None
@@ -200,7 +291,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         # wait() may have given an unused parameter a (zero, then averaged) gradient.
         return [v.value.grad if v.trainable else g for g, v in zip(grads, tvs, strict=True)]
 
-    def _reduce_tf(self, grads):
+    def _reduce_tf(self, grads, passes: int = 1):
         import tensorflow as tf
 
         if _bridge.in_xla_context():
@@ -214,8 +305,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         dense = [tf.convert_to_tensor(grads[i]) for i in idx]
         if not dense:
             return grads
+        reduce = self._reduce_numpy if passes == 1 else self._reduce_numpy_accumulated
         reduced = tf.numpy_function(
-            self._reduce_numpy, dense, Tout=[g.dtype for g in dense], stateful=True,
+            reduce, dense, Tout=[g.dtype for g in dense], stateful=True,
             name="hvd_allreduce",
         )
         out = list(grads)
@@ -223,26 +315,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             out[i] = tf.ensure_shape(r, g.shape)
         return out
 
-    def _reduce_numpy(self, *arrays):
-        pre, post = 1.0, 1.0
-        op = self._op
-        if op is ReduceOp.AVERAGE and self._predivide != 1.0:
-            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
+    def _reduce_numpy(self, *arrays, passes: int = 1):
+        op, pre, post = self._scales(passes)
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
             compression=self._compression, buffers=self._buffers,
         )
+
+    def _reduce_numpy_accumulated(self, *arrays):
+        return self._reduce_numpy(*arrays, passes=self._passes)
 
 
 def _check_args(op: ReduceOp | str | None, backward_passes_per_step: int, predivide: float) -> ReduceOp:
     rop = to_reduce_op(op)
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise DistributedOptimizerError(f"op={op!r} is not supported; use Average or Sum.")
-    if backward_passes_per_step != 1:
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+            or backward_passes_per_step < 1:
         raise DistributedOptimizerError(
-            f"backward_passes_per_step={backward_passes_per_step!r} is not supported. HINT: set "
-            "gradient_accumulation_steps on the inner Keras optimizer (gradients are then "
-            "averaged on every micro-step)."
+            f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1. HINT: "
+            "backward_passes_per_step=2 applies the gradients of every 2 batches."
         )
     if not predivide > 0:
         raise DistributedOptimizerError(f"gradient_predivide_factor={predivide!r} must be > 0.")

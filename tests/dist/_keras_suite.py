@@ -172,8 +172,9 @@ def save_model(rank: int, path: str) -> None:
 
     import hvd_trainer.keras as hk
 
-    model = _mlp(seed=0)
-    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model = _mlp(seed=0)  # with accumulation: its state must stay out of the file
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01), backward_passes_per_step=2),
+                  loss="mse")
     x, y = _data(seed=rank)
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     if rank == 0:
@@ -240,17 +241,91 @@ def tf_lazy_and_xla(rank: int) -> dict:
         xla.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
                 callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
     out["xla_warned"] = any("jit_compile" in str(w.message) for w in caught)
-    variants = {}
-    for name, kwargs in [("plain", {}), ("fp16", {"compression": hk.Compression.fp16}),
-                         ("predivide", {"gradient_predivide_factor": 2.0})]:
-        m = _mlp(seed=0)
-        m.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05), **kwargs), loss="mse")
-        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-        variants[name] = _weights(m)
-    out["variants"] = variants
     out["xla_jit"] = bool(xla.jit_compile)
     out["xla_final"] = _weights(xla)
     return out
+
+
+def variants(rank: int) -> dict:
+    """Same fit with plain / fp16 wire / predivide, and with accumulation (N=2) plain / fp16."""
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    x, y = _data(seed=rank)
+    out = {}
+    fp16 = {"compression": hk.Compression.fp16}
+    for name, kwargs in [("plain", {}), ("fp16", fp16), ("predivide", {"gradient_predivide_factor": 2.0}),
+                         ("acc_plain", {"backward_passes_per_step": 2}),
+                         ("acc_fp16", {"backward_passes_per_step": 2, **fp16})]:
+        m = _mlp(seed=0)
+        m.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05), **kwargs), loss="mse")
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        out[name] = _weights(m)
+    return out
+
+
+ACC_LR = 0.05
+
+
+def accumulation(rank: int, size: int) -> dict:
+    """backward_passes_per_step=2 with plain SGD through the real train step (train_on_batch).
+
+    Rank r's pass p uses micro-batch p*size + r of a window of 2*size (BATCH rows each). Returns
+    weights and iterations after each call, plus a single-process reference: one SGD step per
+    window on all its micro-batches (MSE is a mean: its gradient is the micro-batches' mean),
+    with lr * 2 for the sum over passes of the rank average, lr for average_aggregated_gradients.
+    """
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    per_window = 2 * size * BATCH
+    x, y = _data(seed=11, rows=2 * per_window)
+    out: dict = {}
+
+    def micro(window: int, p: int) -> slice:
+        start = window * per_window + (p * size + rank) * BATCH
+        return slice(start, start + BATCH)
+
+    for avg, lr_factor in ((False, 2.0), (True, 1.0)):
+        model = _mlp(seed=3)
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(ACC_LR), backward_passes_per_step=2,
+                                      average_aggregated_gradients=avg)
+        model.compile(optimizer=opt, loss="mse")
+        steps = []
+        for window in range(2):
+            for p in range(2):
+                model.train_on_batch(x[micro(window, p)], y[micro(window, p)])
+                steps.append({"iterations": int(np.asarray(model.optimizer.iterations)),
+                              "weights": _weights(model)})
+        ref = _mlp(seed=3)
+        ref.compile(optimizer=keras.optimizers.SGD(ACC_LR * lr_factor), loss="mse")
+        refs = []
+        for window in range(2):
+            rows = slice(window * per_window, (window + 1) * per_window)
+            ref.train_on_batch(x[rows], y[rows])
+            refs.append(_weights(ref))
+        out["avg" if avg else "sum"] = {"init": _weights(_mlp(seed=3)), "steps": steps, "ref": refs}
+    return out
+
+
+def accumulation_fit(rank: int) -> dict:
+    """model.fit with N=2, 5 batches per epoch (one left over), 2 epochs; on TF also
+    steps_per_execution=2 (the torch backend only allows 1)."""
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    model = _mlp(seed=100 + rank)
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
+                                                    backward_passes_per_step=2),
+                  loss="mse", steps_per_execution=2 if keras.backend.backend() == "tensorflow" else 1)
+    x, y = _data(seed=rank, rows=5 * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0)])
+    return {"iterations": int(np.asarray(model.optimizer.iterations)), "weights": _weights(model),
+            "finite": all(np.isfinite(w).all() for w in model.get_weights())}
 
 
 def argument_errors() -> dict:
@@ -261,7 +336,8 @@ def argument_errors() -> dict:
 
     cases = {
         "op": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), op="max"),
-        "passes": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=2),
+        "passes": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
+        "compression": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), compression="fp16"),
         "predivide": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), gradient_predivide_factor=0),
         "kwarg": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), lr=0.1),
         "type": lambda: hk.DistributedOptimizer("sgd"),
@@ -299,6 +375,9 @@ def suite(backend: str, save_path: str) -> dict:
         "mixed": mixed_precision_inf(rank),
         "keys": metric_keys_mismatch(rank),
         "errors": argument_errors(),
+        "variants": variants(rank),
+        "acc": accumulation(rank, size),
+        "acc_fit": accumulation_fit(rank),
     }
     save_model(rank, save_path)
     if backend == "tensorflow":

@@ -116,19 +116,51 @@ def test_tf_lazily_built_optimizer_and_xla(results):
     assert _close(r0["lazy_opt"], r1["lazy_opt"])
     assert r0["xla_warned"] and not r0["xla_jit"]
     assert _close(r0["xla_final"], r1["xla_final"])
+
+
+def test_compression_and_predivide_variants(results):
+    _, _, (r0, r1) = results
     v0, v1 = r0["variants"], r1["variants"]
-    for name in ("fp16", "predivide"):
+    for name in v0:
         assert _close(v0[name], v1[name])  # identical across ranks
     assert _close(v0["predivide"], v0["plain"], tol=1e-6)  # same maths, other rounding
-    assert _close(v0["fp16"], v0["plain"], tol=1e-2)  # fp16 wire: ~3 significant digits
-    assert not _close(v0["fp16"], v0["plain"], tol=0.0)  # the compressor was really used
+    for plain, fp16 in (("plain", "fp16"), ("acc_plain", "acc_fp16")):
+        assert _close(v0[fp16], v0[plain], tol=1e-2)  # fp16 wire: ~3 significant digits
+        assert not _close(v0[fp16], v0[plain], tol=0.0)  # the compressor was really used
+    assert not _close(v0["acc_plain"], v0["plain"], tol=1e-3)  # accumulation changed the run
+
+
+def test_accumulation_equals_one_process_on_all_micro_batches(results):
+    _, _, (r0, r1) = results
+    for key in ("sum", "avg"):
+        a0, a1 = r0["acc"][key], r1["acc"][key]
+        assert [s["iterations"] for s in a0["steps"]] == [1, 2, 3, 4]  # every call counts
+        for s0, s1 in zip(a0["steps"], a1["steps"], strict=True):
+            assert _close(s0["weights"], s1["weights"])  # identical across ranks
+        steps, ref = a0["steps"], a0["ref"]
+        assert _close(steps[0]["weights"], a0["init"])  # accumulate pass: nothing applied
+        assert _close(steps[1]["weights"], ref[0], tol=1e-5)
+        assert _close(steps[2]["weights"], steps[1]["weights"])  # accumulators were zeroed ...
+        assert _close(steps[3]["weights"], ref[1], tol=1e-5)  # ... so window 2 matches too
+        assert not _close(ref[0], a0["init"], tol=1e-2)  # the update is visible at 1e-5
+    # average_aggregated_gradients=True applies half the summed gradient
+    assert not _close(r0["acc"]["sum"]["ref"][0], r0["acc"]["avg"]["ref"][0], tol=1e-3)
+
+
+def test_accumulation_fit_with_leftover_batches(results):
+    _, _, (r0, r1) = results
+    for r in (r0, r1):
+        assert r["acc_fit"]["iterations"] == 10  # 5 batches x 2 epochs, one per batch
+        assert r["acc_fit"]["finite"]
+    assert _close(r0["acc_fit"]["weights"], r1["acc_fit"]["weights"])
 
 
 def test_argument_errors_echo_value(results):
     _, _, (r0, _) = results
     errors = r0["errors"]
     assert "op='max'" in errors["op"]
-    assert "backward_passes_per_step=2" in errors["passes"] and "HINT" in errors["passes"]
+    assert "backward_passes_per_step=0" in errors["passes"] and "HINT" in errors["passes"]
+    assert "compression='fp16'" in errors["compression"] and "HINT" in errors["compression"]
     assert "gradient_predivide_factor=0" in errors["predivide"]
     assert errors["kwarg"].startswith("TypeError") and "['lr']" in errors["kwarg"]
     assert errors["type"].startswith("TypeError") and "'sgd'" in errors["type"]
@@ -160,5 +192,6 @@ def test_saved_model_loads_without_hvd_trainer(results, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _LOADER, path], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    # Adam: iterations, learning_rate, 2 slots per variable (4 variables); 4 steps of 8 rows
+    # Adam: iterations, learning_rate, 2 slots per variable (4 variables), no accumulators;
+    # 4 batches of 8 rows with backward_passes_per_step=2: iterations counts every batch
     assert f"LOADED Adam 10 {suite.STEPS}" in proc.stdout, proc.stdout
