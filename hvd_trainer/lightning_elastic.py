@@ -35,6 +35,7 @@ is on by default when > 0), ``TORCHELASTIC_RESTART_COUNT`` (the attempt),
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -212,6 +213,8 @@ class ElasticFit:
         comm.barrier(world=world)
         if world.local_rank == 0:
             self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: another fit's commit is still there
+                self.path.parent.rmdir()
 
 
 def _default_dir(run_id: str, default_root_dir: str) -> Path:
