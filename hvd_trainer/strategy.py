@@ -24,8 +24,8 @@ import functools
 import logging
 import os
 import weakref
-from pathlib import Path
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
