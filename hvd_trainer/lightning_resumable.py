@@ -20,6 +20,7 @@ further than the training step.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,6 +89,10 @@ class ResumableDataLoader(DataLoader):
     "batch_size", "num_replicas", "length"}`` (``batches``: batches of ``epoch`` trained on each
     rank); ``load_state_dict`` makes the next ``iter()`` start at that batch of that epoch.
 
+    A state saved with another world size (an elastic job that shrank or grew) still resumes
+    at the saved batch index, which Lightning's loop counters require, with a warning: that one
+    epoch is then not exact.
+
     Raises:
         ResumeStateError: (``load_state_dict``) the state was saved for a dataset of another
             length or another batch size.
@@ -110,6 +115,14 @@ class ResumableDataLoader(DataLoader):
                     f"{key}={now!r}. HINT: resume with the same dataset and batch size, or delete the "
                     "elastic checkpoint to start over."
                 )
+        if state["num_replicas"] != _num_replicas(self.sampler):
+            warnings.warn(
+                f"the training loader was saved on {state['num_replicas']} ranks and resumes on "
+                f"{_num_replicas(self.sampler)}: epoch {state['epoch']} continues after batch "
+                f"{state['batches']} of the new sharding, so some of its samples may be seen twice "
+                "or not at all (exact again from the next epoch).",
+                stacklevel=2,
+            )
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
         sampler.resume_at(int(state["epoch"]), int(state["batches"]) * int(state["batch_size"]))

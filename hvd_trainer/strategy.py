@@ -15,6 +15,10 @@ Example:
 ``python train.py`` with ``devices=N`` and no launcher starts N-1 extra processes itself
 (Lightning's script launcher, like ``strategy="ddp"``); under hvdrun, torchrun, mpirun or srun the
 launcher's processes are used as they are.
+
+Elastic mode (on by default under ``hvdrun --min-np/--max-np`` or ``--max-restarts N``): ``fit``
+commits full checkpoints and, after torchrun restarted the workers, resumes from the last one by
+itself, mid-epoch included (see :mod:`hvd_trainer.lightning_elastic`).
 """
 
 from __future__ import annotations

@@ -73,6 +73,8 @@ def test_state_of_another_dataset_is_refused() -> None:
     assert "HINT" in str(info.value)
     with pytest.raises(ResumeStateError, match="batch_size=8"):
         _loader(0).load_state_dict({**state, "batch_size": 8})
+    with pytest.warns(UserWarning, match="saved on 4 ranks and resumes on 2"):
+        _loader(0).load_state_dict({**state, "num_replicas": 4})
 
 
 def test_loader_arguments_survive_and_unsupported_loaders_are_named() -> None:
