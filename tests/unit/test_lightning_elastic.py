@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 import hvd_trainer
 from hvd_trainer import lightning_elastic
 from hvd_trainer.lightning_elastic import COMMIT_KEY
+from hvd_trainer.lightning_resumable import ResumableDataLoader
 from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
 
 N, BATCH, EPOCHS = 40, 4, 3  # 10 steps per epoch
@@ -44,6 +45,10 @@ class Net(pl.LightningModule):
         x, y, idx = batch
         self.seen.append((self.current_epoch, idx.tolist()))
         return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        assert not isinstance(self.trainer.val_dataloaders, ResumableDataLoader)  # training only
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -72,7 +77,7 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, attempt: int) -> None:
 
 
 def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: bool = False,
-         ckpt_path: str | None = None, root: Path | None = None) -> tuple[pl.Trainer, Net]:
+         ckpt_path: str | None = None, root: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Net]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
     loader = (DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data)) if random_sampler
@@ -81,11 +86,11 @@ def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: boo
         strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
         accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not random_sampler,
-        default_root_dir=root,
+        default_root_dir=root, **kwargs,
     )
     model = Net(crash_at_step)
     with contextlib.suppress(Crash):
-        trainer.fit(model, loader, ckpt_path=ckpt_path)
+        trainer.fit(model, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer, model
 
 
@@ -93,19 +98,25 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
-@pytest.mark.parametrize("crash_at_step", [14, 10])  # mid-epoch 1; first batch after an epoch end
+@pytest.mark.parametrize(
+    ("crash_at_step", "last_commit", "kwargs"),
+    [
+        (14, 12, {}),  # mid-epoch 1 (commits every 3 steps)
+        (10, 10, {}),  # first batch after the epoch-end commit
+        (7, 6, dict(accumulate_grad_batches=2, val_check_interval=4)),  # 5 steps per epoch
+    ],
+)
 def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                           crash_at_step: int) -> None:
-    _, ref = _fit(tmp_path / "ref")
+                                           crash_at_step: int, last_commit: int, kwargs: dict) -> None:
+    _, ref = _fit(tmp_path / "ref", **kwargs)
     _attempt(monkeypatch, 0)
-    _fit(tmp_path / "run", crash_at_step)
+    _fit(tmp_path / "run", crash_at_step, **kwargs)
     commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=False)
-    last = crash_at_step // 3 * 3 if crash_at_step % 10 else crash_at_step  # every 3 steps, epoch end
-    assert commit["global_step"] == last and commit[COMMIT_KEY]["run_id"] == "job-a"
+    assert commit["global_step"] == last_commit and commit[COMMIT_KEY]["run_id"] == "job-a"
     _attempt(monkeypatch, 1)
-    trainer, got = _fit(tmp_path / "run")
+    trainer, got = _fit(tmp_path / "run", **kwargs)
     assert trainer.ckpt_path == str(tmp_path / "run" / "lightning_fit0.ckpt")  # resumed by itself
-    assert trainer.global_step == EPOCHS * N // BATCH
+    assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
     assert _same_weights(ref, got)
     assert got.seen == ref.seen  # the same batches in the same order: none twice, none skipped
     for epoch in range(EPOCHS):
