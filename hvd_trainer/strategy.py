@@ -15,6 +15,10 @@ Example:
 ``python train.py`` with ``devices=N`` and no launcher starts N-1 extra processes itself
 (Lightning's script launcher, like ``strategy="ddp"``); under hvdrun, torchrun, mpirun or srun the
 launcher's processes are used as they are.
+
+Elastic mode (on by default under ``hvdrun --min-np/--max-np`` or ``--max-restarts N``): ``fit``
+commits full checkpoints and, after torchrun restarted the workers, resumes from the last one by
+itself, mid-epoch included (see :mod:`hvd_trainer.lightning_elastic`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -46,6 +52,7 @@ from hvd_trainer.cluster_env import HorovodEnvironment
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
+from hvd_trainer.lightning_elastic import ElasticFit, ElasticFitConfig, elastic_env
 from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
@@ -90,9 +97,24 @@ class _HorovodStrategyLogic:
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
+        elastic: resume automatically after torchrun restarts the workers (see
+            :mod:`hvd_trainer.lightning_elastic`): commit a full checkpoint every
+            ``elastic_commit_every_n_steps`` optimizer steps and at each epoch end, and in a
+            restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``) restore the last commit at the
+            start of ``fit`` when no ``ckpt_path`` was given, mid-epoch included. ``None``
+            (default): on when torchrun may restart workers (``TORCHELASTIC_MAX_RESTARTS > 0``,
+            i.e. ``hvdrun --min-np/--max-np`` or ``--max-restarts N``); ``True``/``False``: forced.
+        elastic_checkpoint_dir: local directory of the commits (every node's local rank 0
+            writes its copy). ``None``: ``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>``, or
+            ``<default_root_dir>/hvd_elastic`` without a unique run id; removed after a normal
+            end of ``fit``. An explicit directory keeps its last commit.
+        elastic_commit_every_n_steps: optimizer steps between mid-epoch commits (each one
+            writes the whole checkpoint: model, optimizer state, loops); 0: epoch ends only.
 
     Raises:
-        StrategyConfigError: a negative byte size or timeout.
+        StrategyConfigError: a negative byte size or timeout; ``elastic`` not a bool or None;
+            ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
+            an int >= 0.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
             training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
             shards), which would otherwise hang the job at the end of the first epoch.
@@ -113,6 +135,9 @@ class _HorovodStrategyLogic:
         timeout_seconds: float = 600.0,
         scale_lr_by_world_size: bool = False,
         compression: Compressor | str | None = None,
+        elastic: bool | None = None,
+        elastic_checkpoint_dir: str | os.PathLike[str] | None = None,
+        elastic_commit_every_n_steps: int = 100,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -135,6 +160,8 @@ class _HorovodStrategyLogic:
         self._reducer: GradientReducer | None = None
         self._managed_ids: set[int] = set()
         self._sync_depth = 0  # > 0 inside block_backward_sync
+        self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
+        self._elastic: ElasticFit | None = None
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -210,8 +237,13 @@ class _HorovodStrategyLogic:
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
         fitting = trainer.state.fn == "fit"
+        self._elastic = None
+        if fitting and self.elastic:
+            # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)
+            self._elastic = ElasticFit(self._elastic_config, trainer)
+            self._elastic.start(trainer)
+        self.accelerator.setup(trainer)
         if fitting and self._layer_sync is not None:
             if type(self._layer_sync) is TorchSyncBatchNorm:
                 # Trainer(sync_batchnorm=True) installs torch's SyncBatchNorm, which refuses CPU
@@ -228,6 +260,27 @@ class _HorovodStrategyLogic:
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether ``fit`` commits and resumes (the ``elastic`` argument, or auto-detected)."""
+        enabled = self._elastic_config.enabled
+        return elastic_env()[0] > 0 if enabled is None else enabled
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """In elastic mode, the training loader becomes resumable mid-epoch (where exact)."""
+        module = self.lightning_module
+        if self._elastic is None or module is None:
+            return dataloader
+        return self._elastic.adapt_loader(dataloader, module.trainer)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """The elastic commit being resumed (already read and broadcast), else the file."""
+        if self._elastic is not None and (loaded := self._elastic.take_loaded(checkpoint_path)) is not None:
+            return loaded
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def _attach_reducer(self) -> None:
         """(Re)build the reducer over every trainable parameter, keeping those it already
@@ -458,6 +511,27 @@ def _compression(value: Compressor | str | None) -> Compressor:
         f"compression={value!r} is not a compressor. HINT: use one of {sorted(choices)} "
         "or hvd_trainer.Compression.fp16 / .bf16 / .none."
     )
+
+
+def _elastic_config(
+    enabled: bool | None, directory: str | os.PathLike[str] | None, every: int
+) -> ElasticFitConfig:
+    if enabled is not None and not isinstance(enabled, bool):
+        raise StrategyConfigError(
+            f"elastic={enabled!r} must be True, False or None (auto). HINT: elastic=True."
+        )
+    if directory is not None and (not isinstance(directory, (str, os.PathLike)) or "://" in str(directory)):
+        raise StrategyConfigError(
+            f"elastic_checkpoint_dir={directory!r} must be a local directory path. "
+            "HINT: elastic_checkpoint_dir='runs/exp1/elastic' (a shared file system works too)."
+        )
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise StrategyConfigError(
+            f"elastic_commit_every_n_steps={every!r} must be an int >= 0 (optimizer steps; "
+            "0: epoch ends only). HINT: elastic_commit_every_n_steps=100."
+        )
+    return ElasticFitConfig(enabled=enabled, checkpoint_dir=None if directory is None else Path(directory),
+                            commit_every_n_steps=every)
 
 
 def _check_group(group: Any | None) -> None:

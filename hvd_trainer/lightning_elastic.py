@@ -1,0 +1,254 @@
+"""Elastic mode of ``Trainer(strategy="horovod")``: commit during ``fit``, resume after a restart.
+
+When a worker dies, torchrun's elastic agent (``hvdrun --min-np/--max-np`` or
+``--max-restarts N``) stops every worker and starts the script again in new processes,
+up to ``max_restarts`` times. In elastic mode the strategy makes such a restart continue
+where the job was instead of starting over:
+
+1. **Commit**: every ``commit_every_n_steps`` optimizer steps and at each epoch end, a full
+   Lightning checkpoint (model, optimizers, LR schedulers, loops, callbacks, precision plugin,
+   training-loader position) is written atomically (:func:`hvd_trainer.checkpoint.atomic_save`)
+   by each node's local rank 0 to ``<dir>/lightning_fit<k>.ckpt`` (``k``: the process's
+   ``k``-th elastic ``fit`` call), followed by a barrier: once ``commit`` returns on any
+   rank, the commit is on disk.
+2. **Resume**: in a restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``), if ``fit`` got no
+   ``ckpt_path`` and a commit of this run exists, the newest commit found on any node is
+   broadcast from its node and restored before the strategy's setup, exactly as
+   ``fit(ckpt_path=...)`` would; rank 0 logs which file and step it resumed from.
+3. **Mid-epoch**: the training DataLoader becomes a
+   :class:`~hvd_trainer.lightning_resumable.ResumableDataLoader`, so a resumed epoch
+   continues at the next batch and no sample is seen twice or skipped. For a loader that
+   cannot be resumed exactly, commits happen only at epoch ends (a warning says why).
+
+The first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) deletes an old commit at the
+same path, so a new job never resumes from an earlier job's state.
+
+Directory: ``elastic_checkpoint_dir`` if given (kept after the job); otherwise
+``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>`` (what ``hvdrun`` gives: a fresh run id per
+job), or ``<trainer.default_root_dir>/hvd_elastic`` when torchrun gave no unique run id (static
+rendezvous). Automatic directories lose their commit file when ``fit`` ends normally.
+
+Environment (set by torchrun, read only here): ``TORCHELASTIC_MAX_RESTARTS`` (elastic mode
+is on by default when > 0), ``TORCHELASTIC_RESTART_COUNT`` (the attempt),
+``TORCHELASTIC_RUN_ID`` (the default directory and a guard against foreign commits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.trainer.states import RunningStage
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from hvd_trainer import comm
+from hvd_trainer.checkpoint import atomic_save, load_checkpoint
+from hvd_trainer.lightning_resumable import make_resumable
+
+__all__ = ["ElasticFitConfig", "ElasticFit", "elastic_env", "COMMIT_KEY"]
+
+log = logging.getLogger(__name__)
+
+COMMIT_KEY = "hvd_trainer_elastic"
+"""Checkpoint key of the commit's metadata: ``commit``, ``run_id``, ``global_step``, ``epoch``,
+``batch`` (batches of ``epoch`` done), ``world_size``."""
+
+_FIT_CALLS = itertools.count()  # k in lightning_fit<k>.ckpt: the same k in every attempt
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticFitConfig:
+    """Validated elastic arguments of :class:`~hvd_trainer.strategy.HorovodStrategy`."""
+
+    enabled: bool | None = None
+    """``None``: on when torchrun may restart workers (``TORCHELASTIC_MAX_RESTARTS > 0``)."""
+    checkpoint_dir: Path | None = None
+    """Where commits go; ``None``: automatic (see the module docstring)."""
+    commit_every_n_steps: int = 100
+    """Optimizer steps between mid-epoch commits; 0: commit at epoch ends only."""
+
+
+def elastic_env() -> tuple[int, int, str]:
+    """``(max_restarts, attempt, run_id)`` from torchrun's variables (0, 0, "" outside torchrun)."""
+    env = os.environ
+    return (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
+            int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            env.get("TORCHELASTIC_RUN_ID", ""))
+
+
+def _unique_run_id(run_id: str) -> bool:
+    return run_id not in ("", "none")  # torchrun's static rendezvous calls every job "none"
+
+
+class ElasticFit:
+    """Commit/resume bookkeeping of one elastic ``fit`` (created by the strategy's ``setup``).
+
+    Args:
+        config: the strategy's elastic arguments.
+        trainer: the fitting Trainer.
+    """
+
+    def __init__(self, config: ElasticFitConfig, trainer: pl.Trainer) -> None:
+        max_restarts, self.attempt, self.run_id = elastic_env()
+        self.automatic = config.checkpoint_dir is None
+        directory = config.checkpoint_dir or _default_dir(self.run_id, trainer.default_root_dir)
+        self.path = directory / f"lightning_fit{next(_FIT_CALLS)}.ckpt"
+        self.every = config.commit_every_n_steps
+        self.mid_epoch = self.every > 0
+        """False once the training loader turned out not to be resumable mid-epoch."""
+        self.commits = 0
+        self._last_step = -1
+        self._loaded: dict[str, Any] | None = None
+        if max_restarts == 0:
+            rank_zero_warn(
+                f"HorovodStrategy(elastic=True) but torchrun will not restart workers "
+                f"(TORCHELASTIC_MAX_RESTARTS={max_restarts}): commits are written to {self.path} "
+                "but only a restarted attempt resumes from them. HINT: launch with "
+                "hvdrun --min-np/--max-np or --max-restarts N."
+            )
+
+    # -- start of fit ----------------------------------------------------------------------
+    def start(self, trainer: pl.Trainer) -> None:
+        """Install the commit callback; in a restarted attempt restore the newest commit.
+
+        Call at the start of ``strategy.setup`` (before the model is moved or wrapped).
+        """
+        trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, _ElasticCommit)]
+        trainer.callbacks.append(_ElasticCommit(self))
+        world = comm.get_world()
+        if self.attempt == 0:
+            if world.local_rank == 0:
+                self.path.unlink(missing_ok=True)  # an earlier job's commit is not ours
+            comm.barrier(world=world)
+            return
+        connector = trainer._checkpoint_connector
+        if trainer.ckpt_path is not None or connector._loaded_checkpoint:
+            rank_zero_info(f"hvd_trainer elastic: fit(ckpt_path={trainer.ckpt_path!r}) given; "
+                           "not resuming from the elastic commit.")
+            return
+        self._loaded = self._newest_commit(world)
+        if self._loaded is None:
+            rank_zero_info(f"hvd_trainer elastic: attempt {self.attempt}, no commit at {self.path}; "
+                           "training from the start.")
+            return
+        meta = self._loaded[COMMIT_KEY]
+        self.commits = int(meta["commit"])
+        connector._restore_modules_and_callbacks(str(self.path))  # loads via take_loaded()
+        rank_zero_info(
+            f"hvd_trainer elastic: attempt {self.attempt} resumed from {self.path} (commit "
+            f"{meta['commit']}, global step {meta['global_step']}, epoch {meta['epoch']}, "
+            f"batch {meta['batch']} of that epoch)"
+        )
+
+    def take_loaded(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The commit read by :meth:`start` if ``path`` is its file (once), else ``None``."""
+        if self._loaded is None or Path(path) != self.path:
+            return None
+        loaded, self._loaded = self._loaded, None
+        return loaded
+
+    def _newest_commit(self, world: comm.World) -> dict[str, Any] | None:
+        """Every node's local rank 0 reads its copy; the newest one of this run is broadcast."""
+        mine = None
+        if world.local_rank == 0 and self.path.exists():
+            mine = load_checkpoint(self.path)
+            meta = mine.get(COMMIT_KEY, {})
+            if _unique_run_id(self.run_id) and meta.get("run_id") != self.run_id:
+                mine = None  # left by another job
+        counts = comm.allgather_object(None if mine is None else mine[COMMIT_KEY]["commit"], world=world)
+        found = [(c, -r) for r, c in enumerate(counts) if c is not None]
+        if not found:
+            return None
+        src = -max(found)[1]
+        return comm.broadcast_object(mine if world.rank == src else None, src, world=world)
+
+    # -- during fit ------------------------------------------------------------------------
+    def adapt_loader(self, dataloader: object, trainer: pl.Trainer) -> object:
+        """The training loader, made resumable mid-epoch where exact (else epoch-end commits)."""
+        if trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        resumable, reason = make_resumable(dataloader, lambda: _position(trainer))
+        if reason is not None and self.mid_epoch:
+            self.mid_epoch = False
+            rank_zero_warn(
+                f"hvd_trainer elastic: the training loader cannot resume mid-epoch exactly: {reason}. "
+                "Committing at epoch ends only. HINT: a torch DataLoader(dataset, batch_size=...) "
+                "with use_distributed_sampler=True (the default) resumes mid-epoch."
+            )
+        return resumable
+
+    def commit(self, trainer: pl.Trainer) -> None:
+        """Write the full checkpoint atomically on each node's local rank 0, then barrier."""
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        epoch, batch = _position(trainer)
+        self.commits += 1
+        checkpoint[COMMIT_KEY] = {
+            "commit": self.commits, "run_id": self.run_id, "global_step": trainer.global_step,
+            "epoch": epoch, "batch": batch, "world_size": trainer.world_size,
+        }
+        world = comm.get_world()
+        if world.local_rank == 0:
+            atomic_save(checkpoint, self.path)
+        comm.barrier(world=world)
+        self._last_step = trainer.global_step
+        log.debug("hvd_trainer elastic: commit %d at global step %d", self.commits, trainer.global_step)
+
+    def maybe_commit_step(self, trainer: pl.Trainer) -> None:
+        step = trainer.global_step
+        if self.mid_epoch and step > 0 and step % self.every == 0 and step != self._last_step:
+            self.commit(trainer)
+
+    def finish(self) -> None:
+        """After a normal end of ``fit``: drop the commit of an automatic directory."""
+        if not self.automatic:
+            return
+        world = comm.get_world()
+        comm.barrier(world=world)
+        if world.local_rank == 0:
+            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # not empty: another fit's commit is still there
+                self.path.parent.rmdir()
+
+
+def _default_dir(run_id: str, default_root_dir: str) -> Path:
+    if _unique_run_id(run_id):
+        return Path(tempfile.gettempdir()) / "hvd_trainer_elastic" / run_id
+    return Path(default_root_dir) / "hvd_elastic"
+
+
+def _position(trainer: pl.Trainer) -> tuple[int, int]:
+    """``(epoch, batches of it trained)``; a finished epoch counts as ``(epoch + 1, 0)``.
+
+    Read from the loop counters at a commit (``on_train_batch_end``, ``on_validation_end``,
+    ``on_train_epoch_end``): ``current_epoch`` is the running epoch there and
+    ``batch_progress.current.processed`` the batches whose training step finished.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress
+    done = progress.current.processed
+    if done >= trainer.num_training_batches or progress.is_last_batch:
+        return trainer.current_epoch + 1, 0
+    return trainer.current_epoch, done
+
+
+class _ElasticCommit(pl.Callback):
+    """Commits at optimizer-step multiples and epoch ends; clean-up after a normal ``fit``."""
+
+    def __init__(self, elastic: ElasticFit) -> None:
+        self.elastic = elastic
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.elastic.maybe_commit_step(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.elastic.commit(trainer)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.elastic.finish()

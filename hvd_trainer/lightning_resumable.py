@@ -1,0 +1,168 @@
+"""A training DataLoader that Lightning can resume mid-epoch: no sample seen twice or skipped.
+
+Lightning restarts an epoch's loader from its first batch unless the loader has
+``state_dict``/``load_state_dict`` (``_Stateful``); then it stores the loader's state in every
+checkpoint (``loops.fit_loop.state_dict.combined_loader``) and hands it back before the first
+``iter()`` of a resumed fit. :class:`ResumableDataLoader` is such a loader: its state is
+``(epoch, batches done in that epoch)``, and on load its :class:`ResumableSampler` skips the
+first ``batches * batch_size`` indices of that epoch's order on this rank.
+
+Why skipping indices is exact: the wrapped sampler (``DistributedSampler`` or
+``SequentialSampler``) gives the same order on every attempt for the same epoch (its seed is
+fixed and ``set_epoch`` picks the permutation) and ``BatchSampler`` cuts that order into
+consecutive batches, so the batches after the skip are those the uninterrupted run drew.
+
+The position is read from the Trainer's loop counters (``position``), not counted in
+``__iter__``: Lightning prefetches one batch ahead, so the iterator is always one batch
+further than the training step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = ["ResumableSampler", "ResumableDataLoader", "ResumeStateError", "make_resumable"]
+
+Position = Callable[[], tuple[int, int]]
+"""Returns ``(epoch, batches of that epoch already trained)``; an exhausted epoch is
+reported as ``(epoch + 1, 0)``."""
+
+# samplers whose order depends only on (seed, epoch, rank, world size): a skip is exact
+_REPRODUCIBLE = (DistributedSampler, SequentialSampler)
+_DATALOADER_ARGS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
+)
+
+
+class ResumeStateError(ValueError):
+    """A loader state that does not fit this loader (another dataset or batch size)."""
+
+
+class ResumableSampler(Sampler[int]):
+    """Wrap a reproducible ``sampler``; the next iteration may start after ``skip`` indices.
+
+    ``len()`` stays the full epoch length (Lightning counts the resumed epoch's batches from
+    the restored batch index, not from zero). :meth:`set_epoch` with a *different* epoch drops
+    a pending skip; with the same epoch it keeps it (Lightning calls it again on resume).
+
+    Args:
+        sampler: the per-rank index sampler, e.g. Lightning's ``DistributedSampler``.
+    """
+
+    def __init__(self, sampler: Sampler[int]) -> None:
+        self.sampler = sampler
+        self.epoch = int(getattr(sampler, "epoch", 0))
+        self.skip = 0
+        """Indices the next iteration drops (consumed once, by the next ``iter()``)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.skip = 0
+        self.epoch = epoch
+        if callable(getattr(self.sampler, "set_epoch", None)):
+            self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def resume_at(self, epoch: int, skip: int) -> None:
+        """Make the next iteration epoch ``epoch``'s order without its first ``skip`` indices."""
+        self.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        skip, self.skip = self.skip, 0
+        return itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`ResumableSampler` with Lightning's ``_Stateful`` interface.
+
+    Build it with :func:`make_resumable`. ``state_dict()`` is ``{"epoch", "batches",
+    "batch_size", "num_replicas", "length"}`` (``batches``: batches of ``epoch`` trained on each
+    rank); ``load_state_dict`` makes the next ``iter()`` start at that batch of that epoch.
+
+    A state saved with another world size (an elastic job that shrank or grew) still resumes
+    at the saved batch index, which Lightning's loop counters require, with a warning: that one
+    epoch is then not exact.
+
+    Raises:
+        ResumeStateError: (``load_state_dict``) the state was saved for a dataset of another
+            length or another batch size.
+    """
+
+    def __init__(self, *args: Any, position: Position, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, batches = self.position()
+        return {"epoch": epoch, "batches": batches, "batch_size": self.batch_size,
+                "num_replicas": _num_replicas(self.sampler), "length": len(self.dataset)}  # type: ignore[arg-type]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, now in (("length", len(self.dataset)), ("batch_size", self.batch_size)):  # type: ignore[arg-type]
+            if state[key] != now:
+                raise ResumeStateError(
+                    f"the training loader state was saved with {key}={state[key]!r}, this loader has "
+                    f"{key}={now!r}. HINT: resume with the same dataset and batch size, or delete the "
+                    "elastic checkpoint to start over."
+                )
+        if state["num_replicas"] != _num_replicas(self.sampler):
+            warnings.warn(
+                f"the training loader was saved on {state['num_replicas']} ranks and resumes on "
+                f"{_num_replicas(self.sampler)}: epoch {state['epoch']} continues after batch "
+                f"{state['batches']} of the new sharding, so some of its samples may be seen twice "
+                "or not at all (exact again from the next epoch).",
+                stacklevel=2,
+            )
+        sampler = self.sampler
+        assert isinstance(sampler, ResumableSampler)
+        sampler.resume_at(int(state["epoch"]), int(state["batches"]) * int(state["batch_size"]))
+
+
+def _num_replicas(sampler: Any) -> int:
+    return int(getattr(getattr(sampler, "sampler", None), "num_replicas", 1))
+
+
+def make_resumable(loader: object, position: Position) -> tuple[object, str | None]:
+    """Return ``(resumable copy of loader, None)``, or ``(loader, why not)`` when a skip would
+    not be exact.
+
+    Supported: a plain ``torch.utils.data.DataLoader`` over a map-style dataset with automatic
+    batching (``batch_size``, no custom ``batch_sampler``) and a ``DistributedSampler`` or
+    ``SequentialSampler`` (what Lightning injects by default). Every other argument of the
+    loader (workers, collate function, pinning, generator) is passed on unchanged.
+    """
+    reason = _unsupported(loader)
+    if reason is not None:
+        return loader, reason
+    assert isinstance(loader, DataLoader)
+    kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
+    resumable = ResumableDataLoader(
+        loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
+        sampler=ResumableSampler(loader.sampler), position=position, **kwargs,
+    )
+    return resumable, None
+
+
+def _unsupported(loader: object) -> str | None:
+    if isinstance(loader, ResumableDataLoader):
+        return "it is already resumable"
+    if type(loader) is not DataLoader:
+        return f"it is a {type(loader).__name__}, not a plain torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "its dataset is an IterableDataset (no index to skip to)"
+    if type(loader.batch_sampler) is not BatchSampler:
+        return f"it has a custom batch sampler ({type(loader.batch_sampler).__name__})"
+    if type(loader.sampler) not in _REPRODUCIBLE:
+        return (f"its sampler {type(loader.sampler).__name__} may not give the same order again "
+                "(use_distributed_sampler=True gives a reproducible DistributedSampler)")
+    return None

@@ -1,0 +1,182 @@
+"""Elastic mode of HorovodStrategy in one process (world size 1): a fit that crashed after a
+commit, run again as torchrun's next attempt, resumes from the commit by itself.
+
+The 2-rank SIGKILL scenario under hvdrun is tests/e2e/test_lightning_elastic.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+import hvd_trainer
+from hvd_trainer import lightning_elastic
+from hvd_trainer.lightning_elastic import COMMIT_KEY
+from hvd_trainer.lightning_resumable import ResumableDataLoader
+from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+
+N, BATCH, EPOCHS = 40, 4, 3  # 10 steps per epoch
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class Net(pl.LightningModule):
+    def __init__(self, crash_at_step: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.crash_at_step = crash_at_step
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_step == self.crash_at_step:
+            raise Crash(f"step {self.global_step}")
+        x, y, idx = batch
+        self.seen.append((self.current_epoch, idx.tolist()))
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        assert not isinstance(self.trainer.val_dataloaders, ResumableDataLoader)  # training only
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["seen"] = list(self.seen)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.seen = list(checkpoint["seen"])
+
+
+@pytest.fixture(autouse=True)
+def _attempts(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-a")
+    _attempt(monkeypatch, 0)
+    yield
+    hvd_trainer.shutdown()
+
+
+def _attempt(monkeypatch: pytest.MonkeyPatch, attempt: int) -> None:
+    """What a new process of torchrun's ``attempt`` sees: the count, and fit calls from 0."""
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+    monkeypatch.setattr(lightning_elastic, "_FIT_CALLS", itertools.count())
+
+
+def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: bool = False,
+         ckpt_path: str | None = None, root: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Net]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+    loader = (DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data)) if random_sampler
+              else DataLoader(data, batch_size=BATCH, shuffle=True))
+    trainer = pl.Trainer(
+        strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
+        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not random_sampler,
+        default_root_dir=root, **kwargs,
+    )
+    model = Net(crash_at_step)
+    with contextlib.suppress(Crash):
+        trainer.fit(model, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    ("crash_at_step", "last_commit", "kwargs"),
+    [
+        (14, 12, {}),  # mid-epoch 1 (commits every 3 steps)
+        (10, 10, {}),  # first batch after the epoch-end commit
+        (7, 6, dict(accumulate_grad_batches=2, val_check_interval=4)),  # 5 steps per epoch
+    ],
+)
+def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           crash_at_step: int, last_commit: int, kwargs: dict) -> None:
+    _, ref = _fit(tmp_path / "ref", **kwargs)
+    _attempt(monkeypatch, 0)
+    _fit(tmp_path / "run", crash_at_step, **kwargs)
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=False)
+    assert commit["global_step"] == last_commit and commit[COMMIT_KEY]["run_id"] == "job-a"
+    _attempt(monkeypatch, 1)
+    trainer, got = _fit(tmp_path / "run", **kwargs)
+    assert trainer.ckpt_path == str(tmp_path / "run" / "lightning_fit0.ckpt")  # resumed by itself
+    assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
+    assert _same_weights(ref, got)
+    assert got.seen == ref.seen  # the same batches in the same order: none twice, none skipped
+    for epoch in range(EPOCHS):
+        assert sorted(i for e, b in got.seen if e == epoch for i in b) == list(range(N))
+
+
+def test_first_attempt_and_other_jobs_never_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fit(tmp_path, crash_at_step=7)  # job-a leaves a commit of step 6
+    _attempt(monkeypatch, 1)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-b")
+    trainer, _ = _fit(tmp_path, crash_at_step=5)  # job-b's attempt 1: job-a's commit is not its own
+    assert trainer.ckpt_path is None
+    assert torch.load(tmp_path / "lightning_fit0.ckpt", weights_only=False)["global_step"] == 3
+    _attempt(monkeypatch, 0)  # a new job-b: its first attempt deletes any commit at the path
+    trainer, _ = _fit(tmp_path, crash_at_step=2)
+    assert trainer.ckpt_path is None and not (tmp_path / "lightning_fit0.ckpt").exists()
+
+
+def test_explicit_ckpt_path_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, _ = _fit(tmp_path / "a")  # finished: its explicit directory keeps the last commit
+    done = tmp_path / "a" / "lightning_fit0.ckpt"
+    assert torch.load(done, weights_only=False)["global_step"] == 30
+    _attempt(monkeypatch, 0)
+    _fit(tmp_path / "b", crash_at_step=4)
+    _attempt(monkeypatch, 1)
+    trainer, _ = _fit(tmp_path / "b", ckpt_path=str(done))
+    assert trainer.ckpt_path == str(done)
+
+
+def test_automatic_directory_falls_back_to_root_and_is_cleaned(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's static rendezvous
+    commit = tmp_path / "hvd_elastic" / "lightning_fit0.ckpt"
+    _fit(None, crash_at_step=4, root=tmp_path)
+    assert commit.exists()
+    _attempt(monkeypatch, 1)
+    trainer, _ = _fit(None, root=tmp_path)
+    assert trainer.ckpt_path == str(commit) and not commit.parent.exists()  # removed after fit
+
+
+def test_unresumable_loader_commits_at_epoch_ends_only(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="cannot resume mid-epoch exactly: its sampler RandomSampler"):
+        _fit(tmp_path, crash_at_step=15, random_sampler=True)
+    commit = torch.load(tmp_path / "lightning_fit0.ckpt", weights_only=False)
+    assert commit[COMMIT_KEY]["commit"] == 1 and commit["global_step"] == 10  # end of epoch 0
+    assert (commit[COMMIT_KEY]["epoch"], commit[COMMIT_KEY]["batch"]) == (1, 0)
+
+
+def test_elastic_switch_and_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert HorovodStrategy().elastic is True  # TORCHELASTIC_MAX_RESTARTS=1
+    assert HorovodStrategy(elastic=False).elastic is False
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert HorovodStrategy().elastic is False and HorovodStrategy(elastic=True).elastic is True
+    for kwargs, needle in [
+        (dict(elastic="yes"), "elastic='yes'"),
+        (dict(elastic_checkpoint_dir="s3://bucket/x"), "elastic_checkpoint_dir='s3://bucket/x'"),
+        (dict(elastic_checkpoint_dir=3), "elastic_checkpoint_dir=3"),
+        (dict(elastic_commit_every_n_steps=-1), "elastic_commit_every_n_steps=-1"),
+        (dict(elastic_commit_every_n_steps=True), "elastic_commit_every_n_steps=True"),
+    ]:
+        with pytest.raises(StrategyConfigError, match=needle) as info:
+            HorovodStrategy(**kwargs)
+        assert "HINT" in str(info.value)

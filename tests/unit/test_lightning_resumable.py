@@ -1,0 +1,107 @@
+"""ResumableSampler / ResumableDataLoader: a resumed epoch continues exactly at the saved batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from hvd_trainer.lightning_resumable import (
+    ResumableDataLoader,
+    ResumableSampler,
+    ResumeStateError,
+    make_resumable,
+)
+
+N, BATCH = 22, 3  # 11 per rank: 4 batches, the last one partial
+
+
+def _loader(rank: int, *, num_workers: int = 0, position=lambda: (0, 0)) -> DataLoader:
+    data = TensorDataset(torch.arange(N))
+    sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=5)
+    loader, reason = make_resumable(DataLoader(data, batch_size=BATCH, sampler=sampler,
+                                               num_workers=num_workers), position)
+    assert reason is None and isinstance(loader, ResumableDataLoader)
+    return loader
+
+
+def _epoch(loader: DataLoader, epoch: int) -> list[list[int]]:
+    loader.sampler.set_epoch(epoch)
+    return [batch[0].tolist() for batch in loader]
+
+
+def test_sampler_skips_once_and_keeps_full_length() -> None:
+    inner = DistributedSampler(range(N), num_replicas=2, rank=1, shuffle=True, seed=5)
+    sampler = ResumableSampler(inner)
+    inner.set_epoch(2)
+    full = list(inner)
+    sampler.resume_at(2, 4)
+    assert len(sampler) == len(full) == 11  # the epoch's length, not what is left
+    assert list(sampler) == full[4:]
+    assert list(sampler) == full  # one-shot: the next iteration is whole again
+    sampler.resume_at(2, 4)
+    sampler.set_epoch(2)  # Lightning sets the same epoch again on resume: keeps the skip
+    assert list(sampler) == full[4:]
+    sampler.resume_at(2, 4)
+    sampler.set_epoch(3)  # a new epoch drops it
+    inner.set_epoch(3)
+    assert list(sampler) == list(inner) and sampler.skip == 0
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resumed_epoch_draws_the_remaining_batches_of_every_rank(num_workers: int) -> None:
+    for done in range(5):  # 0..4 batches of epoch 1 already trained on each rank
+        seen = []
+        for rank in (0, 1):
+            whole = _epoch(_loader(rank), 1)
+            state = _loader(rank, position=lambda d=done: (1, d)).state_dict()
+            assert state == {"epoch": 1, "batches": done, "batch_size": BATCH, "num_replicas": 2, "length": N}
+            fresh = _loader(rank, num_workers=num_workers)  # a restarted process
+            fresh.load_state_dict(state)  # before the first iter(), as Lightning does
+            rest = [batch[0].tolist() for batch in fresh]  # no set_epoch needed: the state has it
+            assert rest == whole[done:], (rank, done)
+            seen += [i for batch in whole[:done] + rest for i in batch]
+        # DistributedSampler pads 22 to 22 (even): every sample exactly once over both ranks
+        assert sorted(seen) == list(range(N)), done
+
+
+def test_state_of_another_dataset_is_refused() -> None:
+    state = _loader(0, position=lambda: (0, 1)).state_dict()
+    with pytest.raises(ResumeStateError, match="length=22") as info:
+        _loader(0).load_state_dict({**state, "length": 30})
+    assert "HINT" in str(info.value)
+    with pytest.raises(ResumeStateError, match="batch_size=8"):
+        _loader(0).load_state_dict({**state, "batch_size": 8})
+    with pytest.warns(UserWarning, match="saved on 4 ranks and resumes on 2"):
+        _loader(0).load_state_dict({**state, "num_replicas": 4})
+
+
+def test_loader_arguments_survive_and_unsupported_loaders_are_named() -> None:
+    data = TensorDataset(torch.arange(8))
+    gen = torch.Generator()
+
+    def collate(batch: list) -> list:
+        return batch
+
+    plain = DataLoader(data, batch_size=2, drop_last=True, collate_fn=collate, generator=gen)
+    copy, reason = make_resumable(plain, lambda: (0, 0))
+    assert reason is None
+    assert (copy.batch_size, copy.drop_last, copy.collate_fn, copy.generator) == (2, True, collate, gen)
+
+    class MyLoader(DataLoader):
+        pass
+
+    class Stream(IterableDataset):
+        def __iter__(self):  # noqa: ANN204
+            return iter(range(4))
+
+    cases = {
+        "MyLoader": MyLoader(data, batch_size=2),
+        "IterableDataset": DataLoader(Stream(), batch_size=2),
+        "RandomSampler": DataLoader(data, batch_size=2, sampler=RandomSampler(data)),
+        "custom batch sampler": DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),
+    }
+    for needle, loader in cases.items():
+        same, reason = make_resumable(loader, lambda: (0, 0))
+        assert same is loader and needle in reason, (needle, reason)
