@@ -23,6 +23,7 @@ from hvd_trainer.comm import (
     NotInitializedError,
     ProcessSet,
     Product,
+    RankFailedError,
     ReduceOp,
     StallError,
     Sum,
@@ -63,6 +64,7 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "Compression",
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
     "CollectiveMismatchError", "NotInitializedError", "StallError", "JoinedRankError",
+    "RankFailedError",
 ]
 
 

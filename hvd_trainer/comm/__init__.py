@@ -27,6 +27,7 @@ from hvd_trainer.comm.errors import (
     CommValueError,
     JoinedRankError,
     NotInitializedError,
+    RankFailedError,
     StallError,
 )
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
@@ -66,5 +67,5 @@ __all__ = [
     "ProcessSet", "Compression", "Compressor", "Timeline",
     "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
-    "CollectiveMismatchError", "StallError", "JoinedRankError",
+    "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError",
 ]

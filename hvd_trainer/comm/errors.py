@@ -52,3 +52,9 @@ class StallError(CommError):
 
 class JoinedRankError(CommError):
     """A collective other than allreduce ran while a rank had called :func:`join`."""
+
+
+class RankFailedError(CommError):
+    """A collective failed because another rank is no longer running (crashed, exited or was
+    killed); the message names the rank, its host and pid. The original transport error is
+    chained as ``__cause__``."""

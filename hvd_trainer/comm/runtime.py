@@ -33,6 +33,10 @@ class CommRuntime:
         from hvd_trainer.comm.process_set import ProcessSet
 
         self.global_set = ProcessSet._for_world(world, 0)
+        if world.size > 1 and self.store is not None:
+            from hvd_trainer.comm.liveness import publish
+
+            publish(self.store, world.rank)  # so a failed collective can name a dead rank
 
     @property
     def next_set_id(self) -> int:
