@@ -30,6 +30,7 @@ from hvd_trainer.comm import (
     NotInitializedError,
     ProcessSet,
     Product,
+    RankFailedError,
     ReduceOp,
     StallError,
     Sum,
@@ -107,6 +108,7 @@ __all__ = [
     "grouped_reducescatter_async", "Adasum", "UnsupportedOpError",
     "add_process_set", "remove_process_set", "global_process_set",
     "HorovodInternalError", "HostsUpdatedInterrupt", "elastic",
+    "RankFailedError",
 ]
 
 

@@ -42,6 +42,7 @@ from hvd_trainer.comm.errors import (
     HostsUpdatedInterrupt,
     JoinedRankError,
     NotInitializedError,
+    RankFailedError,
     StallError,
 )
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
@@ -107,7 +108,7 @@ __all__ = [
     "ProcessSet", "Compression", "Compressor", "Timeline",
     "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
-    "CollectiveMismatchError", "StallError", "JoinedRankError",
+    "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError",
     # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)
     "Adasum", "UnsupportedOpError", "HorovodInternalError", "HostsUpdatedInterrupt",
     "gloo_built", "nccl_built", "mpi_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",

@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, StallError
+from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, RankFailedError, StallError
 from hvd_trainer.comm.fatal import exit_hard_at_exit
 from hvd_trainer.comm.join import JoinBoard, Transport
 from hvd_trainer.comm.timeline import Timeline
@@ -398,6 +398,19 @@ class Coordinator:
             raise CollectiveMismatchError(
                 describe_mismatch(op.sig, op.seq, self.ranks, entries)
             ) from exc
+        self._name_dead_peer(op, exc)
+
+    def _name_dead_peer(self, op: Op, exc: BaseException) -> None:
+        """The transport failed and no mismatch is known: name the rank that died, if any."""
+        from hvd_trainer.comm import liveness
+
+        try:
+            dead, remote = liveness.find_dead_peers(self.store, self.ranks, self.rank)
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            return
+        message = liveness.describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote)
+        if message is not None:
+            raise RankFailedError(message) from exc
 
     def _record(self, op: Op, t_wait_us: float) -> None:
         tl = self.timeline

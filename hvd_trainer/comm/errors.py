@@ -60,10 +60,11 @@ class HorovodInternalError(CommError):
     """Horovod's error for a failed collective, kept so ported ``except HorovodInternalError:``
     clauses stay valid.
 
-    hvd_trainer never raises it today: a failed or mismatched collective raises
-    :class:`CollectiveMismatchError`, :class:`StallError`, :class:`JoinedRankError` or torch's
-    ``DistBackendError``, and elastic recovery restarts every worker through torchrun's agent
-    (:mod:`hvd_trainer.elastic`) instead of catching an exception in-process.
+    hvd_trainer raises it only as its subclass :class:`RankFailedError` (a collective failed
+    because a peer died). Other failures raise :class:`CollectiveMismatchError`,
+    :class:`StallError`, :class:`JoinedRankError` or torch's ``DistBackendError``, and elastic
+    recovery restarts every worker through torchrun's agent (:mod:`hvd_trainer.elastic`) instead
+    of catching an exception in-process.
     """
 
 
@@ -81,3 +82,9 @@ class HostsUpdatedInterrupt(RuntimeError):
     def __init__(self, skip_sync: bool = False) -> None:
         super().__init__(f"hosts updated (skip_sync={skip_sync})")
         self.skip_sync = skip_sync
+
+
+class RankFailedError(HorovodInternalError):
+    """A collective failed because another rank is no longer running (crashed, exited or was
+    killed); the message names the rank, its host and pid. The original transport error is
+    chained as ``__cause__``."""

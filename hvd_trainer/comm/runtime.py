@@ -44,7 +44,10 @@ class CommRuntime:
         self.global_set = ProcessSet._for_world(world, 0)
         self.sets[0] = self.global_set
         if self.store is not None and world.size > 1:
+            from hvd_trainer.comm.liveness import publish
+
             self.store.set(_LOCAL_SIZE_KEY.format(rank=world.rank), str(world.local_size))
+            publish(self.store, world.rank)  # so a failed collective can name a dead rank
 
     @property
     def next_set_id(self) -> int:

@@ -1,5 +1,6 @@
 """``Trainer(strategy="horovod", devices=2)``: ``python train.py`` starts its own second process;
-under ``hvdrun -np 2`` it does not (exactly two ranks either way, same weights on both)."""
+under ``hvdrun -np 2`` it does not (exactly two ranks either way, same weights on both). When the
+self-launched rank 1 is killed, rank 0 stops at once with an error that names rank 1."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -35,15 +37,18 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("name", "cmd", "ranks"), CASES, ids=[c[0] for c in CASES])
-def test_launch_modes(name: str, cmd: list[str], ranks: int) -> None:
-    cmd = [*cmd, *_lightning_detection_args()]
+def _run(cmd: list[str]) -> tuple[subprocess.CompletedProcess, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-    context = f"command: {' '.join(cmd)}\nexit code: {proc.returncode}\n--- output tail ---\n{tail}"
+    return proc, f"command: {' '.join(cmd)}\nexit code: {proc.returncode}\n--- output tail ---\n{tail}"
+
+
+@pytest.mark.parametrize(("name", "cmd", "ranks"), CASES, ids=[c[0] for c in CASES])
+def test_launch_modes(name: str, cmd: list[str], ranks: int) -> None:
+    proc, context = _run([*cmd, *_lightning_detection_args()])
     assert proc.returncode == 0, context
     found = RANK_LINE.findall(proc.stdout)
     assert len(found) == ranks, context
@@ -51,3 +56,17 @@ def test_launch_modes(name: str, cmd: list[str], ranks: int) -> None:
     assert {int(w) for _, w, _, _ in found} == {ranks}, context
     assert len({pid for _, _, pid, _ in found}) == ranks, context
     assert len({c for *_, c in found}) == 1, f"weights differ across ranks\n{context}"
+
+
+def test_killed_self_launched_rank_is_named() -> None:
+    proc, context = _run([sys.executable, SCRIPT, "--kill-rank1", *_lightning_detection_args()])
+    ended = time.time()
+    assert proc.returncode != 0, context
+    killed = re.search(r"KILLED pid=(\d+) at=(\d+\.\d+)", proc.stdout)
+    assert killed, context
+    output = proc.stdout + proc.stderr
+    assert "RankFailedError: bucket" in output, context
+    assert f"because rank 1 (pid {killed.group(1)} on" in output, context
+    seconds = ended - float(killed.group(2))
+    print(f"SCENARIO lightning-self-launch-sigkill: rank 0 exited {seconds:.1f} s after the kill")
+    assert seconds < 30, context

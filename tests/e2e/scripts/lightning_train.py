@@ -5,12 +5,16 @@ the launcher's processes. Each rank prints ``RANK <rank>/<world> pid=<pid> check
 
 ``--explicit-env`` passes ``plugins=[HorovodEnvironment()]``, which skips Lightning's own
 cluster detection (needed where mpi4py is installed without an MPI library).
+``--kill-rank1`` makes rank 1 SIGKILL itself at its third step (printing ``KILLED pid=<pid>
+at=<time>``): the surviving rank must fail fast with an error naming rank 1.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import pytorch_lightning as pl
 import torch
@@ -27,6 +31,9 @@ class Regressor(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
+        if "--kill-rank1" in sys.argv and self.global_rank == 1 and batch_idx == 2:
+            print(f"KILLED pid={os.getpid()} at={time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 

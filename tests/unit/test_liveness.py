@@ -1,0 +1,50 @@
+"""comm.liveness: which peer died, from the store's host|pid records and /proc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+
+from hvd_trainer.comm import liveness
+
+
+def _store_with(records: dict[int, str]) -> dist.HashStore:
+    store = dist.HashStore()
+    for rank, value in records.items():
+        store.set(f"hvd/proc/{rank}", value)
+    return store
+
+
+def test_killed_unreaped_child_counts_as_dead_and_is_named() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = socket.gethostname()
+        store = _store_with(
+            {0: f"{host}|{os.getpid()}", 1: f"{host}|{child.pid}", 2: f"far-away|{child.pid}"}
+        )
+        dead, remote = liveness.find_dead_peers(store, [0, 1, 2], me=0, grace_seconds=0.0)
+        assert dead == [] and remote == [liveness.Peer(2, "far-away", child.pid)]
+        os.kill(child.pid, signal.SIGKILL)
+        time.sleep(0.2)  # not reaped: a zombie, which os.kill(pid, 0) alone would call alive
+        dead, _ = liveness.find_dead_peers(store, [0, 1, 2], me=0, grace_seconds=2.0)
+        assert dead == [liveness.Peer(1, host, child.pid)]
+        message = liveness.describe_failure("allreduce 'x' (collective #3)", dead, [])
+        want = f"allreduce 'x' (collective #3) failed because rank 1 (pid {child.pid} on {host})"
+        assert message.startswith(want)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_only_remote_peers_are_listed_as_candidates_and_unknown_gives_none() -> None:
+    remote = [liveness.Peer(3, "h2", 11)]
+    assert "rank 3 on h2" in liveness.describe_failure("barrier (collective #1)", [], remote)
+    assert liveness.describe_failure("barrier (collective #1)", [], []) is None
+    store = _store_with({})
+    assert liveness.find_dead_peers(store, [0, 1], me=0, grace_seconds=0.0) == ([], [])
