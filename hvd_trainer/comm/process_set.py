@@ -129,6 +129,12 @@ class ProcessSet:
         self.require_member("rank()")
         return self.ranks.index(self.world.rank)
 
+    def release_groups(self) -> None:
+        """Drop this set's process-group handles (called by ``shutdown``; the set is unusable
+        afterwards, as after Horovod's shutdown)."""
+        self._group = None
+        self._cpu_group = None
+
     def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
         """The process group that carries ``tensor`` (CPU tensors use the gloo group)."""
         return self._cpu_group if tensor.device.type == "cpu" else self._group

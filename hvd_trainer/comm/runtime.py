@@ -73,5 +73,9 @@ class CommRuntime:
             pset.coordinator.timeline = timeline
 
     def close(self) -> None:
+        """Flush the timeline and drop every process set's group handles (see ``shutdown``)."""
         if self.timeline is not None:
             self.timeline.close()
+        for pset in [*self.sets.values(), getattr(self, "global_set", None)]:
+            if pset is not None:
+                pset.release_groups()

@@ -9,6 +9,9 @@ read the one returned by :func:`get_world`.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
 import os
 import socket
 from collections.abc import Mapping
@@ -215,6 +218,7 @@ def init(
     runtime = CommRuntime(config or CommConfig.from_env(environ), info.rank)
     _WORLD = replace(_world_from_group(info, device, backend), runtime=runtime)
     runtime.attach(_WORLD)
+    _shutdown_at_exit()
     return _WORLD
 
 
@@ -235,13 +239,32 @@ def get_world() -> World:
 
 
 def shutdown() -> None:
-    """Destroy the process group. Safe to call twice; ``init()`` may be called again after."""
+    """Destroy the process group. Safe to call twice; ``init()`` may be called again after.
+
+    Also registered to run at interpreter exit (as Horovod does), so scripts need not call it.
+    After it, the :class:`World` and process sets a script still holds no longer reference any
+    process group: a gloo group that outlives ``destroy_process_group`` is destroyed during
+    interpreter finalisation instead, where its worker threads sometimes abort the process
+    ("terminate called without an active exception", exit status 134) after a successful run.
+    """
     global _WORLD
-    if _WORLD is not None and _WORLD.runtime is not None:
-        _WORLD.runtime.close()
+    world = _WORLD
+    if world is not None and world.runtime is not None:
+        world.runtime.close()  # releases every process set's groups
+    if world is not None:
+        # World is frozen for users; releasing its group handles is the one mutation.
+        object.__setattr__(world, "group", None)
+        object.__setattr__(world, "cpu_group", None)
+    _WORLD = None
     if dist.is_initialized():
         dist.destroy_process_group()
-    _WORLD = None
+    gc.collect()  # groups kept alive only by reference cycles go now, not at finalisation
+
+
+@functools.cache
+def _shutdown_at_exit() -> None:
+    """Register :func:`shutdown` to run at interpreter exit, once per process."""
+    atexit.register(shutdown)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
