@@ -130,7 +130,9 @@ def init(
         process_sets: ``ProcessSet`` objects built before ``init()`` to create now, in order,
             on every rank; or ``"dynamic"`` / ``None`` (sets can always be added later with
             :func:`add_process_set`).
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when every process on this node can
+            have its own GPU, else gloo on the CPU (with a warning when there are GPUs, but
+            fewer than the node's processes).
         timeout_seconds: collective and rendezvous timeout, seconds.
         config: cross-rank checks, stall inspection and timeline (default: from the
             environment, e.g. ``HOROVOD_TIMELINE``).

@@ -14,6 +14,7 @@ import functools
 import gc
 import os
 import socket
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -120,9 +121,29 @@ def _validate(info: LaunchEnv) -> None:
         )
 
 
-def _pick_device(local_rank: int, backend: str | None) -> tuple[torch.device, str]:
+def _default_backend(local_size: int) -> str:
+    """NCCL when every local process can have its own GPU, else gloo (CPU), with a warning
+    when GPUs exist but are fewer than the local processes (a CPU job on a GPU host)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    count = torch.cuda.device_count()
+    if local_size <= count:
+        return "nccl"
+    warnings.warn(
+        f"{local_size} processes on this node but {count} GPU(s): hvd_trainer uses gloo on the CPU. "
+        "HINT: start at most one process per GPU (hvdrun -np <number of GPUs>) to train on the "
+        "GPUs, or pass init(backend='gloo') to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "gloo"
+
+
+def _pick_device(
+    local_rank: int, backend: str | None, local_size: int = 1
+) -> tuple[torch.device, str]:
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = _default_backend(local_size)
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False.")
@@ -170,7 +191,9 @@ def init(
     initialised by someone else (e.g. Lightning), that group is adopted.
 
     Args:
-        backend: ``"nccl"``, ``"gloo"`` or ``None`` (NCCL when CUDA is available, else gloo).
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when every process on this node can
+            have its own GPU, else gloo on the CPU (with a warning when there are GPUs, but
+            fewer than the node's processes).
         timeout_seconds: timeout of the process group's collectives and rendezvous, seconds.
         environ: environment to read instead of ``os.environ`` (tests).
         config: checks, stall inspection and timeline settings (default:
@@ -183,7 +206,7 @@ def init(
     if _WORLD is not None:
         return _WORLD
     info = detect_launch_env(environ)
-    device, backend = _pick_device(info.local_rank, backend)
+    device, backend = _pick_device(info.local_rank, backend, info.local_size)
     timeout = timedelta(seconds=timeout_seconds)
     if not dist.is_initialized():
         if info.size == 1 and info.master_addr is None:
