@@ -82,7 +82,7 @@ class Reduction:
     def pset_decompress(self) -> torch.Tensor:
         out = self.wire.to(self.tensor.dtype) if self.ctx is not None else self.wire
         if self.wire_scale_exp:
-            out = torch.ldexp(out, torch.tensor(-self.wire_scale_exp, dtype=torch.int32))
+            out = torch.ldexp(out, torch.tensor(-self.wire_scale_exp, dtype=torch.int32, device=out.device))
         return out
 
 
@@ -223,7 +223,7 @@ def _global_exponent(tensor: torch.Tensor, op: ReduceOp, n: int, pset: ProcessSe
 
 
 def _scaled_cast(tensor: torch.Tensor, exp: int, wire_dtype: torch.dtype) -> torch.Tensor:
-    scaled = torch.ldexp(tensor.float(), torch.tensor(exp, dtype=torch.int32))
+    scaled = torch.ldexp(tensor.float(), torch.tensor(exp, dtype=torch.int32, device=tensor.device))
     return scaled.to(wire_dtype)
 
 

@@ -115,8 +115,10 @@ def _lightning(out: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g))
     flat = {}
+    # use_distributed_sampler=False: Lightning's injected DistributedSampler shuffles the training
+    # set (as under DDP), which a single-device fit does not; one rank needs no sharding.
     common = dict(accelerator="gpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False)
+                  enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     single = SingleDeviceStrategy(device=torch.device("cuda", 0))
     runs = (("horovod", "horovod", "32-true"), ("single", single, "32-true"),
             ("fp16", "horovod", "16-mixed"), ("bf16", "horovod", "bf16-mixed"))
