@@ -278,7 +278,10 @@ class GradientReducer:
 
     def _launch(self, bucket: _Bucket) -> None:
         assert self.process_set is not None
-        bucket.used.copy_(torch.tensor(bucket.used_flags, dtype=bucket.used.dtype))
+        if all(bucket.used_flags):
+            bucket.used.fill_(1)  # a device kernel: no host<->GPU copy, so no sync with backward
+        else:  # rare (unused parameters): a small synchronous copy
+            bucket.used.copy_(torch.tensor(bucket.used_flags, dtype=bucket.used.dtype))
         bucket.work = start_allreduce(
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
