@@ -22,7 +22,7 @@ from hvd_trainer.comm.errors import CommTypeError, CommValueError, StallError
 from hvd_trainer.comm.fatal import exit_hard_at_exit
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op  # noqa: F401 (annotations)
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce import run_identity_allreduce, start_allreduce
+from hvd_trainer.comm.reduce import run_identity_allreduce
 from hvd_trainer.comm.world import World
 
 __all__ = [
@@ -82,25 +82,9 @@ def allgather(
     _tensor(tensor, "allgather")
     if needs_autograd(tensor):  # backward: average the gradient, keep this rank's rows
         return allgather_with_grad(tensor, process_set, world)
-    pset = resolve_set(process_set, world, "allgather")
-    t = tensor.detach()
-    t = (t.reshape(1) if t.dim() == 0 else t).contiguous()
-    op = _begin(pset, "allgather", name, t, ndim=t.dim(), trailing_shape=list(t.shape[1:]))
-    group = pset.group_for(t)
-    rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
-    all_rows = [torch.zeros_like(rows) for _ in range(pset.size())]
-    _step(pset, op, dist.all_gather(all_rows, rows, group=group, async_op=True))
-    counts = [int(r.item()) for r in all_rows]
-    max_rows = max(counts)
-    if max_rows == 0:
-        _step(pset, op, None, last=True)
-        return t.new_empty((0, *t.shape[1:]))
-    padded = t
-    if t.shape[0] < max_rows:
-        padded = torch.cat([t, t.new_zeros((max_rows - t.shape[0], *t.shape[1:]))], dim=0)
-    out = [torch.empty_like(padded) for _ in range(pset.size())]
-    _step(pset, op, dist.all_gather(out, padded, group=group, async_op=True), last=True)
-    return torch.cat([o[:c] for o, c in zip(out, counts, strict=True)], dim=0)
+    from hvd_trainer.comm.movement_async import allgather_async
+
+    return allgather_async(tensor, name, process_set, world=world).wait()
 
 
 @torch.no_grad()  # writes into parameters in place (broadcast_parameters)
@@ -114,20 +98,9 @@ def broadcast_(
         CommValueError: ``root_rank`` is not a member of the set.
         CollectiveMismatchError: shape, dtype or root differ between ranks.
     """
-    _tensor(tensor, "broadcast")
-    pset = resolve_set(process_set, world, "broadcast")
-    if root_rank not in pset.ranks:
-        raise CommValueError(
-            f"root_rank={root_rank} is not in process set {list(pset.ranks)}. "
-            "HINT: root_rank is a global rank and must be a member of the set."
-        )
-    op = _begin(pset, "broadcast", name, tensor, shape=list(tensor.shape), root_rank=root_rank)
-    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
-    work = dist.broadcast(buf, src=root_rank, group=pset.group_for(buf), async_op=True)
-    _step(pset, op, work, last=True)
-    if buf is not tensor:
-        tensor.copy_(buf)
-    return tensor
+    from hvd_trainer.comm.movement_async import broadcast_async_
+
+    return broadcast_async_(tensor, root_rank, name, process_set, world=world).wait()
 
 
 def broadcast(
@@ -180,26 +153,10 @@ def alltoall(
         CommValueError: dim 0 not divisible by the set size (no splits), or bad splits.
         CollectiveMismatchError: trailing shape or dtype differ between ranks.
     """
-    _tensor(tensor, "alltoall")
-    pset = resolve_set(process_set, world, "alltoall")
-    t = tensor.detach().contiguous()
-    if t.dim() == 0:
-        raise CommValueError("alltoall needs a tensor with at least one dimension, got a scalar.")
-    send = _splits(t, splits, pset.size())
-    op = _begin(pset, "alltoall", name, t, ndim=t.dim(), trailing_shape=list(t.shape[1:]),
-                splits_given=splits is not None)
-    group = pset.group_for(t)
-    send_t = torch.tensor(send, dtype=torch.int64, device=t.device)
-    recv_t = torch.empty_like(send_t)
-    _step(pset, op, dist.all_to_all_single(recv_t, send_t, group=group, async_op=True))
-    recv = [int(x) for x in recv_t.tolist()]
-    out = t.new_empty((sum(recv), *t.shape[1:]))
-    work = dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send,
-                                  group=group, async_op=True)
-    _step(pset, op, work, last=True)
-    if splits is None:
-        return out
-    return out, recv_t.to(torch.int32)
+    from hvd_trainer.comm.movement_async import alltoall_async
+
+    out, received_splits = alltoall_async(tensor, splits, name, process_set, world=world).wait()
+    return out if splits is None else (out, received_splits)
 
 
 def reducescatter(
@@ -216,18 +173,10 @@ def reducescatter(
     Raises:
         CommValueError: a 0-d tensor. JoinedRankError: a rank has joined.
     """
-    _tensor(tensor, "reducescatter")
-    if tensor.dim() == 0:
-        raise CommValueError("reducescatter needs a tensor with at least one dimension, got a scalar.")
-    pset = resolve_set(process_set, world, "reducescatter")
-    full = tensor.detach().clone(memory_format=torch.contiguous_format)
-    red = start_allreduce(full, op=to_reduce_op(op), pset=pset, name=name, kind="reducescatter",
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-    red.finish()
-    n, me, rows = pset.size(), pset.rank(), full.shape[0]
-    base, extra = divmod(rows, n)
-    start = me * base + min(me, extra)
-    return full[start : start + base + (1 if me < extra else 0)].clone()
+    from hvd_trainer.comm.movement_async import reducescatter_async
+
+    return reducescatter_async(tensor, op, name, process_set, prescale_factor, postscale_factor,
+                               world=world).wait()
 
 
 def barrier(process_set: ProcessSet | None = None, *, world: World | None = None) -> None:

@@ -7,7 +7,8 @@ Each returns a :class:`~hvd_trainer.comm.collectives.Handle` for
 The payload transfer runs in the background; allgather and alltoall first exchange row counts,
 which the call waits for (a few bytes). Each collective is checked across ranks with the same
 signature as its blocking form, so one rank may use the async form while another blocks.
-Not differentiable (use the blocking forms for autograd), as in Horovod.
+Not differentiable (use the blocking forms for autograd), as in Horovod. The blocking forms in
+:mod:`hvd_trainer.comm.movement` are these plus ``wait()``, so both run the same code.
 """
 
 from __future__ import annotations
