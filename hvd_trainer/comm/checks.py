@@ -361,6 +361,8 @@ class Coordinator:
         missing = [q for q in self.ranks if q not in entries and q not in (excused or set())]
         if not missing:
             return
+        if elapsed >= cfg.suspect_after_seconds:
+            self._raise_if_gone(op, missing)
         text = (
             f"rank(s) {missing} have not reached {op.sig.label()} (collective #{op.seq} on process "
             f"set {list(self.ranks)}) after {elapsed:.1f}s; rank {self.rank} is waiting for them."
@@ -371,6 +373,22 @@ class Coordinator:
         if cfg.stall_warning_seconds and elapsed >= cfg.stall_warning_seconds and not op.warned:
             op.warned = True
             warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    def _raise_if_gone(self, op: Op, missing: list[int]) -> None:
+        """Raise RankFailedError when a missing rank has exited (probed at most every 0.5 s)."""
+        now = time.monotonic()
+        if now < op.extra.get("next_probe", 0.0):
+            return
+        op.extra["next_probe"] = now + 0.5
+        from hvd_trainer.comm import liveness
+
+        try:
+            gone = liveness.find_gone(self.store, missing)
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            return
+        if gone:
+            exit_hard_at_exit()  # a transport call may be in flight towards the gone rank
+            raise RankFailedError(liveness.describe_gone(f"{op.sig.label()} (collective #{op.seq})", gone))
 
     def _unpublish(self, seq: int) -> None:
         with contextlib.suppress(RuntimeError):

@@ -1,14 +1,16 @@
 """Name the rank that died when a collective's transport fails.
 
-At init every rank publishes ``<host>|<pid>`` in the job's key-value store. When a gloo
-collective fails (gloo reports only "Connection closed by peer" and an address), the surviving
-ranks look up their peers and test the ones on their own host for liveness, so the error can say
-*which* rank is gone. Peers on other hosts cannot be probed from here; they are listed as
-candidates instead.
+At init every rank publishes ``<host>|<pid>`` in the job's key-value store, and at
+``shutdown()`` (also run at interpreter exit, after an uncaught error too) it leaves an "exited"
+mark there. A rank waiting for peers that never arrive at a collective, or whose gloo transport
+failed ("Connection closed by peer" and an address is all gloo says), looks for those marks and
+probes the peers on its own host for liveness, so the error can say *which* rank is gone, on any
+host that left its mark. A peer on another host that died without one is listed as a candidate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -16,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Peer", "publish", "find_dead_peers", "describe_failure"]
+__all__ = ["Peer", "publish", "mark_exited", "find_dead_peers", "describe_failure", "describe_gone"]
 
 _KEY = "hvd/proc/{rank}"
+_EXITED = "hvd/exited/{rank}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +32,21 @@ class Peer:
 
 
 def publish(store: Any, rank: int) -> None:
-    """Record this process's host and pid under its rank (one store write)."""
+    """Record this process's host and pid under its rank, clearing an earlier "exited" mark."""
     store.set(_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
+    store.delete_key(_EXITED.format(rank=rank))
+
+
+def mark_exited(store: Any, rank: int) -> None:
+    """Leave the "exited" mark of ``rank`` (at shutdown); never raises (the store may be gone)."""
+    with contextlib.suppress(Exception):  # the process hosting the store may have exited first
+        store.set(_EXITED.format(rank=rank), str(os.getpid()))
+
+
+def _exited(store: Any, rank: int) -> bool:
+    from hvd_trainer.comm.checks import try_get
+
+    return try_get(store, _EXITED.format(rank=rank)) is not None
 
 
 def _lookup(store: Any, rank: int) -> Peer | None:
@@ -69,14 +85,37 @@ def find_dead_peers(
     """
     host = socket.gethostname()
     peers = [p for r in ranks if r != me and (p := _lookup(store, r)) is not None]
-    local = [p for p in peers if p.host == host]
-    remote = [p for p in peers if p.host != host]
     deadline = time.monotonic() + grace_seconds
     while True:
-        dead = [p for p in local if not _alive(p.pid)]
+        dead = [p for p in peers if _exited(store, p.rank) or (p.host == host and not _alive(p.pid))]
         if dead or time.monotonic() >= deadline:
-            return dead, remote
+            return dead, [p for p in peers if p.host != host]
         time.sleep(0.05)
+
+
+def find_gone(store: Any, ranks: Sequence[int]) -> list[Peer]:
+    """The ranks among ``ranks`` that left an "exited" mark or, on this host, no longer run
+    (no grace period: for peers that are late to a collective, probed repeatedly)."""
+    host = socket.gethostname()
+    gone = []
+    for r in ranks:
+        peer = _lookup(store, r)
+        if peer is not None and (_exited(store, r) or (peer.host == host and not _alive(peer.pid))):
+            gone.append(peer)
+    return gone
+
+
+def describe_gone(what: str, gone: Sequence[Peer]) -> str:
+    """The message for ranks that will never reach the collective ``what``."""
+    names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in gone)
+    verb = "has" if len(gone) == 1 else "have"
+    return (
+        f"{what} cannot complete: {names} {verb} exited (finished its script, raised an error, or "
+        "called shutdown()) without reaching it. Every rank must run the same collectives in the "
+        "same order. HINT: run this collective on every rank (e.g. compute a metric everywhere and "
+        "print it on rank 0 only), or give it a ProcessSet of the ranks that call it; if the rank "
+        "failed, its own output says why."
+    )
 
 
 def describe_failure(what: str, dead: Sequence[Peer], remote: Sequence[Peer]) -> str | None:
@@ -87,7 +126,8 @@ def describe_failure(what: str, dead: Sequence[Peer], remote: Sequence[Peer]) ->
         return (
             f"{what} failed because {names} {verb} no longer running: it crashed, exited or was "
             "killed before finishing this collective. HINT: its own output says why (hvdrun "
-            "--output-filename DIR keeps one log per rank)."
+            "--output-filename DIR keeps one log per rank); if it finished normally, every rank "
+            "must run the same collectives."
         )
     if remote:
         names = ", ".join(f"rank {p.rank} on {p.host}" for p in remote)

@@ -273,6 +273,10 @@ def shutdown() -> None:
     global _WORLD
     world = _WORLD
     if world is not None and world.runtime is not None:
+        if world.size > 1 and world.runtime.store is not None:
+            from hvd_trainer.comm.liveness import mark_exited
+
+            mark_exited(world.runtime.store, world.rank)  # peers still waiting can name us
         world.runtime.close()  # releases every process set's groups
     if world is not None:
         # World is frozen for users; releasing its group handles is the one mutation.

@@ -48,3 +48,17 @@ def test_only_remote_peers_are_listed_as_candidates_and_unknown_gives_none() -> 
     assert liveness.describe_failure("barrier (collective #1)", [], []) is None
     store = _store_with({})
     assert liveness.find_dead_peers(store, [0, 1], me=0, grace_seconds=0.0) == ([], [])
+
+
+def test_exited_mark_names_a_rank_on_any_host_until_it_publishes_again() -> None:
+    store = _store_with({1: f"far-away|{os.getpid() + 1}"})
+    assert liveness.find_gone(store, [1]) == []  # remote and unmarked: cannot tell
+    liveness.mark_exited(store, 1)
+    gone = liveness.find_gone(store, [1])
+    assert gone == [liveness.Peer(1, "far-away", os.getpid() + 1)]
+    assert liveness.find_dead_peers(store, [0, 1], me=0, grace_seconds=0.0)[0] == gone
+    message = liveness.describe_gone("allreduce 'm' (collective #7)", gone)
+    assert message.startswith("allreduce 'm' (collective #7) cannot complete: rank 1 (pid")
+    assert "has exited" in message and "HINT:" in message
+    liveness.publish(store, 1)  # a re-initialised rank 1 clears its old mark
+    assert liveness.find_gone(store, [1]) == []

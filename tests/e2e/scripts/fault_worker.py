@@ -1,6 +1,6 @@
 """Worker for hvdrun fault tests: allreduce every step; FAIL_RANK fails at FAIL_STEP.
 
-Usage: fault_worker.py MODE FAIL_RANK FAIL_STEP   (MODE: none | raise | sigkill | exit3)
+Usage: fault_worker.py MODE FAIL_RANK FAIL_STEP   (MODE: none | raise | sigkill | exit3 | exit0)
 Every rank prints ``PID <rank> <pid>`` first so the test can check no process is left behind.
 """
 
@@ -53,6 +53,8 @@ for step in range(8):
             os.kill(os.getpid(), signal.SIGKILL)
         if mode == "exit3":
             sys.exit(3)
+        if mode == "exit0":  # a rank that "finishes" early while the others still communicate
+            sys.exit(0)
     total = hvd.allreduce(torch.ones(4), op=hvd.Sum)
     assert total[0].item() == world.size
     time.sleep(0.2)
