@@ -35,7 +35,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -186,7 +186,8 @@ class Coordinator:
         key = (self._prev, sig)
         self._prev = sig
         if self.config.check_signatures and key not in self._cache:
-            self._exchange(op)
+            with self._store_lost(op):
+                self._exchange(op)
             if len(self._cache) >= CACHE_CAPACITY:
                 self._cache.clear()
             self._cache.add(key)
@@ -249,7 +250,8 @@ class Coordinator:
                 if "timed out" not in str(exc).lower():
                     self._diagnose_failure(op, exc)
                     raise
-            self._on_slow(op, time.monotonic() - op.t_start)
+            with self._store_lost(op):
+                self._on_slow(op, time.monotonic() - op.t_start)
             slice_s = min(slice_s * 2, 0.25)
 
     def _on_slow(self, op: Op, elapsed: float) -> None:
@@ -373,6 +375,21 @@ class Coordinator:
         if cfg.stall_warning_seconds and elapsed >= cfg.stall_warning_seconds and not op.warned:
             op.warned = True
             warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    @contextlib.contextmanager
+    def _store_lost(self, op: Op) -> Iterator[None]:
+        """Turn a lost connection to the job's key-value store into a RankFailedError."""
+        try:
+            yield
+        except dist.DistNetworkError as exc:
+            exit_hard_at_exit()  # the job is broken; never hang in teardown
+            raise RankFailedError(
+                f"{op.sig.label()} (collective #{op.seq}) failed: rank {self.rank} lost the job's "
+                f"key-value store ({exc.__class__.__name__}). The process hosting it has died: "
+                "global rank 0 when the job was started by Lightning's devices=N or plain "
+                "MASTER_ADDR/MASTER_PORT variables, else the launcher (torchrun/hvdrun agent). "
+                "HINT: look at that process's output for the original error."
+            ) from exc
 
     def _raise_if_gone(self, op: Op, missing: list[int]) -> None:
         """Raise RankFailedError when a missing rank has exited (probed at most every 0.5 s)."""

@@ -58,15 +58,24 @@ def test_launch_modes(name: str, cmd: list[str], ranks: int) -> None:
     assert len({c for *_, c in found}) == 1, f"weights differ across ranks\n{context}"
 
 
-def test_killed_self_launched_rank_is_named() -> None:
-    proc, context = _run([sys.executable, SCRIPT, "--kill-rank1", *_lightning_detection_args()])
+# killed rank, substrings the survivor's output must hold
+KILLS = [
+    ("1", ["RankFailedError: bucket", "because rank 1 (pid {pid} on"]),
+    # rank 0 hosts the job's store when Lightning self-launches: the survivor names that
+    ("0", ["RankFailedError: bucket", "lost the job's key-value store"]),
+]
+
+
+@pytest.mark.parametrize(("victim", "expected"), KILLS, ids=[f"kill-rank{k[0]}" for k in KILLS])
+def test_killed_self_launched_rank_is_named(victim: str, expected: list[str]) -> None:
+    proc, context = _run([sys.executable, SCRIPT, f"--kill-rank{victim}", *_lightning_detection_args()])
     ended = time.time()
     assert proc.returncode != 0, context
     killed = re.search(r"KILLED pid=(\d+) at=(\d+\.\d+)", proc.stdout)
     assert killed, context
     output = proc.stdout + proc.stderr
-    assert "RankFailedError: bucket" in output, context
-    assert f"because rank 1 (pid {killed.group(1)} on" in output, context
+    for needle in expected:
+        assert needle.format(pid=killed.group(1)) in output, f"missing {needle!r}\n{context}"
     seconds = ended - float(killed.group(2))
-    print(f"SCENARIO lightning-self-launch-sigkill: rank 0 exited {seconds:.1f} s after the kill")
+    print(f"SCENARIO self-launch-sigkill-rank{victim}: the job ended {seconds:.1f} s after the kill")
     assert seconds < 30, context

@@ -5,8 +5,8 @@ the launcher's processes. Each rank prints ``RANK <rank>/<world> pid=<pid> check
 
 ``--explicit-env`` passes ``plugins=[HorovodEnvironment()]``, which skips Lightning's own
 cluster detection (needed where mpi4py is installed without an MPI library).
-``--kill-rank1`` makes rank 1 SIGKILL itself at its third step (printing ``KILLED pid=<pid>
-at=<time>``): the surviving rank must fail fast with an error naming rank 1.
+``--kill-rank1`` / ``--kill-rank0`` make that rank SIGKILL itself at its third step (printing
+``KILLED pid=<pid> at=<time>``): the surviving rank must fail fast with an error naming what died.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ class Regressor(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
-        if "--kill-rank1" in sys.argv and self.global_rank == 1 and batch_idx == 2:
+        victim = 1 if "--kill-rank1" in sys.argv else 0 if "--kill-rank0" in sys.argv else None
+        if self.global_rank == victim and batch_idx == 2:
             print(f"KILLED pid={os.getpid()} at={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
