@@ -17,7 +17,7 @@ import torch
 from hvd_trainer.comm.autograd import allreduce_with_grad, needs_autograd
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
@@ -107,6 +107,7 @@ def allreduce_async_(
     process_set: ProcessSet | None = None,
     *,
     world: World | None = None,
+    average: bool | None = None,
 ) -> Handle:
     """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor``.
 
@@ -120,12 +121,15 @@ def allreduce_async_(
         prescale_factor: multiply by this before the sum. postscale_factor: after it.
         compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only).
         process_set: the ranks to reduce over (this rank must be a member).
+        average: Horovod's older flag (True: Average, False: Sum); not together with ``op``.
 
     Raises:
         CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
+        ValueError: both ``op`` and ``average``.
     """
     _tensor(tensor, "allreduce")
-    rop = to_reduce_op(op)  # argument errors (e.g. Adasum) before any process group is needed
+    # argument errors (e.g. Adasum) before any process group is needed
+    rop = to_reduce_op(op_or_average(op, average))
     pset = resolve_set(process_set, world, "allreduce")
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
     red = start_allreduce(
@@ -152,9 +156,11 @@ def allreduce_async(
     process_set: ProcessSet | None = None,
     *,
     world: World | None = None,
+    average: bool | None = None,
 ) -> Handle:
     """Out-of-place :func:`allreduce_async_`: ``tensor`` is unchanged; the result is new."""
     _tensor(tensor, "allreduce")
+    op = op_or_average(op, average)
     return allreduce_async_(
         tensor.detach().clone(memory_format=torch.contiguous_format), op, name, prescale_factor,
         postscale_factor, compression, process_set, world=world,
@@ -171,8 +177,10 @@ def allreduce_(
     process_set: ProcessSet | None = None,
     *,
     world: World | None = None,
+    average: bool | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over the set, in place, and return it. See :func:`allreduce_async_`."""
+    op = op_or_average(op, average)
     return allreduce_async_(
         tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
     ).wait()
@@ -188,6 +196,7 @@ def allreduce(
     process_set: ProcessSet | None = None,
     *,
     world: World | None = None,
+    average: bool | None = None,
 ) -> torch.Tensor:
     """Return the reduction of ``tensor`` over the set; ``tensor`` is unchanged.
 
@@ -197,6 +206,7 @@ def allreduce(
     Differentiable when ``tensor`` requires grad (backward: the same allreduce of the gradient,
     see :mod:`hvd_trainer.comm.autograd`); compression is not applied on that path.
     """
+    op = op_or_average(op, average)
     if isinstance(tensor, torch.Tensor) and needs_autograd(tensor):
         return allreduce_with_grad(tensor, op, prescale_factor, postscale_factor, process_set, world)
     return allreduce_async(
@@ -215,6 +225,7 @@ def grouped_allreduce_async(
     *,
     inplace: bool = False,
     world: World | None = None,
+    average: bool | None = None,
 ) -> Handle:
     """Reduce a list of tensors as one fused operation per dtype (one collective each).
 
@@ -231,7 +242,7 @@ def grouped_allreduce_async(
     if len(devices) > 1:
         raise CommValueError(f"grouped_allreduce needs one device, got tensors on {devices}.")
     pset = resolve_set(process_set, world, "grouped_allreduce")
-    rop = to_reduce_op(op)
+    rop = to_reduce_op(op_or_average(op, average))
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)

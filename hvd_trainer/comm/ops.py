@@ -70,7 +70,8 @@ _STRINGS = {
 def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | None) -> ReduceOp:
     """Normalise ``op`` (ours, a string such as ``"mean"``, or a ``torch.distributed.ReduceOp``).
 
-    ``None`` means ``Average`` (Horovod's and Lightning's default).
+    ``None`` means ``Average`` (Horovod's and Lightning's default); a bool is Horovod's older
+    ``average`` flag (``True``: Average, ``False``: Sum).
 
     Raises:
         UnsupportedOpError: ``Adasum``.
@@ -78,6 +79,8 @@ def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | 
     """
     if op is None:
         return ReduceOp.AVERAGE
+    if isinstance(op, bool):  # Horovod's second positional argument is ``average``
+        return ReduceOp.AVERAGE if op else ReduceOp.SUM
     if op is ReduceOp.ADASUM or (isinstance(op, str) and op.lower() == "adasum"):
         raise UnsupportedOpError(
             f"op={op!r} (Adasum) is not implemented by hvd_trainer. HINT: use op=hvd.Average "
@@ -104,3 +107,19 @@ def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | 
         f"unsupported reduce op {op!r}; expected Average, Sum, Min, Max, Product, a string "
         f"in {sorted(_STRINGS)} or the matching torch.distributed.ReduceOp."
     )
+
+
+def op_or_average(op: ReduceOp | str | None, average: bool | None) -> ReduceOp | str | None:
+    """Merge Horovod's older ``average=`` keyword into ``op``.
+
+    Raises:
+        ValueError: both were given.
+    """
+    if average is None:
+        return op
+    if op is not None:
+        raise ValueError(
+            f"got both average={average!r} and op={op!r}. HINT: pass only op= (average= is "
+            "Horovod's older spelling: True means op=Average, False op=Sum)."
+        )
+    return ReduceOp.AVERAGE if average else ReduceOp.SUM

@@ -3,6 +3,7 @@ single-process facts behind them (build info, Adasum errors, init arguments, tim
 
 from __future__ import annotations
 
+import inspect
 import json
 import subprocess
 import sys
@@ -153,3 +154,17 @@ def test_world_of_one_async_forms_on_the_default_backend(tmp_path) -> None:
         assert hvd.gloo_enabled() is (world.backend == "gloo")
     finally:
         hvd.shutdown()
+
+
+def test_average_keyword_and_positional_bool_as_in_horovod() -> None:
+    from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
+
+    assert to_reduce_op(True) is ReduceOp.AVERAGE and to_reduce_op(False) is ReduceOp.SUM
+    assert op_or_average(None, True) is ReduceOp.AVERAGE
+    assert op_or_average(None, False) is ReduceOp.SUM
+    assert op_or_average("sum", None) == "sum"
+    with pytest.raises(ValueError, match="both average=True and op="):
+        op_or_average(hvd.Sum, True)
+    for fn in (hvd.allreduce, hvd.allreduce_, hvd.allreduce_async, hvd.allreduce_async_,
+               hvd.grouped_allreduce_async):
+        assert "average" in inspect.signature(fn).parameters, fn.__name__
