@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, RankFailedError, StallError
-from hvd_trainer.comm.fatal import exit_hard_at_exit
+from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, exit_hard_at_exit
 from hvd_trainer.comm.join import JoinBoard, Transport
 from hvd_trainer.comm.timeline import Timeline
 
@@ -382,7 +382,7 @@ class Coordinator:
         try:
             yield
         except dist.DistNetworkError as exc:
-            exit_hard_at_exit()  # the job is broken; never hang in teardown
+            exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # the job is broken; never hang in teardown
             raise RankFailedError(
                 f"{op.sig.label()} (collective #{op.seq}) failed: rank {self.rank} lost the job's "
                 f"key-value store ({exc.__class__.__name__}). The process hosting it has died: "
@@ -404,7 +404,8 @@ class Coordinator:
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
         if gone:
-            exit_hard_at_exit()  # a transport call may be in flight towards the gone rank
+            liveness.wait_until_ended(gone)  # so the launcher sees the gone rank's own exit first
+            exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # a transport call may be in flight
             raise RankFailedError(liveness.describe_gone(f"{op.sig.label()} (collective #{op.seq})", gone))
 
     def _unpublish(self, seq: int) -> None:
@@ -445,6 +446,8 @@ class Coordinator:
             return
         message = liveness.describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote)
         if message is not None:
+            liveness.wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
+            exit_hard_at_exit(PEER_FAILED_EXIT_CODE)
             raise RankFailedError(message) from exc
 
     def _record(self, op: Op, t_wait_us: float) -> None:

@@ -15,9 +15,15 @@ import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["exit_hard_at_exit", "flush_before_hard_exit"]
+__all__ = ["exit_hard_at_exit", "flush_before_hard_exit", "PEER_FAILED_EXIT_CODE"]
+
+PEER_FAILED_EXIT_CODE = 75
+"""Exit status of a rank that stopped because *another* rank failed (it raised
+:class:`~hvd_trainer.comm.errors.RankFailedError`). ``hvdrun`` ranks such exits after the failure
+that caused them, so it names the rank that failed first."""
 
 _registered = False
+_exit_code = 1
 _flushers: list[Callable[[], None]] = []
 
 
@@ -33,14 +39,18 @@ def _hard_exit() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # a closed stream must not keep us alive
             stream.flush()
-    os._exit(1)
+    os._exit(_exit_code)
 
 
-def exit_hard_at_exit() -> None:
-    """Once per process: end with ``os._exit(1)`` at interpreter exit (after other handlers)."""
-    global _registered
+def exit_hard_at_exit(code: int = 1) -> None:
+    """Once per process: end with ``os._exit(code)`` at interpreter exit (after other handlers).
+
+    The first call's ``code`` is kept (1, or :data:`PEER_FAILED_EXIT_CODE` after a peer failed).
+    """
+    global _registered, _exit_code
     if not _registered:
         _registered = True
+        _exit_code = code
         # atexit runs handlers last-in first-out, so this one runs before those registered
         # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)

@@ -18,7 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Peer", "publish", "mark_exited", "find_dead_peers", "describe_failure", "describe_gone"]
+__all__ = [
+    "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "wait_until_ended",
+    "describe_failure", "describe_gone",
+]
 
 _KEY = "hvd/proc/{rank}"
 _EXITED = "hvd/exited/{rank}"
@@ -103,6 +106,19 @@ def find_gone(store: Any, ranks: Sequence[int]) -> list[Peer]:
         if peer is not None and (_exited(store, r) or (peer.host == host and not _alive(peer.pid))):
             gone.append(peer)
     return gone
+
+
+def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> None:
+    """Wait (bounded) until the processes of ``peers`` on this host have ended.
+
+    A rank that raised marks itself exited before its interpreter has finished; if the survivors
+    stopped first, the launcher would see *them* fail first and name the wrong rank.
+    """
+    host = socket.gethostname()
+    local = [p for p in peers if p.host == host]
+    deadline = time.monotonic() + timeout_seconds
+    while any(_alive(p.pid) for p in local) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def describe_gone(what: str, gone: Sequence[Peer]) -> str:

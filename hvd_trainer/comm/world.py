@@ -242,6 +242,12 @@ def init(
     _WORLD = replace(_world_from_group(info, device, backend), runtime=runtime)
     runtime.attach(_WORLD)
     _shutdown_at_exit()
+    if _WORLD.size > 1 and runtime.store is not None:
+        from hvd_trainer.comm.fatal import flush_before_hard_exit
+        from hvd_trainer.comm.liveness import mark_exited
+
+        store, rank = runtime.store, _WORLD.rank
+        flush_before_hard_exit(lambda: mark_exited(store, rank))  # a hard exit skips shutdown()
     return _WORLD
 
 

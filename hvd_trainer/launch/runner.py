@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.launch.loopback import use_loopback_store
 
 __all__ = ["run_torchrun", "run_mpirun", "describe_exit"]
@@ -28,6 +29,8 @@ def describe_exit(exitcode: int) -> str:
             return f"signal {signal.Signals(-exitcode).name}"
         except ValueError:
             return f"signal {-exitcode}"
+    if exitcode == PEER_FAILED_EXIT_CODE:
+        return f"exit code {exitcode} (stopped because another rank failed)"
     return f"exit code {exitcode}"
 
 
@@ -38,10 +41,13 @@ def _status(exitcode: int) -> int:
 
 def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
     # The root cause is the failure the agent did not cause itself: it stops the surviving
-    # workers with SIGTERM, which then show up as failures too (timestamps are whole seconds).
+    # workers with SIGTERM, which then show up as failures too (timestamps are whole seconds),
+    # and a rank that stopped because a peer failed exits with PEER_FAILED_EXIT_CODE.
     ordered = sorted(
         failures.items(),
-        key=lambda item: (item[1].exitcode == -signal.SIGTERM, item[1].timestamp, item[0]),
+        key=lambda item: (
+            item[1].exitcode in (-signal.SIGTERM, PEER_FAILED_EXIT_CODE), item[1].timestamp, item[0]
+        ),
     )
     rank, first = ordered[0]
     detail = ""

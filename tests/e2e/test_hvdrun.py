@@ -26,9 +26,9 @@ SCENARIOS = [
     ("rank1-sigkilled-at-step-3", ["sigkill", "1", "3"], 137,
      ["hvdrun: error: rank 1 (local rank 1", "failed with signal SIGKILL"]),
     # rank 1 exits with status 0: rank 0 must not wait forever in its next allreduce
-    ("rank1-exits-0-at-step-3", ["exit0", "1", "3"], 1,
+    ("rank1-exits-0-at-step-3", ["exit0", "1", "3"], 75,
      ["RankFailedError: allreduce (unnamed) (collective", "rank 1 (pid",
-      "hvdrun: error: rank 0 (local rank 0"]),
+      "hvdrun: error: rank 0 (local rank 0", "exit code 75 (stopped because another rank failed)"]),
 ]
 
 
