@@ -117,7 +117,9 @@ class _HorovodStrategyLogic:
             an int >= 0.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
             training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
-            shards), which would otherwise hang the job at the end of the first epoch.
+            shards), which would otherwise hang the job at the end of the first epoch; and at an
+            epoch's end when shards of unknown length (``IterableDataset``) turn out unequal
+            (the rank still training then gets a ``CollectiveMismatchError``).
     """
 
     strategy_name = "horovod"
@@ -356,6 +358,8 @@ class _HorovodStrategyLogic:
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and self.world_size > 1:
             _check_equal_batches(trainer, self._require_world())
+            if not any(isinstance(cb, _EpochEndCheck) for cb in trainer.callbacks):
+                trainer.callbacks.append(_EpochEndCheck(self._require_world()))
         super().on_train_start()
 
     # -- backward ---------------------------------------------------------------------------
@@ -484,6 +488,33 @@ def _check_equal_batches(trainer: pl.Trainer, world: World) -> None:
         "(DistributedSampler(drop_last=True) or equal dataset sizes), or cap every rank with "
         f"Trainer(limit_train_batches={int(min(counts))})."
     )
+
+
+class _EpochEndCheck(pl.Callback):
+    """At each training-epoch end, compare the batches every rank ran in this epoch.
+
+    Catches what the start-of-fit check cannot see: shards of unknown length (an
+    ``IterableDataset``) or loaders reloaded per epoch. A rank that ends its epoch while another
+    still waits in a gradient allreduce meets it here: the cross-rank check then raises on both
+    (a mismatch naming this collective and the gradient bucket) instead of pairing one rank's
+    next-epoch gradients with the other's current ones. One 8-byte allgather per epoch.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ran = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        mine = torch.tensor([float(ran)], dtype=torch.float64)
+        counts = comm.allgather(mine, name="hvd_trainer.train_epoch_end", world=self.world).tolist()
+        if min(counts) != max(counts):
+            per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
+            raise UnevenBatchesError(
+                f"ranks ran different numbers of training batches in epoch {trainer.current_epoch} "
+                f"({per_rank}): their gradients were averaged with other ranks' batches. HINT: "
+                "give every rank the same number of batches per epoch (equal-length shards, "
+                "DistributedSampler(drop_last=True), or Trainer(limit_train_batches=...))."
+            )
 
 
 def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:

@@ -100,7 +100,32 @@ def _uneven_batches(b: int) -> dict[str, Any]:
         model, DataLoader(data, batch_size=b)
     )
     out["short_run"] = _state(model)
+    out["iterable"] = _uneven_iterable(b)
     return out
+
+
+class _Shard(torch.utils.data.IterableDataset):
+    """An unsized shard: rank 0 yields 6 batches' worth of rows, rank 1 yields 5."""
+
+    def __init__(self, rows: int) -> None:
+        self.data = make_data(rows)
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(zip(*self.data.tensors, strict=True))
+
+
+def _uneven_iterable(b: int) -> str:
+    """Unequal IterableDataset shards: an error at the first epoch end, on both ranks."""
+    import hvd_trainer
+
+    shard = _Shard(b * (6 - hvd_trainer.rank()))
+    try:
+        trainer(distributed=True, max_epochs=3, use_distributed_sampler=False).fit(
+            Net("sgd"), DataLoader(shard, batch_size=b)
+        )
+    except Exception as err:  # noqa: BLE001 - the type and text are the result
+        return f"{type(err).__name__}: {err}"
+    return "no error"
 
 
 @pytest.fixture(scope="module")
@@ -123,4 +148,10 @@ def test_uneven_batches_per_rank_is_a_clear_error_on_every_rank(results: list[di
         assert "rank 0: 6, rank 1: 5" in res["uneven_error"]
         assert "limit_train_batches=5" in res["uneven_error"]
     assert np.array_equal(results[0]["short_run"], results[1]["short_run"])
+    # unsized shards: the rank that ends its epoch first, and the one still training, both stop
+    # (a rank that sees the peer leave after its error reports RankFailedError naming it)
+    errors = [res["iterable"] for res in results]
+    kinds = ("UnevenBatchesError", "CollectiveMismatchError", "RankFailedError")
+    assert all(e.startswith(kinds) for e in errors), errors
+    assert any("hvd_trainer.train_epoch_end" in e or "rank 0: 6, rank 1: 5" in e for e in errors), errors
     assert np.array_equal(results[0]["bf16"], results[1]["bf16"])
