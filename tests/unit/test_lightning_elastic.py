@@ -32,10 +32,11 @@ class Crash(RuntimeError):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, crash_at_step: int = -1) -> None:
+    def __init__(self, crash_at_step: int = -1, dropout: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), *([nn.Dropout(0.5)] if dropout else []),
+                                 nn.Linear(8, 1))
         self.crash_at_step = crash_at_step
         self.seen: list[tuple[int, list[int]]] = []
 
@@ -77,7 +78,8 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, attempt: int) -> None:
 
 
 def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: bool = False,
-         ckpt_path: str | None = None, root: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Net]:
+         dropout: bool = False, ckpt_path: str | None = None, root: Path | None = None,
+         **kwargs: Any) -> tuple[pl.Trainer, Net]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
     loader = (DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data)) if random_sampler
@@ -88,7 +90,7 @@ def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: boo
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not random_sampler,
         default_root_dir=root, **kwargs,
     )
-    model = Net(crash_at_step)
+    model = Net(crash_at_step, dropout)
     with contextlib.suppress(Crash):
         trainer.fit(model, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer, model
@@ -121,6 +123,36 @@ def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     assert got.seen == ref.seen  # the same batches in the same order: none twice, none skipped
     for epoch in range(EPOCHS):
         assert sorted(i for e, b in got.seen if e == epoch for i in b) == list(range(N))
+
+
+@pytest.mark.parametrize(
+    ("crash_at_step", "kwargs"),
+    [
+        (14, {}),  # mid-epoch commit of step 12: RNG restored after the resumed iterator exists
+        (10, {}),  # epoch-end commit: restored before the iterator of epoch 1 is created
+        (7, dict(accumulate_grad_batches=2, val_check_interval=4)),
+        (10, dict(accumulate_grad_batches=2, val_check_interval=4)),
+        (11, dict(random_sampler=True)),  # epoch-end commit only: restored before the iterator
+    ],
+)
+def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              crash_at_step: int, kwargs: dict) -> None:
+    """Dropout masks, the RandomSampler's permutation and the loader's seed continue as in an
+    uninterrupted run: the random states of the commit are restored where it left off."""
+    torch.manual_seed(123)  # the process's RNG before fit, as after a user's seed_everything
+    _, ref = _fit(tmp_path / "ref", dropout=True, **kwargs)
+    _attempt(monkeypatch, 0)
+    torch.manual_seed(123)
+    _fit(tmp_path / "run", crash_at_step, dropout=True, **kwargs)
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=False)
+    assert [set(s) for s in commit[COMMIT_KEY]["rng"]] == [{"torch", "cuda", "numpy", "python"}]
+    _attempt(monkeypatch, 1)
+    torch.manual_seed(7)  # a restarted process: other random states than the killed one had
+    trainer, got = _fit(tmp_path / "run", dropout=True, **kwargs)
+    assert trainer.ckpt_path is not None
+    assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
+    assert got.seen == ref.seen
+    assert _same_weights(ref, got)
 
 
 def test_first_attempt_and_other_jobs_never_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
