@@ -23,11 +23,14 @@ where the job was instead of starting over:
    CUDA, numpy, Python ``random``; :mod:`hvd_trainer.rng_state`) as they were right after the
    committed optimizer step, gathered to the writers. A resumed rank restores its own (by global
    rank) where the uninterrupted run would continue drawing: before the training loader's
-   iterator is created when the commit is at an epoch boundary (so a ``RandomSampler``'s
-   permutation and the loader's worker seed are drawn again the same way), else after the
-   resumed epoch's iterator was created and its first batch prefetched (Lightning's
-   ``on_train_start``). So dropout and other random draws continue bit-identically. A commit
-   made with another world size resumes without restoring random states (a warning says so).
+   iterator is created when the commit is at an epoch boundary (so a random sampler's order and
+   the loader's worker seed are drawn again the same way), else after the resumed epoch's
+   iterator was created (the strategy's ``on_train_start``; Lightning fetches a sized loader's
+   batches only when it trains them, so augmentation in the main process repeats too). A random
+   training sampler resumed mid-epoch draws its epoch's order again from the generator states
+   it drew it from (recorded per rank by :class:`~hvd_trainer.lightning_resumable.ResumableSampler`).
+   So dropout and other random draws continue bit-identically. A commit made with another world
+   size resumes without restoring random states (a warning says so).
 
 The first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) deletes an old commit at the
 same path, so a new job never resumes from an earlier job's state.
@@ -59,7 +62,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from hvd_trainer import comm
 from hvd_trainer.checkpoint import atomic_save, load_checkpoint
-from hvd_trainer.lightning_resumable import make_resumable
+from hvd_trainer.lightning_resumable import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.rng_state import capture_rng_states, restore_rng_states
 
 __all__ = ["ElasticFitConfig", "ElasticFit", "elastic_env", "COMMIT_KEY"]
@@ -69,7 +72,8 @@ log = logging.getLogger(__name__)
 COMMIT_KEY = "hvd_trainer_elastic"
 """Checkpoint key of the commit's metadata: ``commit``, ``run_id``, ``global_step``, ``epoch``,
 ``batch`` (batches of ``epoch`` done), ``world_size``, ``rng`` (every rank's RNG states, a list
-indexed by global rank; see :mod:`hvd_trainer.rng_state`)."""
+indexed by global rank; see :mod:`hvd_trainer.rng_state`; plus ``sampler``: the
+:attr:`~hvd_trainer.lightning_resumable.ResumableSampler.epoch_rng` of a random training sampler)."""
 
 _FIT_CALLS = itertools.count()  # k in lightning_fit<k>.ckpt: the same k in every attempt
 
@@ -121,6 +125,8 @@ class ElasticFit:
         """This rank's RNG states of the resumed commit, until restored."""
         self._rng_before_loader = False
         """Restore them before the training iterator exists (epoch-boundary commit)."""
+        self._sampler: ResumableSampler | None = None
+        """The resumable training loader's sampler (its epoch's random-sampler states are committed)."""
         if max_restarts == 0:
             rank_zero_warn(
                 f"HorovodStrategy(elastic=True) but torchrun will not restart workers "
@@ -217,6 +223,10 @@ class ElasticFit:
             return dataloader
         self.restore_rng(before_loader=True)
         resumable, reason = make_resumable(dataloader, lambda: _position(trainer))
+        if isinstance(resumable, ResumableDataLoader):
+            self._sampler = resumable.sampler
+            if self._rng is not None and not self._rng_before_loader:  # resuming mid-epoch
+                self._sampler.replay(self._rng.get("sampler"))
         if reason is not None and self.mid_epoch:
             self.mid_epoch = False
             rank_zero_warn(
@@ -233,7 +243,9 @@ class ElasticFit:
         stores all of them.
         """
         world = comm.get_world()
-        rng = comm.allgather_object(capture_rng_states(), name="elastic.rng", world=world)
+        mine = capture_rng_states()
+        mine["sampler"] = None if self._sampler is None else self._sampler.epoch_rng
+        rng = comm.allgather_object(mine, name="elastic.rng", world=world)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         epoch, batch = _position(trainer)
         self.commits += 1

@@ -23,10 +23,13 @@ __all__ = ["capture_rng_states", "restore_rng_states"]
 
 def capture_rng_states() -> dict[str, Any]:
     """``{"torch", "cuda", "numpy", "python"}`` states of this process (``cuda``: a list, empty
-    when CUDA is not initialised here)."""
+    when CUDA is not initialised here; ``numpy``: its state tuple with the key as an ``int64``
+    tensor). Only tensors and plain Python values, so ``torch.load(weights_only=True)`` (what
+    ``fit(ckpt_path=...)`` uses) reads a checkpoint that holds them."""
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(),
-            "python": random.getstate()}
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    numpy_state = (str(name), torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": numpy_state, "python": random.getstate()}
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
@@ -36,7 +39,8 @@ def restore_rng_states(states: dict[str, Any]) -> None:
     (a CPU-only restart skips them).
     """
     torch.set_rng_state(states["torch"])
-    np.random.set_state(states["numpy"])
+    name, key, pos, has_gauss, gauss = states["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
     random.setstate(states["python"])
     cuda = states["cuda"]
     if cuda and torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import hvd_trainer
 from hvd_trainer import lightning_elastic
@@ -38,6 +40,7 @@ class Net(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), *([nn.Dropout(0.5)] if dropout else []),
                                  nn.Linear(8, 1))
         self.crash_at_step = crash_at_step
+        self.random = dropout
         self.seen: list[tuple[int, list[int]]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -45,7 +48,10 @@ class Net(pl.LightningModule):
             raise Crash(f"step {self.global_step}")
         x, y, idx = batch
         self.seen.append((self.current_epoch, idx.tolist()))
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.random:  # numpy's and Python's global generators are committed too
+            loss = loss * (1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random())
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         assert not isinstance(self.trainer.val_dataloaders, ResumableDataLoader)  # training only
@@ -77,17 +83,25 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, attempt: int) -> None:
     monkeypatch.setattr(lightning_elastic, "_FIT_CALLS", itertools.count())
 
 
-def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: bool = False,
+class CustomSampler(RandomSampler):
+    """A sampler the resumable loader does not know: epoch-end commits only."""
+
+
+SAMPLERS = {"random": lambda d: RandomSampler(d), "custom": lambda d: CustomSampler(d),
+            "weighted": lambda d: WeightedRandomSampler(torch.linspace(1.0, 2.0, len(d)), len(d))}
+
+
+def _fit(directory: Path | None, crash_at_step: int = -1, *, sampler: str | None = None,
          dropout: bool = False, ckpt_path: str | None = None, root: Path | None = None,
          **kwargs: Any) -> tuple[pl.Trainer, Net]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
-    loader = (DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data)) if random_sampler
+    loader = (DataLoader(data, batch_size=BATCH, sampler=SAMPLERS[sampler](data)) if sampler
               else DataLoader(data, batch_size=BATCH, shuffle=True))
     trainer = pl.Trainer(
         strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
         accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not random_sampler,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=sampler is None,
         default_root_dir=root, **kwargs,
     )
     model = Net(crash_at_step, dropout)
@@ -132,27 +146,32 @@ def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
         (10, {}),  # epoch-end commit: restored before the iterator of epoch 1 is created
         (7, dict(accumulate_grad_batches=2, val_check_interval=4)),
         (10, dict(accumulate_grad_batches=2, val_check_interval=4)),
-        (11, dict(random_sampler=True)),  # epoch-end commit only: restored before the iterator
+        (14, dict(sampler="random")),  # the RandomSampler's epoch order is drawn again
+        (13, dict(sampler="weighted")),
+        (11, dict(sampler="custom")),  # epoch-end commit only: restored before the iterator
     ],
 )
 def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               crash_at_step: int, kwargs: dict) -> None:
-    """Dropout masks, the RandomSampler's permutation and the loader's seed continue as in an
-    uninterrupted run: the random states of the commit are restored where it left off."""
-    torch.manual_seed(123)  # the process's RNG before fit, as after a user's seed_everything
+    """Dropout masks, numpy/Python draws, a random sampler's permutation and the loader's seed
+    continue as in an uninterrupted run: the random states of the commit are restored where it
+    left off."""
+    pl.seed_everything(123)  # the process's RNGs before fit
     _, ref = _fit(tmp_path / "ref", dropout=True, **kwargs)
     _attempt(monkeypatch, 0)
-    torch.manual_seed(123)
+    pl.seed_everything(123)
     _fit(tmp_path / "run", crash_at_step, dropout=True, **kwargs)
-    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=False)
-    assert [set(s) for s in commit[COMMIT_KEY]["rng"]] == [{"torch", "cuda", "numpy", "python"}]
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=True)  # as fit(ckpt_path=)
+    assert [set(s) for s in commit[COMMIT_KEY]["rng"]] == [{"torch", "cuda", "numpy", "python", "sampler"}]
     _attempt(monkeypatch, 1)
-    torch.manual_seed(7)  # a restarted process: other random states than the killed one had
+    pl.seed_everything(123)  # a restarted process: the start's states, not those at the commit
     trainer, got = _fit(tmp_path / "run", dropout=True, **kwargs)
     assert trainer.ckpt_path is not None
     assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
     assert got.seen == ref.seen
     assert _same_weights(ref, got)
+    if kwargs.get("sampler") in ("random", "weighted"):  # resumed mid-epoch, not at an epoch end
+        assert commit[COMMIT_KEY]["batch"] > 0 and commit[COMMIT_KEY]["rng"][0]["sampler"] is not None
 
 
 def test_first_attempt_and_other_jobs_never_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,8 +209,8 @@ def test_automatic_directory_falls_back_to_root_and_is_cleaned(tmp_path: Path,
 
 
 def test_unresumable_loader_commits_at_epoch_ends_only(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="cannot resume mid-epoch exactly: its sampler RandomSampler"):
-        _fit(tmp_path, crash_at_step=15, random_sampler=True)
+    with pytest.warns(UserWarning, match="cannot resume mid-epoch exactly: its sampler CustomSampler"):
+        _fit(tmp_path, crash_at_step=15, sampler="custom")
     commit = torch.load(tmp_path / "lightning_fit0.ckpt", weights_only=False)
     assert commit[COMMIT_KEY]["commit"] == 1 and commit["global_step"] == 10  # end of epoch 0
     assert (commit[COMMIT_KEY]["epoch"], commit[COMMIT_KEY]["batch"]) == (1, 0)
