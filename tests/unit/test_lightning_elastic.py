@@ -93,14 +93,14 @@ SAMPLERS = {"random": lambda d: RandomSampler(d), "custom": lambda d: CustomSamp
 
 def _fit(directory: Path | None, crash_at_step: int = -1, *, sampler: str | None = None,
          dropout: bool = False, ckpt_path: str | None = None, root: Path | None = None,
-         **kwargs: Any) -> tuple[pl.Trainer, Net]:
+         accelerator: str = "cpu", **kwargs: Any) -> tuple[pl.Trainer, Net]:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
     loader = (DataLoader(data, batch_size=BATCH, sampler=SAMPLERS[sampler](data)) if sampler
               else DataLoader(data, batch_size=BATCH, shuffle=True))
     trainer = pl.Trainer(
         strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
-        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        accelerator=accelerator, devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=sampler is None,
         default_root_dir=root, **kwargs,
     )
@@ -172,6 +172,38 @@ def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytes
     assert _same_weights(ref, got)
     if kwargs.get("sampler") in ("random", "weighted"):  # resumed mid-epoch, not at an epoch end
         assert commit[COMMIT_KEY]["batch"] > 0 and commit[COMMIT_KEY]["rng"][0]["sampler"] is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dropout_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA dropout masks come from the CUDA generator: committed and restored too (NCCL world of one)."""
+    kwargs = dict(dropout=True, accelerator="gpu")
+    pl.seed_everything(123)
+    _, ref = _fit(tmp_path / "ref", **kwargs)
+    _attempt(monkeypatch, 0)
+    pl.seed_everything(123)
+    _fit(tmp_path / "run", 14, **kwargs)
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=True)
+    assert len(commit[COMMIT_KEY]["rng"][0]["cuda"]) == torch.cuda.device_count()
+    _attempt(monkeypatch, 1)
+    pl.seed_everything(123)
+    trainer, got = _fit(tmp_path / "run", **kwargs)
+    assert trainer.ckpt_path is not None and got.seen == ref.seen
+    assert _same_weights(ref, got)
+
+
+def test_commit_of_another_world_size_skips_random_states(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _fit(tmp_path, 14, dropout=True)
+    path = tmp_path / "lightning_fit0.ckpt"
+    commit = torch.load(path, weights_only=True)
+    commit[COMMIT_KEY]["rng"] *= 2  # as if two ranks had committed
+    torch.save(commit, path)
+    _attempt(monkeypatch, 1)
+    with pytest.warns(UserWarning, match="made by 2 ranks, this attempt has 1: random number generators "
+                                         "are not restored"):
+        trainer, _ = _fit(tmp_path, dropout=True)
+    assert trainer.ckpt_path == str(path) and trainer.global_step == EPOCHS * N // BATCH
 
 
 def test_first_attempt_and_other_jobs_never_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
