@@ -18,8 +18,8 @@ iteration starts; :class:`ResumableSampler` records those generator states then
 again while the resumed epoch's order is drawn, so the same order comes out.
 
 The position is read from the Trainer's loop counters (``position``), not counted in
-``__iter__``: Lightning prefetches one batch ahead, so the iterator is always one batch
-further than the training step.
+``__iter__``: Lightning may fetch a batch ahead of the training step (it prefetches from loaders
+without a length), so the iterator's count is not the trained count.
 """
 
 from __future__ import annotations
