@@ -55,6 +55,8 @@ class Net(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         assert not isinstance(self.trainer.val_dataloaders, ResumableDataLoader)  # training only
+        if self.crash_at_step == -2 and self.global_step == 10 and not self.trainer.sanity_checking:
+            raise Crash("validation at the end of epoch 0")
         self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
 
     def configure_optimizers(self) -> Any:
@@ -93,13 +95,14 @@ SAMPLERS = {"random": lambda d: RandomSampler(d), "custom": lambda d: CustomSamp
 
 def _fit(directory: Path | None, crash_at_step: int = -1, *, sampler: str | None = None,
          dropout: bool = False, ckpt_path: str | None = None, root: Path | None = None,
-         accelerator: str = "cpu", **kwargs: Any) -> tuple[pl.Trainer, Net]:
+         accelerator: str = "cpu", every: int = 3, **kwargs: Any) -> tuple[pl.Trainer, Net]:
+    """One fit; ``crash_at_step`` -2 crashes in the validation after step 10 (epoch 0's end)."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
     loader = (DataLoader(data, batch_size=BATCH, sampler=SAMPLERS[sampler](data)) if sampler
               else DataLoader(data, batch_size=BATCH, shuffle=True))
     trainer = pl.Trainer(
-        strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
+        strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=every),
         accelerator=accelerator, devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=sampler is None,
         default_root_dir=root, **kwargs,
@@ -149,6 +152,7 @@ def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
         (14, dict(sampler="random")),  # the RandomSampler's epoch order is drawn again
         (13, dict(sampler="weighted")),
         (11, dict(sampler="custom")),  # epoch-end commit only: restored before the iterator
+        (-2, dict(every=5)),  # killed in epoch 0's last validation: the last batch's commit
     ],
 )
 def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -170,6 +174,8 @@ def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytes
     assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
     assert got.seen == ref.seen
     assert _same_weights(ref, got)
+    if crash_at_step == -2:  # the commit after step 10's batch; the epoch-end one never came
+        assert (commit["global_step"], commit[COMMIT_KEY]["commit"]) == (10, 2)
     if kwargs.get("sampler") in ("random", "weighted"):  # resumed mid-epoch, not at an epoch end
         assert commit[COMMIT_KEY]["batch"] > 0 and commit[COMMIT_KEY]["rng"][0]["sampler"] is not None
 
