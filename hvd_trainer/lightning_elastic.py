@@ -19,6 +19,18 @@ where the job was instead of starting over:
    :class:`~hvd_trainer.lightning_resumable.ResumableDataLoader`, so a resumed epoch
    continues at the next batch and no sample is seen twice or skipped. For a loader that
    cannot be resumed exactly, commits happen only at epoch ends (a warning says why).
+4. **Random numbers**: each commit also holds every rank's global RNG states (torch CPU and
+   CUDA, numpy, Python ``random``; :mod:`hvd_trainer.rng_state`) as they were right after the
+   committed optimizer step, gathered to the writers. A resumed rank restores its own (by global
+   rank) where the uninterrupted run would continue drawing: before the training loader's
+   iterator is created when the commit is at an epoch boundary (so a random sampler's order and
+   the loader's worker seed are drawn again the same way), else after the resumed epoch's
+   iterator was created (the strategy's ``on_train_start``; Lightning fetches a sized loader's
+   batches only when it trains them, so augmentation in the main process repeats too). A random
+   training sampler resumed mid-epoch draws its epoch's order again from the generator states
+   it drew it from (recorded per rank by :class:`~hvd_trainer.lightning_resumable.ResumableSampler`).
+   So dropout and other random draws continue bit-identically. A commit made with another world
+   size resumes without restoring random states (a warning says so).
 
 The first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) deletes an old commit at the
 same path, so a new job never resumes from an earlier job's state.
@@ -50,7 +62,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from hvd_trainer import comm
 from hvd_trainer.checkpoint import atomic_save, load_checkpoint
-from hvd_trainer.lightning_resumable import make_resumable
+from hvd_trainer.lightning_resumable import ResumableDataLoader, ResumableSampler, make_resumable
+from hvd_trainer.rng_state import capture_rng_states, restore_rng_states
 
 __all__ = ["ElasticFitConfig", "ElasticFit", "elastic_env", "COMMIT_KEY"]
 
@@ -58,7 +71,9 @@ log = logging.getLogger(__name__)
 
 COMMIT_KEY = "hvd_trainer_elastic"
 """Checkpoint key of the commit's metadata: ``commit``, ``run_id``, ``global_step``, ``epoch``,
-``batch`` (batches of ``epoch`` done), ``world_size``."""
+``batch`` (batches of ``epoch`` done), ``world_size``, ``rng`` (every rank's RNG states, a list
+indexed by global rank; see :mod:`hvd_trainer.rng_state`; plus ``sampler``: the
+:attr:`~hvd_trainer.lightning_resumable.ResumableSampler.epoch_rng` of a random training sampler)."""
 
 _FIT_CALLS = itertools.count()  # k in lightning_fit<k>.ckpt: the same k in every attempt
 
@@ -106,6 +121,12 @@ class ElasticFit:
         self.commits = 0
         self._last_step = -1
         self._loaded: dict[str, Any] | None = None
+        self._rng: dict[str, Any] | None = None
+        """This rank's RNG states of the resumed commit, until restored."""
+        self._rng_before_loader = False
+        """Restore them before the training iterator exists (epoch-boundary commit)."""
+        self._sampler: ResumableSampler | None = None
+        """The resumable training loader's sampler (its epoch's random-sampler states are committed)."""
         if max_restarts == 0:
             rank_zero_warn(
                 f"HorovodStrategy(elastic=True) but torchrun will not restart workers "
@@ -141,11 +162,37 @@ class ElasticFit:
         meta = self._loaded[COMMIT_KEY]
         self.commits = int(meta["commit"])
         connector._restore_modules_and_callbacks(str(self.path))  # loads via take_loaded()
+        self._take_rng(meta, world)
         rank_zero_info(
             f"hvd_trainer elastic: attempt {self.attempt} resumed from {self.path} (commit "
             f"{meta['commit']}, global step {meta['global_step']}, epoch {meta['epoch']}, "
             f"batch {meta['batch']} of that epoch)"
         )
+
+    def _take_rng(self, meta: dict[str, Any], world: comm.World) -> None:
+        states = meta.get("rng")
+        if states is None:
+            return
+        if len(states) != world.size:
+            rank_zero_warn(
+                f"hvd_trainer elastic: the commit at {self.path} was made by {len(states)} ranks, this "
+                f"attempt has {world.size}: random number generators are not restored, so dropout, "
+                "random samplers and augmentation draw other numbers than an uninterrupted run."
+            )
+            return
+        self._rng = states[world.rank]
+        self._rng_before_loader = int(meta["batch"]) == 0
+
+    def restore_rng(self, *, before_loader: bool) -> None:
+        """Restore this rank's committed RNG states once, at the point the commit stands for.
+
+        Called with ``before_loader=True`` when the training loader is processed (before its
+        iterator draws a seed) and with ``False`` from the strategy's ``on_train_start`` (after
+        the resumed epoch's iterator was created and its first batch prefetched).
+        """
+        if self._rng is not None and before_loader == self._rng_before_loader:
+            restore_rng_states(self._rng)
+            self._rng = None
 
     def take_loaded(self, path: str | os.PathLike[str]) -> dict[str, Any] | None:
         """The commit read by :meth:`start` if ``path`` is its file (once), else ``None``."""
@@ -174,7 +221,12 @@ class ElasticFit:
         """The training loader, made resumable mid-epoch where exact (else epoch-end commits)."""
         if trainer.state.stage != RunningStage.TRAINING:
             return dataloader
+        self.restore_rng(before_loader=True)
         resumable, reason = make_resumable(dataloader, lambda: _position(trainer))
+        if isinstance(resumable, ResumableDataLoader):
+            self._sampler = resumable.sampler
+            if self._rng is not None and not self._rng_before_loader:  # resuming mid-epoch
+                self._sampler.replay(self._rng.get("sampler"))
         if reason is not None and self.mid_epoch:
             self.mid_epoch = False
             rank_zero_warn(
@@ -185,15 +237,22 @@ class ElasticFit:
         return resumable
 
     def commit(self, trainer: pl.Trainer) -> None:
-        """Write the full checkpoint atomically on each node's local rank 0, then barrier."""
+        """Write the full checkpoint atomically on each node's local rank 0, then barrier.
+
+        Every rank's RNG states (about 12 KB each) are allgathered first, so each writer
+        stores all of them.
+        """
+        world = comm.get_world()
+        mine = capture_rng_states()
+        mine["sampler"] = None if self._sampler is None else self._sampler.epoch_rng
+        rng = comm.allgather_object(mine, name="elastic.rng", world=world)
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         epoch, batch = _position(trainer)
         self.commits += 1
         checkpoint[COMMIT_KEY] = {
             "commit": self.commits, "run_id": self.run_id, "global_step": trainer.global_step,
-            "epoch": epoch, "batch": batch, "world_size": trainer.world_size,
+            "epoch": epoch, "batch": batch, "world_size": trainer.world_size, "rng": rng,
         }
-        world = comm.get_world()
         if world.local_rank == 0:
             atomic_save(checkpoint, self.path)
         comm.barrier(world=world)

@@ -11,10 +11,15 @@ Why skipping indices is exact: the wrapped sampler (``DistributedSampler`` or
 ``SequentialSampler``) gives the same order on every attempt for the same epoch (its seed is
 fixed and ``set_epoch`` picks the permutation) and ``BatchSampler`` cuts that order into
 consecutive batches, so the batches after the skip are those the uninterrupted run drew.
+A random sampler (``RandomSampler``, ``WeightedRandomSampler``, ``SubsetRandomSampler``) draws
+its epoch's order from torch's global generator or its own ``generator`` when the epoch's
+iteration starts; :class:`ResumableSampler` records those generator states then
+(:attr:`ResumableSampler.epoch_rng`, per rank), and :meth:`ResumableSampler.replay` sets them
+again while the resumed epoch's order is drawn, so the same order comes out.
 
 The position is read from the Trainer's loop counters (``position``), not counted in
-``__iter__``: Lightning prefetches one batch ahead, so the iterator is always one batch
-further than the training step.
+``__iter__``: Lightning may fetch a batch ahead of the training step (it prefetches from loaders
+without a length), so the iterator's count is not the trained count.
 """
 
 from __future__ import annotations
@@ -24,7 +29,17 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 __all__ = ["ResumableSampler", "ResumableDataLoader", "ResumeStateError", "make_resumable"]
@@ -35,6 +50,9 @@ reported as ``(epoch + 1, 0)``."""
 
 # samplers whose order depends only on (seed, epoch, rank, world size): a skip is exact
 _REPRODUCIBLE = (DistributedSampler, SequentialSampler)
+# samplers whose order depends only on torch's global generator and their own ``generator`` at the
+# start of the epoch's iteration: a skip is exact once those states are set again
+_SEEDED = (RandomSampler, WeightedRandomSampler, SubsetRandomSampler)
 _DATALOADER_ARGS = (
     "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
     "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order",
@@ -50,10 +68,12 @@ class ResumableSampler(Sampler[int]):
 
     ``len()`` stays the full epoch length (Lightning counts the resumed epoch's batches from
     the restored batch index, not from zero). :meth:`set_epoch` with a *different* epoch drops
-    a pending skip; with the same epoch it keeps it (Lightning calls it again on resume).
+    a pending skip and replay; with the same epoch it keeps them (Lightning calls it again on
+    resume).
 
     Args:
-        sampler: the per-rank index sampler, e.g. Lightning's ``DistributedSampler``.
+        sampler: the per-rank index sampler, e.g. Lightning's ``DistributedSampler`` or a
+            ``RandomSampler``.
     """
 
     def __init__(self, sampler: Sampler[int]) -> None:
@@ -61,22 +81,53 @@ class ResumableSampler(Sampler[int]):
         self.epoch = int(getattr(sampler, "epoch", 0))
         self.skip = 0
         """Indices the next iteration drops (consumed once, by the next ``iter()``)."""
+        self.epoch_rng: dict[str, torch.Tensor | None] | None = None
+        """For a random sampler: ``{"torch", "generator"}`` states (``uint8`` tensors; ``generator``
+        None without one) its current iteration drew its order from; else None."""
+        self._replay: dict[str, torch.Tensor | None] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.skip = 0
+            self._replay = None
         self.epoch = epoch
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
 
     def resume_at(self, epoch: int, skip: int) -> None:
-        """Make the next iteration epoch ``epoch``'s order without its first ``skip`` indices."""
+        """Make the next iteration epoch ``epoch``'s order without its first ``skip`` indices
+        (a pending :meth:`replay` is kept)."""
+        replay = self._replay
         self.set_epoch(epoch)
-        self.skip = skip
+        self.skip, self._replay = skip, replay
+
+    def replay(self, epoch_rng: dict[str, torch.Tensor | None] | None) -> None:
+        """Make the next iteration draw its order from ``epoch_rng`` (an :attr:`epoch_rng` of the
+        epoch being resumed): the sampler's own generator is set to it, and torch's global
+        generator only while the order is drawn (it is set back after). No-op for ``None`` or a
+        sampler that draws nothing."""
+        self._replay = epoch_rng if isinstance(self.sampler, _SEEDED) else None
 
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
-        return itertools.islice(iter(self.sampler), skip, None)
+        replay, self._replay = self._replay, None
+        if not isinstance(self.sampler, _SEEDED):
+            return itertools.islice(iter(self.sampler), skip, None)
+        # a random sampler draws from these generators at its first index, never later
+        generator: torch.Generator | None = getattr(self.sampler, "generator", None)
+        if replay is None:
+            self.epoch_rng = {"torch": torch.get_rng_state(),
+                              "generator": None if generator is None else generator.get_state()}
+            return itertools.islice(iter(self.sampler), skip, None)
+        self.epoch_rng = replay
+        now = torch.get_rng_state()  # the resumed run's own state (restored by the elastic fit)
+        torch.set_rng_state(replay["torch"])
+        if generator is not None and replay["generator"] is not None:
+            generator.set_state(replay["generator"])
+        indices = iter(self.sampler)
+        first = list(itertools.islice(indices, 1))  # the order is drawn now
+        torch.set_rng_state(now)
+        return itertools.islice(itertools.chain(first, indices), skip, None)
 
     def __len__(self) -> int:
         return len(self.sampler)  # type: ignore[arg-type]
@@ -138,7 +189,10 @@ def make_resumable(loader: object, position: Position) -> tuple[object, str | No
 
     Supported: a plain ``torch.utils.data.DataLoader`` over a map-style dataset with automatic
     batching (``batch_size``, no custom ``batch_sampler``) and a ``DistributedSampler`` or
-    ``SequentialSampler`` (what Lightning injects by default). Every other argument of the
+    ``SequentialSampler`` (what Lightning injects by default), or a ``RandomSampler``,
+    ``WeightedRandomSampler`` or ``SubsetRandomSampler`` (exact when the resume also calls
+    :meth:`ResumableSampler.replay` with the rank's :attr:`ResumableSampler.epoch_rng`).
+    Every other argument of the
     loader (workers, collate function, pinning, generator) is passed on unchanged.
     """
     reason = _unsupported(loader)
@@ -162,7 +216,7 @@ def _unsupported(loader: object) -> str | None:
         return "its dataset is an IterableDataset (no index to skip to)"
     if type(loader.batch_sampler) is not BatchSampler:
         return f"it has a custom batch sampler ({type(loader.batch_sampler).__name__})"
-    if type(loader.sampler) not in _REPRODUCIBLE:
+    if type(loader.sampler) not in _REPRODUCIBLE + _SEEDED:
         return (f"its sampler {type(loader.sampler).__name__} may not give the same order again "
                 "(use_distributed_sampler=True gives a reproducible DistributedSampler)")
     return None

@@ -354,12 +354,15 @@ class _HorovodStrategyLogic:
 
     @override
     def on_train_start(self) -> None:
-        """Refuse to train when ranks have different numbers of training batches per epoch."""
+        """Refuse to train when ranks have different numbers of training batches per epoch; a
+        resumed elastic fit restores a mid-epoch commit's RNG states here."""
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and self.world_size > 1:
             _check_equal_batches(trainer, self._require_world())
             if not any(isinstance(cb, _EpochEndCheck) for cb in trainer.callbacks):
                 trainer.callbacks.append(_EpochEndCheck(self._require_world()))
+        if self._elastic is not None:
+            self._elastic.restore_rng(before_loader=False)
         super().on_train_start()
 
     # -- backward ---------------------------------------------------------------------------

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import pytorch_lightning as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import hvd_trainer
 from hvd_trainer import lightning_elastic
@@ -32,11 +34,13 @@ class Crash(RuntimeError):
 
 
 class Net(pl.LightningModule):
-    def __init__(self, crash_at_step: int = -1) -> None:
+    def __init__(self, crash_at_step: int = -1, dropout: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), *([nn.Dropout(0.5)] if dropout else []),
+                                 nn.Linear(8, 1))
         self.crash_at_step = crash_at_step
+        self.random = dropout
         self.seen: list[tuple[int, list[int]]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -44,10 +48,15 @@ class Net(pl.LightningModule):
             raise Crash(f"step {self.global_step}")
         x, y, idx = batch
         self.seen.append((self.current_epoch, idx.tolist()))
-        return nn.functional.mse_loss(self.net(x), y)
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.random:  # numpy's and Python's global generators are committed too
+            loss = loss * (1.0 + 0.1 * float(np.random.rand()) + 0.1 * random.random())
+        return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         assert not isinstance(self.trainer.val_dataloaders, ResumableDataLoader)  # training only
+        if self.crash_at_step == -2 and self.global_step == 10 and not self.trainer.sanity_checking:
+            raise Crash("validation at the end of epoch 0")
         self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
 
     def configure_optimizers(self) -> Any:
@@ -76,19 +85,29 @@ def _attempt(monkeypatch: pytest.MonkeyPatch, attempt: int) -> None:
     monkeypatch.setattr(lightning_elastic, "_FIT_CALLS", itertools.count())
 
 
-def _fit(directory: Path | None, crash_at_step: int = -1, *, random_sampler: bool = False,
-         ckpt_path: str | None = None, root: Path | None = None, **kwargs: Any) -> tuple[pl.Trainer, Net]:
+class CustomSampler(RandomSampler):
+    """A sampler the resumable loader does not know: epoch-end commits only."""
+
+
+SAMPLERS = {"random": lambda d: RandomSampler(d), "custom": lambda d: CustomSampler(d),
+            "weighted": lambda d: WeightedRandomSampler(torch.linspace(1.0, 2.0, len(d)), len(d))}
+
+
+def _fit(directory: Path | None, crash_at_step: int = -1, *, sampler: str | None = None,
+         dropout: bool = False, ckpt_path: str | None = None, root: Path | None = None,
+         accelerator: str = "cpu", every: int = 3, **kwargs: Any) -> tuple[pl.Trainer, Net]:
+    """One fit; ``crash_at_step`` -2 crashes in the validation after step 10 (epoch 0's end)."""
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(N, 3, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
-    loader = (DataLoader(data, batch_size=BATCH, sampler=RandomSampler(data)) if random_sampler
+    loader = (DataLoader(data, batch_size=BATCH, sampler=SAMPLERS[sampler](data)) if sampler
               else DataLoader(data, batch_size=BATCH, shuffle=True))
     trainer = pl.Trainer(
-        strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=3),
-        accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=not random_sampler,
+        strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=every),
+        accelerator=accelerator, devices=1, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=sampler is None,
         default_root_dir=root, **kwargs,
     )
-    model = Net(crash_at_step)
+    model = Net(crash_at_step, dropout)
     with contextlib.suppress(Crash):
         trainer.fit(model, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
     return trainer, model
@@ -121,6 +140,76 @@ def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
     assert got.seen == ref.seen  # the same batches in the same order: none twice, none skipped
     for epoch in range(EPOCHS):
         assert sorted(i for e, b in got.seen if e == epoch for i in b) == list(range(N))
+
+
+@pytest.mark.parametrize(
+    ("crash_at_step", "kwargs"),
+    [
+        (14, {}),  # mid-epoch commit of step 12: RNG restored after the resumed iterator exists
+        (10, {}),  # epoch-end commit: restored before the iterator of epoch 1 is created
+        (7, dict(accumulate_grad_batches=2, val_check_interval=4)),
+        (10, dict(accumulate_grad_batches=2, val_check_interval=4)),
+        (14, dict(sampler="random")),  # the RandomSampler's epoch order is drawn again
+        (13, dict(sampler="weighted")),
+        (11, dict(sampler="custom")),  # epoch-end commit only: restored before the iterator
+        (-2, dict(every=5)),  # killed in epoch 0's last validation: the last batch's commit
+    ],
+)
+def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              crash_at_step: int, kwargs: dict) -> None:
+    """Dropout masks, numpy/Python draws, a random sampler's permutation and the loader's seed
+    continue as in an uninterrupted run: the random states of the commit are restored where it
+    left off."""
+    pl.seed_everything(123)  # the process's RNGs before fit
+    _, ref = _fit(tmp_path / "ref", dropout=True, **kwargs)
+    _attempt(monkeypatch, 0)
+    pl.seed_everything(123)
+    _fit(tmp_path / "run", crash_at_step, dropout=True, **kwargs)
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=True)  # as fit(ckpt_path=)
+    assert [set(s) for s in commit[COMMIT_KEY]["rng"]] == [{"torch", "cuda", "numpy", "python", "sampler"}]
+    _attempt(monkeypatch, 1)
+    pl.seed_everything(123)  # a restarted process: the start's states, not those at the commit
+    trainer, got = _fit(tmp_path / "run", dropout=True, **kwargs)
+    assert trainer.ckpt_path is not None
+    assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
+    assert got.seen == ref.seen
+    assert _same_weights(ref, got)
+    if crash_at_step == -2:  # the commit after step 10's batch; the epoch-end one never came
+        assert (commit["global_step"], commit[COMMIT_KEY]["commit"]) == (10, 2)
+    if kwargs.get("sampler") in ("random", "weighted"):  # resumed mid-epoch, not at an epoch end
+        assert commit[COMMIT_KEY]["batch"] > 0 and commit[COMMIT_KEY]["rng"][0]["sampler"] is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_dropout_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA dropout masks come from the CUDA generator: committed and restored too (NCCL world of one)."""
+    kwargs = dict(dropout=True, accelerator="gpu")
+    pl.seed_everything(123)
+    _, ref = _fit(tmp_path / "ref", **kwargs)
+    _attempt(monkeypatch, 0)
+    pl.seed_everything(123)
+    _fit(tmp_path / "run", 14, **kwargs)
+    commit = torch.load(tmp_path / "run" / "lightning_fit0.ckpt", weights_only=True)
+    assert len(commit[COMMIT_KEY]["rng"][0]["cuda"]) == torch.cuda.device_count()
+    _attempt(monkeypatch, 1)
+    pl.seed_everything(123)
+    trainer, got = _fit(tmp_path / "run", **kwargs)
+    assert trainer.ckpt_path is not None and got.seen == ref.seen
+    assert _same_weights(ref, got)
+
+
+def test_commit_of_another_world_size_skips_random_states(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _fit(tmp_path, 14, dropout=True)
+    path = tmp_path / "lightning_fit0.ckpt"
+    commit = torch.load(path, weights_only=True)
+    commit[COMMIT_KEY]["rng"] *= 2  # as if two ranks had committed
+    torch.save(commit, path)
+    _attempt(monkeypatch, 1)
+    with pytest.warns(UserWarning, match="made by 2 ranks, this attempt has 1: random number generators "
+                                         "are not restored"):
+        trainer, _ = _fit(tmp_path, dropout=True)
+    assert trainer.ckpt_path == str(path) and trainer.global_step == EPOCHS * N // BATCH
 
 
 def test_first_attempt_and_other_jobs_never_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -158,8 +247,8 @@ def test_automatic_directory_falls_back_to_root_and_is_cleaned(tmp_path: Path,
 
 
 def test_unresumable_loader_commits_at_epoch_ends_only(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="cannot resume mid-epoch exactly: its sampler RandomSampler"):
-        _fit(tmp_path, crash_at_step=15, random_sampler=True)
+    with pytest.warns(UserWarning, match="cannot resume mid-epoch exactly: its sampler CustomSampler"):
+        _fit(tmp_path, crash_at_step=15, sampler="custom")
     commit = torch.load(tmp_path / "lightning_fit0.ckpt", weights_only=False)
     assert commit[COMMIT_KEY]["commit"] == 1 and commit["global_step"] == 10  # end of epoch 0
     assert (commit[COMMIT_KEY]["epoch"], commit[COMMIT_KEY]["batch"]) == (1, 0)

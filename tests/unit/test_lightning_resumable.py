@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from hvd_trainer.lightning_resumable import (
@@ -92,6 +99,9 @@ def test_loader_arguments_survive_and_unsupported_loaders_are_named() -> None:
     class MyLoader(DataLoader):
         pass
 
+    class MySampler(RandomSampler):
+        pass
+
     class Stream(IterableDataset):
         def __iter__(self):  # noqa: ANN204
             return iter(range(4))
@@ -99,9 +109,34 @@ def test_loader_arguments_survive_and_unsupported_loaders_are_named() -> None:
     cases = {
         "MyLoader": MyLoader(data, batch_size=2),
         "IterableDataset": DataLoader(Stream(), batch_size=2),
-        "RandomSampler": DataLoader(data, batch_size=2, sampler=RandomSampler(data)),
+        "MySampler": DataLoader(data, batch_size=2, sampler=MySampler(data)),
         "custom batch sampler": DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),
     }
     for needle, loader in cases.items():
         same, reason = make_resumable(loader, lambda: (0, 0))
         assert same is loader and needle in reason, (needle, reason)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RandomSampler(range(N)),
+    lambda: RandomSampler(range(N), generator=torch.Generator().manual_seed(5)),
+    lambda: RandomSampler(range(N), replacement=True, num_samples=40),
+    lambda: WeightedRandomSampler(torch.linspace(1.0, 3.0, N), N),
+    lambda: SubsetRandomSampler(list(range(3, N))),
+])
+def test_random_sampler_replays_its_epoch_order(make) -> None:  # noqa: ANN001
+    """The order a random sampler drew is drawn again from the recorded states, skip applied,
+    without moving torch's global generator (the elastic fit restores that one itself)."""
+    torch.manual_seed(0)
+    sampler = ResumableSampler(make())
+    order = list(sampler)
+    recorded = sampler.epoch_rng
+    assert recorded is not None and list(sampler) != order  # the next epoch draws another order
+    resumed = ResumableSampler(make())
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    resumed.replay(recorded)
+    resumed.resume_at(0, 5)
+    assert list(resumed) == order[5:]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert ResumableSampler(make()).epoch_rng is None  # records only when iterated

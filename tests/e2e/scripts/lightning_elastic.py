@@ -1,8 +1,9 @@
 """Elastic Lightning worker: ``Trainer(strategy="horovod")`` resumes by itself after a restart.
 
 Usage: lightning_elastic.py OUT_FILE KILL_STEP
-2 ranks, 3 epochs of 8 steps (64 samples, batch 4 per rank), SGD with momentum and an
-epoch-wise StepLR, commits every 3 optimizer steps (elastic mode is on when hvdrun was given
+2 ranks, 3 epochs of 8 steps (64 samples, batch 4 per rank), a model with dropout (each rank
+draws its own masks from its own RNG, seeded per rank), SGD with momentum and an epoch-wise
+StepLR, commits every 3 optimizer steps (elastic mode is on when hvdrun was given
 --min-np/--max-np or --max-restarts). On the first attempt rank 1 SIGKILLs itself before
 optimizer step ``KILL_STEP + 1`` (-1: never). Rank 0 saves the final weights and the per-step
 sample indices of both ranks (kept in the checkpoints, so a resumed run has the committed ones)
@@ -33,7 +34,7 @@ class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 1))
         self.seen: list[tuple[int, list[int]]] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -73,6 +74,7 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()],
     )
     model = Regressor()
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")))  # per-rank dropout masks
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
     if trainer.global_rank == 0:
         torch.save({"model": model.state_dict(), "seen": model.seen, "step": trainer.global_step}, OUT_FILE)
