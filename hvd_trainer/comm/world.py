@@ -220,11 +220,8 @@ def init(
             if info.master_port is not None:
                 os.environ.setdefault("MASTER_PORT", str(info.master_port))
             dist.init_process_group(
-                backend,
-                init_method="env://",
-                rank=info.rank,
-                world_size=info.size,
-                timeout=timeout,
+                backend, store=_generation_store(info, timeout), rank=info.rank,
+                world_size=info.size, timeout=timeout,
             )
     else:
         backend = dist.get_backend()
@@ -249,6 +246,24 @@ def init(
         store, rank = runtime.store, _WORLD.rank
         flush_before_hard_exit(lambda: mark_exited(store, rank))  # a hard exit skips shutdown()
     return _WORLD
+
+
+_GENERATION = 0
+
+
+def _generation_store(info: LaunchEnv, timeout: timedelta) -> dist.Store:
+    """The job's store (``env://`` rendezvous) under a prefix unique to this ``init`` call.
+
+    A launcher's store (torchrun's agent) outlives ``shutdown()``: without a fresh prefix a
+    second ``init()`` in the same job would find the first process group's keys there and
+    connect to its closed gloo addresses (or read stale cross-rank check entries). Every rank
+    calls ``init``/``shutdown`` the same number of times, so the prefixes agree.
+    """
+    global _GENERATION
+    _GENERATION += 1
+    store, _, _ = next(dist.rendezvous("env://", rank=info.rank, world_size=info.size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"hvd_trainer/{_GENERATION}", store)
 
 
 def is_initialized() -> bool:

@@ -115,3 +115,20 @@ def test_timeline_written_without_shutdown(tmp_path: Path) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     tensors = {e["args"].get("tensor") for e in events if e.get("ph") == "X"}
     assert "ones" in tensors, events
+
+
+def test_shutdown_then_init_again_in_the_same_job() -> None:
+    """torchrun's store outlives shutdown(): a second init() must not meet the first group's keys
+    (it used to connect to closed gloo addresses when one rank re-initialised later)."""
+    code = (
+        "import time, torch, hvd_trainer as hvd\n"
+        "r = hvd.init().rank\n"
+        "hvd.allreduce(torch.ones(1), name='first')\n"
+        "hvd.shutdown()\n"
+        "time.sleep(2.0 if r == 0 else 0.0)\n"
+        "hvd.init()\n"
+        "print('AGAIN', r, hvd.allreduce(torch.full((1,), float(r)), op=hvd.Sum).item(), flush=True)\n"
+    )
+    res = hvdrun(["-np", "2", "python", "-c", code], timeout=120)
+    assert res.returncode == 0, res.explain()
+    assert "AGAIN 0 1.0" in res.output and "AGAIN 1 1.0" in res.output, res.explain()
