@@ -90,10 +90,19 @@ def find_dead_peers(
     peers = [p for r in ranks if r != me and (p := _lookup(store, r)) is not None]
     deadline = time.monotonic() + grace_seconds
     while True:
-        dead = [p for p in peers if _exited(store, p.rank) or (p.host == host and not _alive(p.pid))]
+        dead = [p for p in peers if _is_gone(store, p, host)]
         if dead or time.monotonic() >= deadline:
             return dead, [p for p in peers if p.host != host]
         time.sleep(0.05)
+
+
+def _is_gone(store: Any, peer: Peer, host: str) -> bool:
+    """``peer`` left its "exited" mark, or runs on this ``host`` and its process has ended."""
+    return _exited(store, peer.rank) or (peer.host == host and not _alive(peer.pid))
+
+
+def _named(peers: Sequence[Peer]) -> str:
+    return ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in peers)
 
 
 def find_gone(store: Any, ranks: Sequence[int]) -> list[Peer]:
@@ -103,7 +112,7 @@ def find_gone(store: Any, ranks: Sequence[int]) -> list[Peer]:
     gone = []
     for r in ranks:
         peer = _lookup(store, r)
-        if peer is not None and (_exited(store, r) or (peer.host == host and not _alive(peer.pid))):
+        if peer is not None and _is_gone(store, peer, host):
             gone.append(peer)
     return gone
 
@@ -123,8 +132,7 @@ def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> Non
 
 def describe_gone(what: str, gone: Sequence[Peer]) -> str:
     """The message for ranks that will never reach the collective ``what``."""
-    names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in gone)
-    verb = "has" if len(gone) == 1 else "have"
+    names, verb = _named(gone), "has" if len(gone) == 1 else "have"
     return (
         f"{what} cannot complete: {names} {verb} exited (finished its script, raised an error, or "
         "called shutdown()) without reaching it. Every rank must run the same collectives in the "
@@ -137,8 +145,7 @@ def describe_gone(what: str, gone: Sequence[Peer]) -> str:
 def describe_failure(what: str, dead: Sequence[Peer], remote: Sequence[Peer]) -> str | None:
     """The message for a failed collective ``what``; ``None`` when nothing useful is known."""
     if dead:
-        names = ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in dead)
-        verb = "is" if len(dead) == 1 else "are"
+        names, verb = _named(dead), "is" if len(dead) == 1 else "are"
         return (
             f"{what} failed because {names} {verb} no longer running: it crashed, exited or was "
             "killed before finishing this collective. HINT: its own output says why (hvdrun "
