@@ -12,6 +12,7 @@ before any ``Trainer`` can be built.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
@@ -19,8 +20,6 @@ import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
-
-_DESCRIPTION = "hvd_trainer: Horovod-style fused allreduce on torch.distributed"
 
 __all__ = ["register", "register_pytorch_lightning", "register_lightning_pytorch"]
 
@@ -38,10 +37,10 @@ def register_pytorch_lightning() -> None:
         return
     from pytorch_lightning.strategies import StrategyRegistry
 
-    from hvd_trainer.strategy import HorovodStrategy
+    strategy = importlib.import_module("hvd_trainer.strategy")  # registers itself on first import
 
     if "horovod" not in StrategyRegistry:
-        StrategyRegistry.register("horovod", HorovodStrategy, description=_DESCRIPTION)
+        strategy.HorovodStrategy.register_strategies(StrategyRegistry)
 
 
 def register_lightning_pytorch() -> None:
@@ -50,10 +49,10 @@ def register_lightning_pytorch() -> None:
         return
     from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
 
-    from hvd_trainer.strategy import lightning_pytorch_strategy_class
+    strategy = importlib.import_module("hvd_trainer.strategy")
 
     if "horovod" not in LightningRegistry:
-        LightningRegistry.register("horovod", lightning_pytorch_strategy_class(), description=_DESCRIPTION)
+        strategy.lightning_pytorch_strategy_class().register_strategies(LightningRegistry)
 
 
 _TARGETS: dict[str, Callable[[], None]] = {
@@ -118,6 +117,3 @@ def register() -> None:
             pending[name] = fn
     if pending and not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterOnImport(pending))
-
-
-register()

@@ -11,7 +11,7 @@ Example::
     save_checkpoint({"model": model.state_dict(), "step": step}, "ckpt/last.pt")  # rank 0 writes
     state = load_checkpoint("ckpt/last.pt")
 
-    trainer = Trainer(strategy="horovod", plugins=[AtomicCheckpointIO()])  # Lightning
+Lightning's atomic ``CheckpointIO`` is :class:`hvd_trainer.lightning.checkpoint_io.AtomicCheckpointIO`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
-from typing_extensions import override
 
-__all__ = ["atomic_save", "save_checkpoint", "load_checkpoint", "AtomicCheckpointIO"]
+from hvd_trainer.comm.world import get_world, is_initialized
+
+__all__ = ["atomic_save", "save_checkpoint", "load_checkpoint"]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -80,8 +80,6 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, rank: int | None 
             :class:`~hvd_trainer.comm.world.World` (0 when there is none).
     """
     if rank is None:
-        from hvd_trainer.comm.world import get_world, is_initialized
-
         rank = get_world().rank if is_initialized() else 0
     if rank != 0:
         return False
@@ -94,28 +92,3 @@ def load_checkpoint(
 ) -> Any:
     """``torch.load`` of a checkpoint written by :func:`atomic_save` (CPU by default)."""
     return torch.load(path, map_location=map_location, weights_only=weights_only)
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning ``CheckpointIO`` whose local writes are atomic (see :func:`atomic_save`).
-
-    Lightning already calls ``save_checkpoint`` on global rank 0 only. Remote URLs
-    (``s3://...``) fall back to Lightning's own fsspec writer.
-
-    Raises:
-        TypeError: ``storage_options`` were passed (not supported by torch.save either).
-    """
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
-    ) -> None:
-        if storage_options is not None:
-            raise TypeError(
-                f"AtomicCheckpointIO.save_checkpoint got storage_options={storage_options!r}; "
-                "it takes none. HINT: subclass it to use custom storage options."
-            )
-        if "://" in str(path):
-            super().save_checkpoint(checkpoint, path)
-            return
-        atomic_save(checkpoint, path)

@@ -18,7 +18,7 @@ launcher's processes are used as they are.
 
 Elastic mode (on by default under ``hvdrun --min-np/--max-np`` or ``--max-restarts N``): ``fit``
 commits full checkpoints and, after torchrun restarted the workers, resumes from the last one by
-itself, mid-epoch included (see :mod:`hvd_trainer.lightning_elastic`).
+itself, mid-epoch included (see :mod:`hvd_trainer.lightning.elastic`).
 """
 
 from __future__ import annotations
@@ -41,23 +41,26 @@ from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.plugins import TorchSyncBatchNorm
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
 from hvd_trainer import comm
-from hvd_trainer.cluster_env import HorovodEnvironment
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
-from hvd_trainer.lightning_elastic import ElasticFit, ElasticFitConfig, elastic_env
-from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
+from hvd_trainer.lightning.cluster_env import HorovodEnvironment
+from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig, elastic_env
+from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
 log = logging.getLogger(__name__)
+
+
+STRATEGY_DESCRIPTION = "hvd_trainer: Horovod-style fused allreduce on torch.distributed"
 
 
 class StrategyConfigError(ValueError):
@@ -85,7 +88,7 @@ class _HorovodStrategyLogic:
     Args:
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             injected by the Trainer, as for every Lightning strategy. ``cluster_environment``
-            defaults to :class:`~hvd_trainer.cluster_env.HorovodEnvironment`.
+            defaults to :class:`~hvd_trainer.lightning.cluster_env.HorovodEnvironment`.
         fusion_threshold_bytes: cap of one fused gradient bucket, bytes (``None``: the comm
             default, ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
         first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
@@ -98,7 +101,7 @@ class _HorovodStrategyLogic:
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
         elastic: resume automatically after torchrun restarts the workers (see
-            :mod:`hvd_trainer.lightning_elastic`): commit a full checkpoint every
+            :mod:`hvd_trainer.lightning.elastic`): commit a full checkpoint every
             ``elastic_commit_every_n_steps`` optimizer steps and at each epoch end, and in a
             restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``) restore the last commit at the
             start of ``fit`` when no ``ckpt_path`` was given, mid-epoch included. ``None``
@@ -123,6 +126,11 @@ class _HorovodStrategyLogic:
     """
 
     strategy_name = "horovod"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"horovod"`` in ``strategy_registry`` (Lightning's ``_StrategyRegistry``)."""
+        strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION)
 
     def __init__(
         self,
@@ -599,12 +607,7 @@ def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: in
                 offset += n
 
 
-def _register_when_imported() -> None:
-    # Importing this module imports Lightning, whose import hook (hvd_trainer._register) defers
-    # to this call because the strategy class did not exist yet at that moment.
-    from hvd_trainer._register import register
-
-    register()
-
-
-_register_when_imported()
+# Importing this module imports Lightning, whose import hook (hvd_trainer._register) skips
+# pytorch_lightning while this class does not exist yet; so the strategy registers itself here.
+if "horovod" not in StrategyRegistry:
+    HorovodStrategy.register_strategies(StrategyRegistry)

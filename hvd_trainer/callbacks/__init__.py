@@ -1,7 +1,7 @@
 """Framework-neutral callback maths: LR warmup/schedule formulas and metric averaging.
 
 No Keras or Lightning imports here; ``hvd_trainer.keras.callbacks`` and
-``hvd_trainer.lightning_callbacks`` adapt these to their frameworks.
+``hvd_trainer.lightning.callbacks`` adapt these to their frameworks.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class _SeesSyncBN(pl.Callback):
     converted = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        from hvd_trainer.sync_batchnorm import SyncBatchNorm
+        from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm
 
         self.converted = any(isinstance(m, SyncBatchNorm) for m in pl_module.modules())
 

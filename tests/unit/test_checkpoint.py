@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_trainer.checkpoint import AtomicCheckpointIO, atomic_save, load_checkpoint, save_checkpoint
+from hvd_trainer.checkpoint import atomic_save, load_checkpoint, save_checkpoint
+from hvd_trainer.lightning.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_trainer.cluster_env import HorovodEnvironment, SelfLaunchError
+from hvd_trainer.lightning.cluster_env import HorovodEnvironment, SelfLaunchError
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK")

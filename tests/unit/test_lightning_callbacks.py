@@ -8,7 +8,7 @@ import torch
 from lightning_fabric.plugins.environments import LightningEnvironment
 from torch.utils.data import DataLoader, TensorDataset
 
-from hvd_trainer.lightning_callbacks import LearningRateSchedule, LearningRateWarmup
+from hvd_trainer.lightning.callbacks import LearningRateSchedule, LearningRateWarmup
 
 STEPS = 4
 

@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import hvd_trainer
-from hvd_trainer import lightning_elastic
-from hvd_trainer.lightning_elastic import COMMIT_KEY
-from hvd_trainer.lightning_resumable import ResumableDataLoader
+from hvd_trainer.elastic.resumable_loader import ResumableDataLoader
+from hvd_trainer.lightning import elastic as lightning_elastic
+from hvd_trainer.lightning.elastic import COMMIT_KEY
 from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
 
 N, BATCH, EPOCHS = 40, 4, 3  # 10 steps per epoch

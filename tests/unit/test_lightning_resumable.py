@@ -14,7 +14,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from hvd_trainer.lightning_resumable import (
+from hvd_trainer.elastic.resumable_loader import (
     ResumableDataLoader,
     ResumableSampler,
     ResumeStateError,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hvd_trainer as hvd
-from hvd_trainer.optimizer import OptimizerConfigError
+from hvd_trainer.torch.optimizer import OptimizerConfigError
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

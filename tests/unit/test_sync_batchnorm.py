@@ -7,7 +7,7 @@ import copy
 import torch
 from pytorch_lightning.plugins.layer_sync import _BatchNormXd
 
-from hvd_trainer.sync_batchnorm import HorovodSyncBatchNorm, SyncBatchNorm, convert_sync_batchnorm
+from hvd_trainer.torch.sync_batchnorm import HorovodSyncBatchNorm, SyncBatchNorm, convert_sync_batchnorm
 
 
 def _net() -> torch.nn.Module:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_trainer.train_cli import CONF_DIR, ConfigError, format_result, load_config, main
+from hvd_trainer.launch.train_cli import CONF_DIR, ConfigError, format_result, load_config, main
 from recipes.digits import Config
 
 

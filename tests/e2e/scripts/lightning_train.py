@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hvd_trainer  # noqa: F401  (registers strategy="horovod")
-from hvd_trainer.cluster_env import HorovodEnvironment
+from hvd_trainer.lightning.cluster_env import HorovodEnvironment
 
 
 class Regressor(pl.LightningModule):

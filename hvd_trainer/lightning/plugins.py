@@ -6,14 +6,14 @@ import torch
 from pytorch_lightning.plugins import TorchSyncBatchNorm
 from typing_extensions import override
 
-from hvd_trainer.sync_batchnorm import SyncBatchNorm
+from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["HorovodSyncBatchNorm"]
 
 
 class HorovodSyncBatchNorm(TorchSyncBatchNorm):
     """Lightning ``LayerSync`` plugin that converts BatchNorm layers to our
-    :class:`~hvd_trainer.sync_batchnorm.SyncBatchNorm` (CPU and CUDA). ``revert`` is
+    :class:`~hvd_trainer.torch.sync_batchnorm.SyncBatchNorm` (CPU and CUDA). ``revert`` is
     Lightning's (ours subclasses ``torch.nn.SyncBatchNorm``)."""
 
     @override

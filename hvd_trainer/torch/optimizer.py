@@ -9,7 +9,7 @@ The wrapper *composes* the user's optimizer: it shares the inner optimizer's ``p
    allreduce launched while backward still runs); the reducer only sends on the
    ``backward_passes_per_step``-th pass, earlier passes accumulate locally.
 2. :meth:`DistributedOptimizer.synchronize` waits for the reduction (and reduces sparse
-   gradients by allgather, see :mod:`hvd_trainer.sparse`). ``step()`` calls it unless it ran
+   gradients by allgather, see :mod:`hvd_trainer.torch.sparse`). ``step()`` calls it unless it ran
    already or ``skip_synchronize()`` is active.
 3. Reading ``param_groups`` while a reduction is due finishes it first, so
    ``GradScaler.unscale_``/``step`` and clipping over ``param_groups`` see the averaged
@@ -42,7 +42,7 @@ from hvd_trainer.comm import (
     get_world,
     to_reduce_op,
 )
-from hvd_trainer.sparse import sparse_allreduce
+from hvd_trainer.torch.sparse import sparse_allreduce
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError"]
 

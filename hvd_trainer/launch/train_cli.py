@@ -21,7 +21,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 RESULT_KEYS = ("world_size", "val_acc", "epochs", "samples_per_s", "wall_s")
 
 

@@ -16,11 +16,11 @@ where the job was instead of starting over:
    broadcast from its node and restored before the strategy's setup, exactly as
    ``fit(ckpt_path=...)`` would; rank 0 logs which file and step it resumed from.
 3. **Mid-epoch**: the training DataLoader becomes a
-   :class:`~hvd_trainer.lightning_resumable.ResumableDataLoader`, so a resumed epoch
+   :class:`~hvd_trainer.elastic.resumable_loader.ResumableDataLoader`, so a resumed epoch
    continues at the next batch and no sample is seen twice or skipped. For a loader that
    cannot be resumed exactly, commits happen only at epoch ends (a warning says why).
 4. **Random numbers**: each commit also holds every rank's global RNG states (torch CPU and
-   CUDA, numpy, Python ``random``; :mod:`hvd_trainer.rng_state`) as they were right after the
+   CUDA, numpy, Python ``random``; :mod:`hvd_trainer.elastic.rng_state`) as they were right after the
    committed optimizer step, gathered to the writers. A resumed rank restores its own (by global
    rank) where the uninterrupted run would continue drawing: before the training loader's
    iterator is created when the commit is at an epoch boundary (so a random sampler's order and
@@ -28,7 +28,7 @@ where the job was instead of starting over:
    iterator was created (the strategy's ``on_train_start``; Lightning fetches a sized loader's
    batches only when it trains them, so augmentation in the main process repeats too). A random
    training sampler resumed mid-epoch draws its epoch's order again from the generator states
-   it drew it from (recorded per rank by :class:`~hvd_trainer.lightning_resumable.ResumableSampler`).
+   it drew it from (recorded per rank by :class:`~hvd_trainer.elastic.resumable_loader.ResumableSampler`).
    So dropout and other random draws continue bit-identically. A commit made with another world
    size resumes without restoring random states (a warning says so).
 
@@ -62,8 +62,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from hvd_trainer import comm
 from hvd_trainer.checkpoint import atomic_save, load_checkpoint
-from hvd_trainer.lightning_resumable import ResumableDataLoader, ResumableSampler, make_resumable
-from hvd_trainer.rng_state import capture_rng_states, restore_rng_states
+from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
+from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 
 __all__ = ["ElasticFitConfig", "ElasticFit", "elastic_env", "COMMIT_KEY"]
 
@@ -72,8 +72,8 @@ log = logging.getLogger(__name__)
 COMMIT_KEY = "hvd_trainer_elastic"
 """Checkpoint key of the commit's metadata: ``commit``, ``run_id``, ``global_step``, ``epoch``,
 ``batch`` (batches of ``epoch`` done), ``world_size``, ``rng`` (every rank's RNG states, a list
-indexed by global rank; see :mod:`hvd_trainer.rng_state`; plus ``sampler``: the
-:attr:`~hvd_trainer.lightning_resumable.ResumableSampler.epoch_rng` of a random training sampler)."""
+indexed by global rank; see :mod:`hvd_trainer.elastic.rng_state`; plus ``sampler``: the
+:attr:`~hvd_trainer.elastic.resumable_loader.ResumableSampler.epoch_rng` of a random training sampler)."""
 
 _FIT_CALLS = itertools.count()  # k in lightning_fit<k>.ckpt: the same k in every attempt
 

@@ -193,10 +193,10 @@ def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def __getattr__(name: str) -> Any:
-    # The Lightning plugin lives in hvd_trainer.lightning_plugins so that importing this module
+    # The Lightning plugin lives in hvd_trainer.lightning.plugins so that importing this module
     # (and hvd_trainer) does not import Lightning.
     if name == "HorovodSyncBatchNorm":
-        from hvd_trainer.lightning_plugins import HorovodSyncBatchNorm
+        from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 
         return HorovodSyncBatchNorm
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
