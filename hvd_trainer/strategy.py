@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from hvd_trainer import comm
 from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world import World
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
@@ -588,23 +589,16 @@ def _check_group(group: Any | None) -> None:
 def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: int = 0) -> None:
     """Overwrite every parameter and buffer with ``root_rank``'s values.
 
-    Tensors are flattened per (device, dtype) so the broadcast is one collective per group,
-    not one per tensor.
+    Tensors are flattened per (device, dtype) (:mod:`hvd_trainer.comm.flatten`) so the
+    broadcast is one collective per group, not one per tensor.
     """
     if world.size == 1:
         return
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    with torch.no_grad():
-        for tensors in groups.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            comm.broadcast_(flat, root_rank, world=world)
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+    flat_collective_(
+        [*module.parameters(), *module.buffers()],
+        lambda flat: comm.broadcast_(flat, root_rank, world=world),
+        what="broadcast of the module state",
+    )
 
 
 # Importing this module imports Lightning, whose import hook (hvd_trainer._register) skips

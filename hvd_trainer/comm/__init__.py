@@ -1,7 +1,20 @@
 """hvd_trainer's comm layer: process-group bootstrap, collectives, gradient fusion, cross-rank
 checks, compression, process sets and the timeline.
 
-Knows nothing of Lightning or Keras; every upper layer sits on it.
+Knows nothing of Lightning or Keras; every upper layer sits on it. Inside, every import points
+down (no cycle, no import inside a function except the optional ``mpi4py``)::
+
+    session         init / shutdown (Horovod's init(comm, process_sets))
+    objects         broadcast_object, allgather_object
+    collectives     the blocking forms: async + wait()   fusion   (GradientReducer)
+    autograd        differentiable allreduce / allgather / broadcast, on the async forms
+    reductions_async, movement_async   the async forms     flatten (one helper, one dtype set)
+    handle, reduce  Handle / poll / synchronize; the one allreduce path
+    runtime, process_set_registry, process_set   per-world state; process sets
+    checks          cross-rank signatures, stalls      timeline, build_info
+    liveness, join_board                               world (World, get_world, rank())
+    store           the job's key-value store          launch_env, config, ops, compression,
+                                                       errors, fatal, arguments
 """
 
 from __future__ import annotations
@@ -20,16 +33,19 @@ from hvd_trainer.comm.build_info import (
     rocm_built,
 )
 from hvd_trainer.comm.collectives import (
-    Handle,
+    allgather,
     allreduce,
     allreduce_,
-    allreduce_async,
-    allreduce_async_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    grouped_allgather,
     grouped_allreduce,
     grouped_allreduce_,
-    grouped_allreduce_async,
-    poll,
-    synchronize,
+    grouped_reducescatter,
+    join,
+    reducescatter,
 )
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.config import CommConfig, default_fusion_threshold_bytes
@@ -46,28 +62,15 @@ from hvd_trainer.comm.errors import (
     StallError,
 )
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.movement import (
-    allgather,
-    allgather_object,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_,
-    broadcast_object,
-    join,
-    reducescatter,
-)
+from hvd_trainer.comm.handle import Handle, poll, synchronize
 from hvd_trainer.comm.movement_async import (
     allgather_async,
     alltoall_async,
     broadcast_async,
     broadcast_async_,
-    grouped_allgather,
     grouped_allgather_async,
-    grouped_reducescatter,
-    grouped_reducescatter_async,
-    reducescatter_async,
 )
+from hvd_trainer.comm.objects import allgather_object, broadcast_object
 from hvd_trainer.comm.ops import (
     Adasum,
     Average,
@@ -85,22 +88,35 @@ from hvd_trainer.comm.process_set_registry import (
     register_process_sets,
     remove_process_set,
 )
+from hvd_trainer.comm.reductions_async import (
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
+from hvd_trainer.comm.session import init, shutdown
 from hvd_trainer.comm.timeline import Timeline, start_timeline, stop_timeline
 from hvd_trainer.comm.world import (
     LaunchEnv,
     World,
+    cross_rank,
+    cross_size,
     detect_launch_env,
     free_port,
     get_world,
-    init,
     is_initialized,
-    shutdown,
+    local_rank,
+    local_size,
+    rank,
+    size,
 )
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op",
     "World", "LaunchEnv", "detect_launch_env", "init", "shutdown", "is_initialized",
     "get_world", "free_port", "CommConfig",
+    "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "Handle", "poll", "synchronize",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",

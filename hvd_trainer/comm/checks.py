@@ -45,7 +45,15 @@ import torch.distributed as dist
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, RankFailedError, StallError
 from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, exit_hard_at_exit
-from hvd_trainer.comm.join import JoinBoard, Transport
+from hvd_trainer.comm.join_board import JoinBoard, Transport
+from hvd_trainer.comm.liveness import (
+    describe_failure,
+    describe_gone,
+    find_dead_peers,
+    find_gone,
+    wait_until_ended,
+)
+from hvd_trainer.comm.store import try_get
 from hvd_trainer.comm.timeline import Timeline
 
 __all__ = ["Signature", "Op", "Coordinator", "REDUCING_KINDS"]
@@ -397,16 +405,14 @@ class Coordinator:
         if now < op.extra.get("next_probe", 0.0):
             return
         op.extra["next_probe"] = now + 0.5
-        from hvd_trainer.comm import liveness
-
         try:
-            gone = liveness.find_gone(self.store, missing)
+            gone = find_gone(self.store, missing)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
         if gone:
-            liveness.wait_until_ended(gone)  # so the launcher sees the gone rank's own exit first
+            wait_until_ended(gone)  # so the launcher sees the gone rank's own exit first
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # a transport call may be in flight
-            raise RankFailedError(liveness.describe_gone(f"{op.sig.label()} (collective #{op.seq})", gone))
+            raise RankFailedError(describe_gone(f"{op.sig.label()} (collective #{op.seq})", gone))
 
     def _unpublish(self, seq: int) -> None:
         with contextlib.suppress(RuntimeError):
@@ -438,15 +444,13 @@ class Coordinator:
 
     def _name_dead_peer(self, op: Op, exc: BaseException) -> None:
         """The transport failed and no mismatch is known: name the rank that died, if any."""
-        from hvd_trainer.comm import liveness
-
         try:
-            dead, remote = liveness.find_dead_peers(self.store, self.ranks, self.rank)
+            dead, remote = find_dead_peers(self.store, self.ranks, self.rank)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
-        message = liveness.describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote)
+        message = describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote)
         if message is not None:
-            liveness.wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
+            wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)
             raise RankFailedError(message) from exc
 
@@ -461,24 +465,5 @@ class Coordinator:
         tl.event(name, "wait", t_wait_us, end, seq=op.seq)
 
 
-_ABSENT = "\x00hvd-absent\x00"
-
-
-def try_get(store: Any, key: str) -> str | None:
-    """Read ``key`` without blocking: ``None`` when absent. One atomic round trip
-    (``compare_set`` with a sentinel never creates the key), so a key deleted between an
-    existence check and a ``get`` cannot block the reader."""
-    value = store.compare_set(key, _ABSENT, _ABSENT)
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    return None if text == _ABSENT else text
-
-
 def _is_cpu_work(op: Op) -> bool:
     return op.extra.get("device", "cpu") == "cpu"
-
-
-def default_store() -> Any:
-    """The key-value store of the default process group (``None`` before init)."""
-    if not dist.is_initialized():
-        return None
-    return dist.distributed_c10d._get_default_store()

@@ -1,170 +1,71 @@
-"""Reductions with Horovod semantics: ``allreduce`` (+ in-place and async forms),
-``grouped_allreduce``, and the async handles ``poll`` / ``synchronize``.
+"""The blocking collectives, with Horovod semantics on ``torch.distributed``: ``allreduce(_)``,
+``grouped_allreduce(_)``, ``allgather``, ``grouped_allgather``, ``broadcast(_)``, ``alltoall``,
+``reducescatter``, ``grouped_reducescatter``, ``barrier`` and ``join``.
 
-Every function takes ``process_set=`` (``None``: the whole job) and ``world=`` (``None``: the
-world from :func:`~hvd_trainer.comm.world.get_world`). CPU tensors travel over gloo even when
-the main backend is NCCL. Results are new tensors unless the name ends in ``_``. Numerics
-(Average, integers, scale factors, compression) are described in :mod:`hvd_trainer.comm.reduce`.
+Each one is its asynchronous form (:mod:`~hvd_trainer.comm.reductions_async`,
+:mod:`~hvd_trainer.comm.movement_async`) followed by ``wait()``, so both run the same code and
+the same cross-rank checks; ``allreduce``, ``allgather`` and ``broadcast`` of a tensor that
+requires grad go through :mod:`~hvd_trainer.comm.autograd` instead. ``join`` has no async form:
+it serves the other ranks' allreduces until every rank has joined.
+
+Every function takes ``process_set=`` (``None``: the whole job; this rank must be a member) and
+``world=`` (``None``: the world from :func:`~hvd_trainer.comm.world.get_world`); ``root_rank``
+is always a global rank. CPU tensors travel over gloo even when the main backend is NCCL.
+Results are new tensors unless the name ends in ``_``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hvd_trainer.comm.autograd import allreduce_with_grad, needs_autograd
+from hvd_trainer.comm.arguments import require_tensor
+from hvd_trainer.comm.autograd import (
+    allgather_with_grad,
+    allreduce_with_grad,
+    broadcast_with_grad,
+    needs_autograd,
+)
 from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
+from hvd_trainer.comm.errors import StallError
+from hvd_trainer.comm.fatal import exit_hard_at_exit
+from hvd_trainer.comm.movement_async import (
+    allgather_async,
+    alltoall_async,
+    barrier_async,
+    broadcast_async_,
+    grouped_allgather_async,
+)
+from hvd_trainer.comm.ops import ReduceOp, op_or_average
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
+from hvd_trainer.comm.reduce import run_identity_allreduce
+from hvd_trainer.comm.reductions_async import (
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce_async,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
 from hvd_trainer.comm.world import World
 
 __all__ = [
-    "Handle",
     "allreduce",
     "allreduce_",
-    "allreduce_async",
-    "allreduce_async_",
     "grouped_allreduce",
     "grouped_allreduce_",
-    "grouped_allreduce_async",
-    "poll",
-    "synchronize",
+    "allgather",
+    "grouped_allgather",
+    "broadcast",
+    "broadcast_",
+    "alltoall",
+    "reducescatter",
+    "grouped_reducescatter",
+    "barrier",
+    "join",
 ]
-
-
-class Handle:
-    """An asynchronous collective. Pass it to :func:`poll` or :func:`synchronize`.
-
-    Calling it (``handle()``) is :func:`synchronize` too, which is how Horovod's
-    ``sparse_allreduce_async`` handles are used.
-    """
-
-    __slots__ = ("_reductions", "_finish", "_result", "_done")
-
-    def __init__(self, reductions: list[Reduction], finish: Callable[[], Any]) -> None:
-        self._reductions = reductions
-        self._finish = finish
-        self._result: Any = None
-        self._done = False
-
-    def poll(self) -> bool:
-        """True when the result is ready (never blocks)."""
-        return self._done or all(r.poll() for r in self._reductions)
-
-    def wait(self) -> Any:
-        """Block until done and return the result (idempotent)."""
-        if not self._done:
-            for r in self._reductions:
-                r.finish()
-            self._result = self._finish()
-            self._done = True
-        return self._result
-
-    finish = wait  # a Handle can be a part of another Handle
-    __call__ = wait
-
-
-def poll(handle: Handle) -> bool:
-    """Whether the async collective behind ``handle`` has completed (never blocks)."""
-    return _handle(handle).poll()
-
-
-def synchronize(handle: Handle) -> Any:
-    """Wait for ``handle`` and return its result tensor (or list of tensors).
-
-    Raises:
-        CollectiveMismatchError, StallError, JoinedRankError: found while waiting.
-    """
-    return _handle(handle).wait()
-
-
-def _handle(handle: Any) -> Handle:
-    if not isinstance(handle, Handle):
-        raise CommTypeError(
-            f"expected a Handle from an *_async call, got {type(handle).__name__}. "
-            "HINT: h = allreduce_async(t); result = synchronize(h)."
-        )
-    return handle
-
-
-def _tensor(tensor: Any, fn: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise CommTypeError(f"{fn} expects a torch.Tensor, got {type(tensor).__name__}.")
-    return tensor
-
-
-def allreduce_async_(
-    tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
-    process_set: ProcessSet | None = None,
-    *,
-    world: World | None = None,
-    average: bool | None = None,
-) -> Handle:
-    """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor``.
-
-    Args:
-        tensor: any shape and dtype, identical on every rank of the set.
-        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` (or a string /
-            ``torch.distributed.ReduceOp``). Integer ``Average`` is the exact integer sum
-            divided by the set size, rounded toward zero, in the input dtype
-            (``[1, 2] -> 1``, ``[-1, -2] -> -1``).
-        name: label for error messages and the timeline.
-        prescale_factor: multiply by this before the sum. postscale_factor: after it.
-        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only).
-        process_set: the ranks to reduce over (this rank must be a member).
-        average: Horovod's older flag (True: Average, False: Sum); not together with ``op``.
-
-    Raises:
-        CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
-        ValueError: both ``op`` and ``average``.
-    """
-    _tensor(tensor, "allreduce")
-    # argument errors (e.g. Adasum) before any process group is needed
-    rop = to_reduce_op(op_or_average(op, average))
-    pset = resolve_set(process_set, world, "allreduce")
-    target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    red = start_allreduce(
-        target, op=rop, pset=pset, name=name, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, compression=compression,
-    )
-
-    @torch.no_grad()
-    def finish() -> torch.Tensor:
-        if target is not tensor:
-            tensor.copy_(target)
-        return tensor
-
-    return Handle([red], finish)
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
-    process_set: ProcessSet | None = None,
-    *,
-    world: World | None = None,
-    average: bool | None = None,
-) -> Handle:
-    """Out-of-place :func:`allreduce_async_`: ``tensor`` is unchanged; the result is new."""
-    _tensor(tensor, "allreduce")
-    op = op_or_average(op, average)
-    return allreduce_async_(
-        tensor.detach().clone(memory_format=torch.contiguous_format), op, name, prescale_factor,
-        postscale_factor, compression, process_set, world=world,
-    )
 
 
 def allreduce_(
@@ -179,7 +80,8 @@ def allreduce_(
     world: World | None = None,
     average: bool | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over the set, in place, and return it. See :func:`allreduce_async_`."""
+    """Reduce ``tensor`` over the set, in place, and return it. See
+    :func:`~hvd_trainer.comm.reductions_async.allreduce_async_`."""
     op = op_or_average(op, average)
     return allreduce_async_(
         tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
@@ -214,70 +116,160 @@ def allreduce(
     ).wait()
 
 
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    op: ReduceOp | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
-    process_set: ProcessSet | None = None,
-    *,
-    inplace: bool = False,
-    world: World | None = None,
-    average: bool | None = None,
-) -> Handle:
-    """Reduce a list of tensors as one fused operation per dtype (one collective each).
-
-    The tensors are packed into one flat buffer per dtype (in list order), reduced, and
-    unpacked. :func:`synchronize` returns the list of results (the inputs when ``inplace``).
-
-    Raises:
-        CommValueError: an empty list or tensors on different devices.
-    """
-    tensors = [_tensor(t, "grouped_allreduce") for t in tensors]
-    if not tensors:
-        raise CommValueError("grouped_allreduce got an empty list. HINT: pass at least one tensor.")
-    devices = sorted({str(t.device) for t in tensors})
-    if len(devices) > 1:
-        raise CommValueError(f"grouped_allreduce needs one device, got tensors on {devices}.")
-    pset = resolve_set(process_set, world, "grouped_allreduce")
-    rop = to_reduce_op(op_or_average(op, average))
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    parts = []
-    for dtype, idx in by_dtype.items():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        label = f"{name}.{str(dtype).replace('torch.', '')}" if name else None
-        shapes = ("shapes", [list(tensors[i].shape) for i in idx])
-        sig = signature("grouped_allreduce", label, flat, rop, prescale_factor, postscale_factor,
-                        compression, (shapes,))
-        red = start_allreduce(flat, op=rop, pset=pset, name=label, prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor, compression=compression,
-                              kind="grouped_allreduce", sig=sig)
-        parts.append((idx, flat, red))
-
-    @torch.no_grad()
-    def finish() -> list[torch.Tensor]:
-        out: list[torch.Tensor] = list(tensors)
-        for idx, flat, _ in parts:
-            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx]), strict=True):
-                view = piece.view(tensors[i].shape)
-                if inplace:
-                    tensors[i].copy_(view)
-                else:
-                    out[i] = view
-        return out
-
-    return Handle([red for _, _, red in parts], finish)
-
-
 def grouped_allreduce(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """Out-of-place grouped allreduce; same arguments as :func:`grouped_allreduce_async`."""
+    """Out-of-place grouped allreduce; same arguments as
+    :func:`~hvd_trainer.comm.reductions_async.grouped_allreduce_async`."""
     return grouped_allreduce_async(tensors, *args, **kwargs).wait()
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
     """In-place grouped allreduce; returns ``tensors``."""
     return grouped_allreduce_async(tensors, *args, inplace=True, **kwargs).wait()
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None, *,
+    world: World | None = None,
+) -> torch.Tensor:
+    """Concatenate every member's ``tensor`` along dim 0, in rank order.
+
+    Args:
+        tensor: shape ``[n_r, *rest]``; ``n_r`` may differ per rank (0 allowed), ``rest`` and
+            dtype must match. A 0-d tensor is treated as shape ``[1]``.
+
+    Returns:
+        Tensor of shape ``[sum_r n_r, *rest]``.
+
+    Raises:
+        CollectiveMismatchError: ``rest``, ndim or dtype differ between ranks.
+    """
+    require_tensor(tensor, "allgather")
+    if needs_autograd(tensor):  # backward: average the gradient, keep this rank's rows
+        return allgather_with_grad(tensor, process_set, world)
+    return allgather_async(tensor, name, process_set, world=world).wait()
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None,
+    *, world: World | None = None,
+) -> list[torch.Tensor]:
+    """Blocking :func:`~hvd_trainer.comm.movement_async.grouped_allgather_async`: the list of
+    gathered tensors."""
+    return grouped_allgather_async(tensors, name, process_set, world=world).wait()
+
+
+@torch.no_grad()  # writes into parameters in place (broadcast_parameters)
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None,
+    process_set: ProcessSet | None = None, *, world: World | None = None,
+) -> torch.Tensor:
+    """Overwrite ``tensor`` on every member with ``root_rank``'s values, in place; return it.
+
+    Raises:
+        CommValueError: ``root_rank`` is not a member of the set.
+        CollectiveMismatchError: shape, dtype or root differ between ranks.
+    """
+    return broadcast_async_(tensor, root_rank, name, process_set, world=world).wait()
+
+
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None,
+    process_set: ProcessSet | None = None, *, world: World | None = None,
+) -> torch.Tensor:
+    """Out-of-place :func:`broadcast_`: returns ``root_rank``'s tensor; ``tensor`` unchanged.
+
+    Differentiable when ``tensor`` requires grad: the gradient is averaged over the set and
+    kept on the root (zeros elsewhere), as in Horovod.
+    """
+    require_tensor(tensor, "broadcast")
+    if needs_autograd(tensor):
+        return broadcast_with_grad(tensor, root_rank, process_set, world)
+    return broadcast_(tensor.detach().clone(), root_rank, name, process_set, world=world)
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
+    process_set: ProcessSet | None = None, *, world: World | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Send ``splits[i]`` rows of ``tensor`` (in order) to the i-th member; receive theirs.
+
+    Returns:
+        ``output`` (rows from member 0, then member 1, ...) or, when ``splits`` is given,
+        ``(output, received_splits)`` with ``received_splits`` an int32 tensor.
+
+    Raises:
+        CommValueError: dim 0 not divisible by the set size (no splits), or bad splits.
+        CollectiveMismatchError: trailing shape or dtype differ between ranks.
+    """
+    out, received_splits = alltoall_async(tensor, splits, name, process_set, world=world).wait()
+    return out if splits is None else (out, received_splits)
+
+
+def reducescatter(
+    tensor: torch.Tensor, op: ReduceOp | str | None = None, name: str | None = None,
+    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0, *, world: World | None = None,
+) -> torch.Tensor:
+    """Reduce ``tensor`` over the set, then give member ``i`` its block of dim 0.
+
+    Blocks are as even as possible, the first ``rows % n`` members getting one extra row
+    (Horovod's split). Implemented as an allreduce then a slice (correct on every backend; it
+    moves ``n/2`` times the bytes of a native reduce-scatter).
+
+    Raises:
+        CommValueError: a 0-d tensor. JoinedRankError: a rank has joined.
+    """
+    return reducescatter_async(tensor, op, name, process_set, prescale_factor, postscale_factor,
+                               world=world).wait()
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor], op: ReduceOp | str | None = None, name: str | None = None,
+    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0, *, world: World | None = None,
+) -> list[torch.Tensor]:
+    """Blocking :func:`~hvd_trainer.comm.reductions_async.grouped_reducescatter_async`: the
+    list of this member's blocks."""
+    return grouped_reducescatter_async(tensors, op, name, process_set, prescale_factor,
+                                       postscale_factor, world=world).wait()
+
+
+def barrier(process_set: ProcessSet | None = None, *, world: World | None = None) -> None:
+    """Block until every member reaches this call."""
+    barrier_async(process_set, world=world).wait()
+
+
+def join(process_set: ProcessSet | None = None, *, world: World | None = None) -> int:
+    """Declare that this rank has no more data; return the rank that joined last.
+
+    Until every member has joined, this rank takes part in the others' allreduces with zeros
+    (identity elements for Min/Max/Product); ``Average`` still divides by the full set size.
+    Other collectives by the active ranks raise :class:`JoinedRankError` on them and here.
+    See :mod:`hvd_trainer.comm.join_board` for the protocol.
+
+    Raises:
+        JoinedRankError: an active rank ran a non-allreduce collective.
+        StallError: ``stall_shutdown_seconds`` passed with ranks neither active nor joined.
+    """
+    pset = resolve_set(process_set, world, "join")
+    coord = pset.coordinator
+    for pending in sorted(coord.outstanding.values(), key=lambda o: o.seq):
+        coord.wait(pending)
+    if pset.size() == 1:
+        return pset.global_rank
+    cfg = coord.config
+    warned = [False]
+
+    def on_idle(seconds: float) -> None:
+        text = f"rank {pset.global_rank} joined and has waited {seconds:.1f}s for the others to join."
+        if cfg.stall_shutdown_seconds and seconds >= cfg.stall_shutdown_seconds:
+            exit_hard_at_exit()  # the transport is wedged: never hang at exit
+            raise StallError(text + " HINT: every rank must call join() when it runs out of data.")
+        if cfg.stall_warning_seconds and seconds >= cfg.stall_warning_seconds and not warned[0]:
+            warned[0] = True
+            warnings.warn(text, RuntimeWarning, stacklevel=3)
+
+    last, seq = coord.board.serve(coord.seq, lambda tr: run_identity_allreduce(tr, pset), on_idle)
+    coord.seq = seq
+    coord.forget_history()
+    return last

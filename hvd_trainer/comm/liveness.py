@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hvd_trainer.comm.store import try_get
+
 __all__ = [
     "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "wait_until_ended",
     "describe_failure", "describe_gone",
@@ -47,14 +49,10 @@ def mark_exited(store: Any, rank: int) -> None:
 
 
 def _exited(store: Any, rank: int) -> bool:
-    from hvd_trainer.comm.checks import try_get
-
     return try_get(store, _EXITED.format(rank=rank)) is not None
 
 
 def _lookup(store: Any, rank: int) -> Peer | None:
-    from hvd_trainer.comm.checks import try_get
-
     value = try_get(store, _KEY.format(rank=rank))
     if value is None:
         return None

@@ -1,14 +1,17 @@
-"""Asynchronous and grouped forms of the data-moving collectives (Horovod's ``*_async`` and
-``grouped_*`` names): ``allgather_async``, ``broadcast_async(_)``, ``alltoall_async``,
-``reducescatter_async``, ``grouped_allgather(_async)``, ``grouped_reducescatter(_async)``.
+"""Asynchronous forms of the data-moving collectives (Horovod's ``*_async`` names):
+``allgather_async``, ``broadcast_async(_)``, ``alltoall_async``, ``grouped_allgather_async``,
+and ``barrier_async``.
 
-Each returns a :class:`~hvd_trainer.comm.collectives.Handle` for
-:func:`~hvd_trainer.comm.collectives.poll` / :func:`~hvd_trainer.comm.collectives.synchronize`.
+Each returns a :class:`~hvd_trainer.comm.handle.Handle` for
+:func:`~hvd_trainer.comm.handle.poll` / :func:`~hvd_trainer.comm.handle.synchronize`.
 The payload transfer runs in the background; allgather and alltoall first exchange row counts,
 which the call waits for (a few bytes). Each collective is checked across ranks with the same
 signature as its blocking form, so one rank may use the async form while another blocks.
 Not differentiable (use the blocking forms for autograd), as in Horovod. The blocking forms in
-:mod:`hvd_trainer.comm.movement` are these plus ``wait()``, so both run the same code.
+:mod:`hvd_trainer.comm.collectives` are these plus ``wait()``, so both run the same code.
+
+Every function takes ``process_set=`` (``None``: the whole job; this rank must be a member) and
+``world=``; ``root_rank`` is always a global rank.
 """
 
 from __future__ import annotations
@@ -19,49 +22,47 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvd_trainer.comm.checks import Op
-from hvd_trainer.comm.collectives import Handle, grouped_allreduce_async
+from hvd_trainer.comm.arguments import require_tensor
+from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.errors import CommValueError
-from hvd_trainer.comm.movement import _begin, _splits, _step, _tensor
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.handle import Handle, Launched
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce import start_allreduce
 from hvd_trainer.comm.world import World
 
 __all__ = [
-    "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async", "reducescatter_async",
-    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
-    "grouped_reducescatter_async",
+    "allgather_async", "broadcast_async", "broadcast_async_", "alltoall_async",
+    "grouped_allgather_async", "barrier_async",
 ]
 
 
-class _Launched:
-    """A launched transport call of one checked collective (what a Handle waits on)."""
-
-    __slots__ = ("pset", "op")
-
-    def __init__(self, pset: ProcessSet, op: Op, work: Any) -> None:
-        self.pset, self.op = pset, op
-        pset.coordinator.launched(op, work)
-
-    def poll(self) -> bool:
-        return self.op.done or self.op.work is None or bool(self.op.work.is_completed())
-
-    def finish(self) -> None:
-        self.pset.coordinator.wait(self.op)
+def _begin(pset: ProcessSet, kind: str, name: str | None, t: torch.Tensor | None, **fields: Any) -> Op:
+    base: dict[str, Any] = {}
+    if t is not None:
+        base = {"dtype": str(t.dtype), "device": t.device.type}
+    sig = Signature(kind, name, tuple({**fields, **base}.items()))
+    nbytes = 0 if t is None else t.numel() * t.element_size()
+    op = pset.coordinator.begin(sig, nbytes)
+    op.extra["device"] = "cpu" if t is None else t.device.type
+    return op
 
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None, *,
     world: World | None = None,
 ) -> Handle:
-    """Start :func:`~hvd_trainer.comm.movement.allgather`; ``synchronize`` returns the tensor of
-    shape ``[sum_r n_r, *rest]`` (every member's rows, in rank order).
+    """Start concatenating every member's ``tensor`` along dim 0, in rank order.
+
+    Args:
+        tensor: shape ``[n_r, *rest]``; ``n_r`` may differ per rank (0 allowed), ``rest`` and
+            dtype must match. A 0-d tensor is treated as shape ``[1]``.
+
+    Returns:
+        A handle whose result is the tensor of shape ``[sum_r n_r, *rest]``.
 
     Raises:
         CollectiveMismatchError: trailing shape, ndim or dtype differ between ranks.
     """
-    _tensor(tensor, "allgather")
+    require_tensor(tensor, "allgather")
     pset = resolve_set(process_set, world, "allgather")
     t = tensor.detach()
     t = (t.reshape(1) if t.dim() == 0 else t).contiguous()
@@ -69,7 +70,7 @@ def allgather_async(
     group = pset.group_for(t)
     rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     all_rows = [torch.zeros_like(rows) for _ in range(pset.size())]
-    _step(pset, op, dist.all_gather(all_rows, rows, group=group, async_op=True))
+    pset.coordinator.wait_work(op, dist.all_gather(all_rows, rows, group=group, async_op=True))
     counts = [int(r.item()) for r in all_rows]
     max_rows = max(counts)
     padded = t
@@ -77,7 +78,7 @@ def allgather_async(
         padded = torch.cat([t, t.new_zeros((max_rows - t.shape[0], *t.shape[1:]))], dim=0)
     out = [torch.empty_like(padded) for _ in range(pset.size())]
     work = dist.all_gather(out, padded, group=group, async_op=True) if max_rows else None
-    launched = _Launched(pset, op, work)
+    launched = Launched(pset, op, work)
 
     def finish() -> torch.Tensor:
         if not max_rows:
@@ -98,7 +99,7 @@ def broadcast_async_(
         CommValueError: ``root_rank`` (a global rank) is not a member of the set.
         CollectiveMismatchError: shape, dtype or root differ between ranks.
     """
-    _tensor(tensor, "broadcast")
+    require_tensor(tensor, "broadcast")
     pset = resolve_set(process_set, world, "broadcast")
     if root_rank not in pset.ranks:
         raise CommValueError(
@@ -115,7 +116,7 @@ def broadcast_async_(
             tensor.copy_(buf)
         return tensor
 
-    return Handle([_Launched(pset, op, work)], finish)
+    return Handle([Launched(pset, op, work)], finish)
 
 
 def broadcast_async(
@@ -124,24 +125,45 @@ def broadcast_async(
 ) -> Handle:
     """Out-of-place :func:`broadcast_async_`: ``tensor`` is unchanged; ``synchronize`` returns
     a new tensor holding ``root_rank``'s values (same shape and dtype)."""
-    _tensor(tensor, "broadcast")
+    require_tensor(tensor, "broadcast")
     return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set, world=world)
+
+
+def _splits(tensor: torch.Tensor, splits: Any, n: int) -> list[int]:
+    rows = tensor.shape[0]
+    if splits is None:
+        if rows % n:
+            raise CommValueError(
+                f"alltoall without splits needs dim 0 ({rows}) divisible by the set size {n}. "
+                "HINT: pass splits=[rows for rank 0, rows for rank 1, ...]."
+            )
+        return [rows // n] * n
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype.is_floating_point or splits.dtype == torch.bool:
+            raise CommValueError(f"alltoall splits must be integers, got dtype {splits.dtype}.")
+        splits = splits.tolist()
+    values = [int(s) for s in splits]
+    if len(values) != n or any(s < 0 for s in values) or sum(values) != rows:
+        raise CommValueError(
+            f"alltoall splits={values} must be {n} non-negative counts summing to dim 0 ({rows})."
+        )
+    return values
 
 
 def alltoall_async(
     tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
     process_set: ProcessSet | None = None, *, world: World | None = None,
 ) -> Handle:
-    """Start :func:`~hvd_trainer.comm.movement.alltoall`. As in Horovod, ``synchronize`` returns
-    ``(output, received_splits)`` whether or not ``splits`` was given: ``output`` holds the
-    rows from member 0, then member 1, ...; ``received_splits`` is an int32 tensor of the row
-    counts received from each member.
+    """Start sending ``splits[i]`` rows of ``tensor`` (in order) to the i-th member and receiving
+    theirs. As in Horovod, ``synchronize`` returns ``(output, received_splits)`` whether or not
+    ``splits`` was given: ``output`` holds the rows from member 0, then member 1, ...;
+    ``received_splits`` is an int32 tensor of the row counts received from each member.
 
     Raises:
         CommValueError: a 0-d tensor, dim 0 not divisible by the set size (no splits), or bad
             splits. CollectiveMismatchError: trailing shape or dtype differ between ranks.
     """
-    _tensor(tensor, "alltoall")
+    require_tensor(tensor, "alltoall")
     pset = resolve_set(process_set, world, "alltoall")
     t = tensor.detach().contiguous()
     if t.dim() == 0:
@@ -152,41 +174,12 @@ def alltoall_async(
     group = pset.group_for(t)
     send_t = torch.tensor(send, dtype=torch.int64, device=t.device)
     recv_t = torch.empty_like(send_t)
-    _step(pset, op, dist.all_to_all_single(recv_t, send_t, group=group, async_op=True))
+    pset.coordinator.wait_work(op, dist.all_to_all_single(recv_t, send_t, group=group, async_op=True))
     recv = [int(x) for x in recv_t.tolist()]
     out = t.new_empty((sum(recv), *t.shape[1:]))
     work = dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send,
                                   group=group, async_op=True)
-    return Handle([_Launched(pset, op, work)], lambda: (out, recv_t.to(torch.int32)))
-
-
-def _block(full: torch.Tensor, n: int, me: int) -> torch.Tensor:
-    """Member ``me``'s block of dim 0 out of ``n`` (the first ``rows % n`` get one extra row)."""
-    base, extra = divmod(full.shape[0], n)
-    start = me * base + min(me, extra)
-    return full[start : start + base + (1 if me < extra else 0)].clone()
-
-
-def reducescatter_async(
-    tensor: torch.Tensor, op: ReduceOp | str | None = None, name: str | None = None,
-    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
-) -> Handle:
-    """Start :func:`~hvd_trainer.comm.movement.reducescatter`; ``synchronize`` returns this
-    member's block of dim 0 of the reduced tensor (blocks as even as possible, the first
-    ``rows % n`` members getting one extra row).
-
-    Raises:
-        CommValueError: a 0-d tensor. CommTypeError: bool Average/Product.
-    """
-    _tensor(tensor, "reducescatter")
-    if tensor.dim() == 0:
-        raise CommValueError("reducescatter needs a tensor with at least one dimension, got a scalar.")
-    pset = resolve_set(process_set, world, "reducescatter")
-    full = tensor.detach().clone(memory_format=torch.contiguous_format)
-    red = start_allreduce(full, op=to_reduce_op(op), pset=pset, name=name, kind="reducescatter",
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-    return Handle([red], lambda: _block(full, pset.size(), pset.rank()))
+    return Handle([Launched(pset, op, work)], lambda: (out, recv_t.to(torch.int32)))
 
 
 def grouped_allgather_async(
@@ -207,43 +200,8 @@ def grouped_allgather_async(
     return Handle(handles, lambda: [h.wait() for h in handles])
 
 
-def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None,
-    *, world: World | None = None,
-) -> list[torch.Tensor]:
-    """Blocking :func:`grouped_allgather_async`: the list of gathered tensors."""
-    return grouped_allgather_async(tensors, name, process_set, world=world).wait()
-
-
-def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor], op: ReduceOp | str | None = None, name: str | None = None,
-    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
-) -> Handle:
-    """Reduce-scatter each tensor of the list, fused into one allreduce per dtype (as
-    :func:`~hvd_trainer.comm.collectives.grouped_allreduce`); ``synchronize`` returns the list
-    of this member's blocks, in order.
-
-    Raises:
-        CommValueError: an empty list or a 0-d tensor.
-    """
-    tensors = [_tensor(t, "grouped_reducescatter") for t in tensors]
-    if not tensors:
-        raise CommValueError("grouped_reducescatter got an empty list. HINT: pass at least one tensor.")
-    if any(t.dim() == 0 for t in tensors):
-        raise CommValueError("grouped_reducescatter needs tensors with at least one dimension, "
-                             "got a scalar.")
-    pset = resolve_set(process_set, world, "grouped_reducescatter")
-    inner = grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor,
-                                    process_set=process_set, world=world)
-    return Handle([inner], lambda: [_block(r, pset.size(), pset.rank()) for r in inner.wait()])
-
-
-def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor], op: ReduceOp | str | None = None, name: str | None = None,
-    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
-) -> list[torch.Tensor]:
-    """Blocking :func:`grouped_reducescatter_async`: the list of this member's blocks."""
-    return grouped_reducescatter_async(tensors, op, name, process_set, prescale_factor,
-                                       postscale_factor, world=world).wait()
+def barrier_async(process_set: ProcessSet | None = None, *, world: World | None = None) -> Handle:
+    """Start a barrier; ``synchronize`` returns ``None`` once every member has reached it."""
+    pset = resolve_set(process_set, world, "barrier")
+    op = _begin(pset, "barrier", None, None)
+    return Handle([Launched(pset, op, dist.barrier(group=pset.cpu_group, async_op=True))], lambda: None)

@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.checks import Coordinator, Signature
+from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import CommValueError
 from hvd_trainer.comm.world import World, get_world, is_initialized
-
-if TYPE_CHECKING:
-    from hvd_trainer.comm.runtime import CommRuntime
 
 __all__ = ["ProcessSet", "resolve_set", "global_process_set"]
 
@@ -43,24 +41,39 @@ class ProcessSet:
         >>> if evens.included():
         ...     hvd.allreduce(t, process_set=evens)
 
+    A set holds what its collectives need (this process's global rank, the member ranks, the
+    coordinator of their cross-rank checks, the device and the process groups), not the
+    :class:`World` it was created in.
+
     Args:
         ranks: global ranks (any order, no duplicates); sorted internally.
-        world: the world (default: the initialised one). Before ``init()`` (and without
-            ``world``) the set is only recorded; ``init(process_sets=[...])`` or
-            :func:`add_process_set` creates it later, on every rank.
+        world: the world to create the set in (default: the initialised one). Before
+            ``init()`` (and without ``world``) the set is only recorded;
+            ``init(process_sets=[...])`` or :func:`add_process_set` creates it later, on every
+            rank.
+
+    Attributes:
+        ranks: the members' global ranks, sorted.
+        set_id: Horovod's id (see :attr:`process_set_id`).
+        global_rank: this process's global rank (``None`` while the set is only recorded).
+        device: the device of this rank's world (``None`` while the set is only recorded).
+        coordinator: cross-rank checks, sequence numbers and the join board of the set
+            (``None`` while the set is only recorded).
 
     Raises:
         CommValueError: empty, duplicate or out-of-range ranks.
         CollectiveMismatchError: ranks created different sets at this point.
     """
 
-    world: World | None
     ranks: tuple[int, ...]
     set_id: int | None
+    global_rank: int | None
+    device: torch.device | None
+    coordinator: Coordinator | None
 
     def __init__(self, ranks: Sequence[int] | range, *, world: World | None = None) -> None:
         if world is None and not is_initialized():
-            self.world, self.set_id = None, None
+            self.set_id, self.global_rank, self.device, self.coordinator = None, None, None, None
             self.ranks = _validate(ranks, None)
             return
         w = get_world() if world is None else world
@@ -86,7 +99,8 @@ class ProcessSet:
         return obj
 
     def _setup(self, world: World, members: tuple[int, ...], group, cpu_group, set_id: int) -> None:
-        self.world = world
+        self.global_rank = world.rank
+        self.device = world.device
         self.ranks = members
         self.set_id = set_id
         self._group = group
@@ -97,7 +111,7 @@ class ProcessSet:
             prefix=f"hvd/ps{set_id}",
             rank=world.rank,
             ranks=members,
-            config=runtime.config if runtime else _default_config(),
+            config=runtime.config if runtime else CommConfig(check_signatures=False),
             timeline=runtime.timeline if runtime else None,
         )
 
@@ -117,8 +131,8 @@ class ProcessSet:
         Raises:
             NotInitializedError: a set recorded before ``init()``, asked before ``init()``.
         """
-        world = self.world if self.world is not None else get_world()
-        return world.rank in self.ranks
+        rank = self.global_rank if self.global_rank is not None else get_world().rank
+        return rank in self.ranks
 
     def rank(self) -> int:
         """This process's index within the set.
@@ -127,7 +141,12 @@ class ProcessSet:
             CommValueError: this process is not a member.
         """
         self.require_member("rank()")
-        return self.ranks.index(self.world.rank)
+        return self.ranks.index(self.global_rank)
+
+    @property
+    def removed(self) -> bool:
+        """Whether the set was created and then removed (:func:`remove_process_set`)."""
+        return self.set_id is None and self.global_rank is not None
 
     def release_groups(self) -> None:
         """Drop this set's process-group handles (called by ``shutdown``; the set is unusable
@@ -147,13 +166,13 @@ class ProcessSet:
         """Raise :class:`CommValueError` unless this set is usable and this rank is a member."""
         if self.set_id is None:
             raise CommValueError(
-                f"{what} got {self!r}, which {'was removed' if self.world else 'is not created yet'}. "
+                f"{what} got {self!r}, which {'was removed' if self.removed else 'is not created yet'}. "
                 "HINT: pass it to hvd.init(process_sets=[...]) or hvd.add_process_set(...) first, "
                 "on every rank."
             )
         if not self.included():
             raise CommValueError(
-                f"{what} ran on rank {self.world.rank}, which is not in process set {list(self.ranks)}. "
+                f"{what} ran on rank {self.global_rank}, which is not in process set {list(self.ranks)}. "
                 "HINT: guard the call with `if process_set.included():`."
             )
 
@@ -211,18 +230,17 @@ def _validate(ranks: Sequence[int] | range, size: int | None) -> tuple[int, ...]
     return tuple(sorted(members))
 
 
-def _runtime(world: World) -> CommRuntime:
+def _runtime(world: World) -> Any:
+    """``world.runtime`` (a :class:`~hvd_trainer.comm.runtime.CommRuntime`).
+
+    Raises:
+        CommValueError: a hand-made ``World`` without one.
+    """
     if world.runtime is None:
         raise CommValueError(
             "this World has no comm runtime. HINT: obtain the world from hvd_trainer.init()."
         )
     return world.runtime
-
-
-def _default_config():
-    from hvd_trainer.comm.config import CommConfig
-
-    return CommConfig(check_signatures=False)
 
 
 def resolve_set(process_set: ProcessSet | None, world: World | None, what: str) -> ProcessSet:

@@ -64,7 +64,7 @@ def add_process_set(
     if isinstance(process_set, ProcessSet):
         if process_set.set_id is not None:
             return process_set
-        if process_set.world is not None:
+        if process_set.removed:
             raise CommValueError(f"add_process_set({process_set!r}): this set was removed. "
                                  "HINT: build a new one with hvd.add_process_set(ranks).")
         target, ranks = process_set, process_set.ranks
@@ -110,7 +110,9 @@ def remove_process_set(process_set: ProcessSet, *, world: World | None = None) -
             "remove_process_set(global_process_set): the whole job cannot be removed. "
             "HINT: remove only sets you added; call hvd.shutdown() to end the job."
         )
-    removable = process_set.set_id is not None and process_set.world is w
+    # Created in this world (not in one that was shut down since) and not removed yet.
+    live = w.runtime.sets if w.runtime is not None else {}
+    removable = process_set.set_id is not None and live.get(process_set.set_id) is process_set
     _agree(w, "remove_process_set", process_set.ranks if removable else ())
     if not removable:
         return False

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.compression import Compression, Compressor, fp16_scale_exponent
 from hvd_trainer.comm.errors import CommTypeError
-from hvd_trainer.comm.join import Transport
+from hvd_trainer.comm.join_board import Transport
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.process_set import ProcessSet
 
@@ -244,6 +244,6 @@ def identity_tensor(transport: Transport, device: torch.device) -> torch.Tensor:
 
 def run_identity_allreduce(transport: Transport, pset: ProcessSet) -> None:
     """Take part in one announced transport allreduce with the identity element; wait for it."""
-    device = torch.device("cpu") if transport[3] == "cpu" else pset.world.device
+    device = torch.device("cpu") if transport[3] == "cpu" else pset.device
     t = identity_tensor(transport, device)
     dist.all_reduce(t, op=_NAME_TO_TORCH[transport[2]], group=pset.group_for(t))

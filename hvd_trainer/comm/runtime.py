@@ -1,21 +1,21 @@
 """The comm layer's per-world runtime state: config, store, timeline and the process sets.
 
-Created by :func:`hvd_trainer.comm.world.init` and reachable only through ``World.runtime``
-(no module globals).
+Created by :func:`hvd_trainer.comm.session.init` and reachable only through ``World.runtime``
+(no module globals). It sits above :mod:`~hvd_trainer.comm.process_set`: a process set reads
+the runtime's config, store and timeline through ``World.runtime`` and never imports this module.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hvd_trainer.comm.checks import default_store
 from hvd_trainer.comm.config import CommConfig
+from hvd_trainer.comm.liveness import publish
+from hvd_trainer.comm.process_set import ProcessSet
+from hvd_trainer.comm.store import default_store
 from hvd_trainer.comm.timeline import Timeline
-
-if TYPE_CHECKING:
-    from hvd_trainer.comm.process_set import ProcessSet
-    from hvd_trainer.comm.world import World
+from hvd_trainer.comm.world import World
 
 __all__ = ["CommRuntime"]
 
@@ -38,14 +38,12 @@ class CommRuntime:
         self._size = 1
 
     def attach(self, world: World) -> None:
-        from hvd_trainer.comm.process_set import ProcessSet
-
+        """Create ``world``'s global process set (id 0) and publish this rank in the store
+        (its ``local_size`` for :meth:`homogeneous`, its host and pid for liveness)."""
         self._size = world.size
         self.global_set = ProcessSet._for_world(world, 0)
         self.sets[0] = self.global_set
         if self.store is not None and world.size > 1:
-            from hvd_trainer.comm.liveness import publish
-
             self.store.set(_LOCAL_SIZE_KEY.format(rank=world.rank), str(world.local_size))
             publish(self.store, world.rank)  # so a failed collective can name a dead rank
 

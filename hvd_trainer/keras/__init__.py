@@ -21,7 +21,14 @@ Importing this module imports Keras, so ``KERAS_BACKEND`` must be set first.
 
 from __future__ import annotations
 
-from hvd_trainer import (
+from hvd_trainer.comm import (
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    allgather_object,
+    broadcast_object,
     cross_rank,
     cross_size,
     init,
@@ -32,7 +39,6 @@ from hvd_trainer import (
     shutdown,
     size,
 )
-from hvd_trainer.comm import Average, Max, Min, Product, Sum, allgather_object, broadcast_object
 from hvd_trainer.keras import callbacks
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 from hvd_trainer.keras.collectives import KerasCollectiveError, allgather, allreduce, broadcast

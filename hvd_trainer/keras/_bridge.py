@@ -1,15 +1,19 @@
 """Gradient and variable transport between Keras tensors and the comm layer.
 
 - TensorFlow: gradients leave the graph through ``tf.numpy_function`` (stateful, so it runs
-  exactly once per step and in order), are packed into one flat buffer per dtype, reduced with
-  one comm allreduce each, and come back as numpy arrays. On CPU ``torch.from_numpy`` shares
-  memory, so the only copies are the pack and TF's copy of the result.
+  exactly once per step and in order), are packed into one flat buffer per wire dtype
+  (:mod:`hvd_trainer.comm.flatten`), reduced with one comm allreduce each, and come back as
+  numpy arrays. On CPU ``torch.from_numpy`` shares memory, so the only copies are the pack and
+  TF's copy of the result.
 - torch: the Keras variables' ``.value`` are leaf ``torch.nn.Parameter`` s, so the comm
   layer's hook-driven :class:`~hvd_trainer.comm.GradientReducer` reduces them while backward
   runs; ``DistributedOptimizer.apply`` only waits. With ``backward_passes_per_step > 1`` the
   hooks are not installed (Keras' train step zeroes ``.grad`` before every backward, so the
   sums live in separate accumulators) and the N-th ``apply`` does one grouped allreduce.
-- Variables (broadcast): numpy in, numpy out, one broadcast per dtype.
+- Variables (broadcast): numpy in, numpy out, one broadcast per wire dtype.
+
+Arrays travel in their own dtype when it is one of comm's ``SUPPORTED_DTYPES``, else as float32
+(e.g. ``ml_dtypes.bfloat16``): :func:`hvd_trainer.comm.flatten.numpy_wire_dtype`.
 """
 
 from __future__ import annotations
@@ -22,20 +26,11 @@ import torch
 
 from hvd_trainer.comm import allreduce_, broadcast_
 from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.flatten import flat_collective, numpy_to_wire, wire_to_numpy
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.world import World
 
 __all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays", "in_xla_context"]
-
-# numpy dtypes torch.from_numpy accepts; anything else (e.g. ml_dtypes.bfloat16) travels as float32.
-_TORCH_OK = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8")}
-
-
-def _groups(arrays: Sequence[np.ndarray]) -> dict[np.dtype, list[int]]:
-    groups: dict[np.dtype, list[int]] = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(np.dtype(a.dtype), []).append(i)
-    return groups
 
 
 class FlatBuffers:
@@ -47,33 +42,26 @@ class FlatBuffers:
     """
 
     def __init__(self) -> None:
-        self._slots: dict[tuple[np.dtype, int], tuple[list[np.ndarray], list[int]]] = {}
+        self._slots: dict[tuple[torch.dtype, int], tuple[list[torch.Tensor], list[int]]] = {}
 
-    def get(self, dtype: np.dtype, numel: int) -> np.ndarray:
-        bufs, turn = self._slots.setdefault((dtype, numel), ([np.empty(numel, dtype) for _ in range(2)], [0]))
+    def get(self, dtype: torch.dtype, device: torch.device, numel: int) -> torch.Tensor:
+        """A 1-D CPU tensor of ``numel`` elements of ``dtype`` (``device`` is always the CPU here)."""
+        bufs, turn = self._slots.setdefault(
+            (dtype, numel), ([torch.empty(numel, dtype=dtype, device=device) for _ in range(2)], [0])
+        )
         turn[0] ^= 1
         return bufs[turn[0]]
 
 
-def _pack(arrays: Sequence[np.ndarray], idx: list[int],
-          buffers: FlatBuffers | None = None) -> tuple[np.ndarray, np.dtype]:
-    dtype = np.dtype(arrays[idx[0]].dtype)
-    wire = dtype if dtype in _TORCH_OK else np.dtype("float32")
-    parts = [np.asarray(arrays[i], dtype=wire).ravel() for i in idx]
-    if buffers is None:
-        return np.concatenate(parts), dtype
-    flat = buffers.get(wire, sum(p.size for p in parts))
-    np.concatenate(parts, out=flat)
-    return flat, dtype
-
-
-def _unpack(flat: np.ndarray, arrays: Sequence[np.ndarray], idx: list[int], dtype: np.dtype,
-            out: list[Any]) -> None:
-    offset = 0
-    for i in idx:
-        n = int(np.prod(arrays[i].shape, dtype=np.int64))
-        out[i] = flat[offset : offset + n].reshape(arrays[i].shape).astype(dtype, copy=False)
-        offset += n
+def _arrays_collective(arrays: Sequence[np.ndarray], collective: Any,
+                       buffers: FlatBuffers | None, what: str) -> list[np.ndarray]:
+    """Flatten ``arrays`` per wire dtype, run ``collective`` in place on each flat tensor, and
+    return the results as arrays of the inputs' dtypes (views of the flat buffers if possible)."""
+    wired = [numpy_to_wire(a) for a in arrays]
+    tensors = [t for t, _ in wired]
+    views = flat_collective(tensors, collective, what=what,
+                            buffer=buffers.get if buffers is not None else None)
+    return [wire_to_numpy(v, dtype) for v, (_, dtype) in zip(views, wired, strict=True)]
 
 
 def allreduce_arrays(
@@ -99,24 +87,20 @@ def allreduce_arrays(
     Returns:
         New arrays, same shapes and dtypes as ``arrays``.
     """
-    out: list[Any] = [None] * len(arrays)
-    for idx in _groups(arrays).values():
-        flat, dtype = _pack(arrays, idx, buffers)
-        tensor = torch.from_numpy(flat)
-        allreduce_(tensor, op=op, name="keras.gradients", prescale_factor=prescale_factor,
+    def reduce(flat: torch.Tensor) -> None:
+        allreduce_(flat, op=op, name="keras.gradients", prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, compression=compression, world=world)
-        _unpack(tensor.numpy(), arrays, idx, dtype, out)
-    return out
+
+    return _arrays_collective(arrays, reduce, buffers, "Keras gradient allreduce")
 
 
 def broadcast_arrays(arrays: Sequence[np.ndarray], *, root_rank: int, world: World) -> list[np.ndarray]:
-    """Return ``root_rank``'s arrays on every rank (one broadcast per dtype)."""
-    out: list[Any] = [None] * len(arrays)
-    for idx in _groups(arrays).values():
-        flat, dtype = _pack(arrays, idx)
-        broadcast_(torch.from_numpy(flat), root_rank, name="keras.variables", world=world)
-        _unpack(flat, arrays, idx, dtype, out)
-    return out
+    """Return ``root_rank``'s arrays on every rank (one broadcast per wire dtype)."""
+
+    def bcast(flat: torch.Tensor) -> None:
+        broadcast_(flat, root_rank, name="keras.variables", world=world)
+
+    return _arrays_collective(arrays, bcast, None, "Keras variable broadcast")
 
 
 def in_xla_context() -> bool:

@@ -23,15 +23,11 @@ import numpy as np
 import torch
 
 from hvd_trainer import comm
+from hvd_trainer.comm.flatten import numpy_to_wire
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
 from hvd_trainer.comm.world import get_world
 
 __all__ = ["allreduce", "allgather", "broadcast", "KerasCollectiveError"]
-
-# numpy dtypes torch.from_numpy accepts; anything else (e.g. ml_dtypes.bfloat16) travels as float32.
-_TORCH_OK = {
-    np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8", "int8", "bool")
-}
 
 
 class KerasCollectiveError(ValueError):
@@ -66,12 +62,9 @@ def _run(value: Any, fn: Callable[[np.ndarray], np.ndarray], leading_dim_changes
 
 
 def _as_torch(array: np.ndarray) -> tuple[torch.Tensor, np.dtype]:
-    dtype = array.dtype
-    wire = dtype if dtype in _TORCH_OK else np.dtype("float32")
-    wire_array = np.asarray(array, dtype=wire)
-    if not (wire_array.flags.c_contiguous and wire_array.flags.writeable):
-        wire_array = wire_array.copy(order="C")  # keeps 0-d arrays 0-d (ascontiguousarray would not)
-    return torch.from_numpy(wire_array), dtype
+    """``array`` as a CPU tensor in comm's wire dtype (one set for every flattening path, see
+    :func:`hvd_trainer.comm.flatten.numpy_wire_dtype`), and the dtype to convert back to."""
+    return numpy_to_wire(array)
 
 
 def allreduce(

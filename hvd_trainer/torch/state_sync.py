@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import World, broadcast_, broadcast_object, get_world
+from hvd_trainer.comm.flatten import flat_collective_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors_"]
 
@@ -34,21 +35,15 @@ def _check_root(root_rank: int, world: World) -> None:
 def broadcast_tensors_(tensors: list[torch.Tensor], root_rank: int, *, world: World) -> None:
     """Overwrite every tensor with ``root_rank``'s values, in place.
 
-    Tensors are grouped by (device, dtype) and each group is sent as one flat buffer.
-    Every rank must pass tensors of the same shapes and dtypes in the same order.
+    Tensors are grouped by (device, dtype) and each group is sent as one flat buffer
+    (:mod:`hvd_trainer.comm.flatten`). Every rank must pass tensors of the same shapes and
+    dtypes in the same order.
+
+    Raises:
+        CommTypeError: a dtype that cannot travel (e.g. int16; see ``SUPPORTED_DTYPES``).
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    with torch.no_grad():
-        for (_, _), ts in groups.items():
-            flat = torch.cat([t.detach().reshape(-1) for t in ts])
-            broadcast_(flat, root_rank, world=world)
-            offset = 0
-            for t in ts:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+    flat_collective_(tensors, lambda flat: broadcast_(flat, root_rank, world=world),
+                     what="broadcast_parameters")
 
 
 def _as_tensor_list(params: Any) -> list[torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Uneven inputs: :func:`join` (Horovod semantics) over the job's key-value store.
+"""The store protocol behind :func:`~hvd_trainer.comm.collectives.join` (uneven inputs, Horovod
+semantics), over the job's key-value store.
 
 A rank that has run out of data calls ``join()``. Until every rank of the set has joined:
 

@@ -1,0 +1,255 @@
+"""Init and shutdown of the comm layer, in one place: Horovod's ``init(comm, process_sets)``.
+
+:func:`init` reads what launched this process (:func:`~hvd_trainer.comm.world.detect_launch_env`),
+initialises ``torch.distributed`` with NCCL when every local process can have its own GPU and
+gloo otherwise, builds the frozen :class:`~hvd_trainer.comm.world.World` with its
+:class:`~hvd_trainer.comm.runtime.CommRuntime` (config, store, timeline, process sets), publishes
+this rank for dead-rank detection, creates the process sets passed to it and makes the world the
+current one. :func:`shutdown` undoes all of it (and runs at interpreter exit).
+
+This module is the top of the comm layer's bootstrap: it imports the world, the runtime, the
+process-set registry and liveness; none of them imports it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hvd_trainer.comm.config import CommConfig
+from hvd_trainer.comm.errors import CommTypeError, CommValueError
+from hvd_trainer.comm.fatal import flush_before_hard_exit
+from hvd_trainer.comm.launch_env import LaunchEnv
+from hvd_trainer.comm.liveness import mark_exited
+from hvd_trainer.comm.process_set import ProcessSet
+from hvd_trainer.comm.process_set_registry import register_process_sets
+from hvd_trainer.comm.runtime import CommRuntime
+from hvd_trainer.comm.store import generation_store
+from hvd_trainer.comm.world import World, detect_launch_env, get_world, is_initialized, set_current
+
+__all__ = ["init", "shutdown", "check_comm_arg", "DEFAULT_TIMEOUT_SECONDS"]
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+"""Default timeout of the process group's collectives and rendezvous, seconds."""
+
+
+def init(
+    comm: Any = None,
+    process_sets: Sequence[ProcessSet] | str | None = None,
+    *,
+    backend: str | None = None,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    config: CommConfig | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> World:
+    """Join the job started by hvdrun/torchrun (or form a world of one) and return the World.
+
+    ``init(comm=None, process_sets=None)`` is Horovod's signature; the keywords are ours.
+    Idempotent: a second call returns the existing world (and still creates the
+    ``process_sets`` it is given). If ``torch.distributed`` was already initialised by someone
+    else (e.g. Lightning), that group is adopted.
+
+    Args:
+        comm: ``None``, or (Horovod) all launched ranks as a list or an mpi4py communicator
+            of the job's size; a subset is rejected (see :func:`check_comm_arg`).
+        process_sets: ``ProcessSet`` objects built before ``init()`` to create now, in order,
+            on every rank; or ``"dynamic"`` / ``None`` (sets can always be added later with
+            :func:`~hvd_trainer.comm.process_set_registry.add_process_set`).
+        backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when every process on this node can
+            have its own GPU, else gloo on the CPU (with a warning when there are GPUs, but
+            fewer than the node's processes).
+        timeout_seconds: timeout of the process group's collectives and rendezvous, seconds.
+        config: checks, stall inspection and timeline settings (default:
+            ``CommConfig.from_env()``, which reads ``HOROVOD_TIMELINE`` and the stall variables).
+        environ: environment to read instead of ``os.environ`` (tests).
+
+    Returns:
+        The :class:`~hvd_trainer.comm.world.World` (rank, size, local_rank, ..., device, backend).
+
+    Raises:
+        ValueError: inconsistent launcher variables, or NCCL requested without a GPU.
+        CommValueError: ``comm`` is a subset of the job; duplicate ``process_sets``.
+        CommTypeError: ``comm`` or a ``process_sets`` entry has the wrong type.
+    """
+    check_comm_arg(comm, environ)
+    world = _start_world(backend, timeout_seconds, environ, config)
+    register_process_sets(process_sets, world=world)
+    return world
+
+
+def _start_world(
+    backend: str | None,
+    timeout_seconds: float,
+    environ: Mapping[str, str] | None,
+    config: CommConfig | None,
+) -> World:
+    """Initialise the global process group once and make its :class:`World` the current one."""
+    if is_initialized():
+        return get_world()
+    info = detect_launch_env(environ)
+    device, backend = _pick_device(info.local_rank, backend, info.local_size)
+    timeout = timedelta(seconds=timeout_seconds)
+    if not dist.is_initialized():
+        if info.size == 1 and info.master_addr is None:
+            # A world of one needs no rendezvous: an in-process store keeps every collective
+            # available (and identical in behaviour) without opening a port.
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
+        else:
+            os.environ.setdefault("MASTER_ADDR", info.master_addr or "127.0.0.1")
+            if info.master_port is not None:
+                os.environ.setdefault("MASTER_PORT", str(info.master_port))
+            dist.init_process_group(
+                backend, store=generation_store(info.rank, info.size, timeout), rank=info.rank,
+                world_size=info.size, timeout=timeout,
+            )
+    else:
+        backend = dist.get_backend()
+        info = LaunchEnv(
+            rank=dist.get_rank(),
+            size=dist.get_world_size(),
+            local_rank=info.local_rank,
+            local_size=info.local_size,
+            launcher=info.launcher,
+        )
+    runtime = CommRuntime(config or CommConfig.from_env(environ), info.rank)
+    world = replace(_world_from_group(info, device, backend), runtime=runtime)
+    set_current(world)
+    runtime.attach(world)
+    _shutdown_at_exit()
+    if world.size > 1 and runtime.store is not None:
+        store, rank = runtime.store, world.rank
+        flush_before_hard_exit(lambda: mark_exited(store, rank))  # a hard exit skips shutdown()
+    return world
+
+
+def _default_backend(local_size: int) -> str:
+    """NCCL when every local process can have its own GPU, else gloo (CPU), with a warning
+    when GPUs exist but are fewer than the local processes (a CPU job on a GPU host)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    count = torch.cuda.device_count()
+    if local_size <= count:
+        return "nccl"
+    warnings.warn(
+        f"{local_size} processes on this node but {count} GPU(s): hvd_trainer uses gloo on the CPU. "
+        "HINT: start at most one process per GPU (hvdrun -np <number of GPUs>) to train on the "
+        "GPUs, or pass init(backend='gloo') to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return "gloo"
+
+
+def _pick_device(
+    local_rank: int, backend: str | None, local_size: int = 1
+) -> tuple[torch.device, str]:
+    if backend is None:
+        backend = _default_backend(local_size)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, but torch.cuda.is_available() is False.")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(
+                f"local_rank {local_rank} has no GPU: this node has {count} CUDA device(s). "
+                "HINT: start at most one process per GPU (hvdrun -np <number of GPUs>)."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device, backend
+    return torch.device("cpu"), backend
+
+
+def _world_from_group(info: LaunchEnv, device: torch.device, backend: str) -> World:
+    local_size = info.local_size
+    cross_size = max(1, info.size // local_size) if info.size % local_size == 0 else -1
+    if cross_size == -1:
+        cross_size = (info.size + local_size - 1) // local_size
+    return World(
+        rank=info.rank,
+        size=info.size,
+        local_rank=info.local_rank,
+        local_size=local_size,
+        cross_rank=info.rank // local_size,
+        cross_size=cross_size,
+        device=device,
+        backend=backend,
+        group=dist.group.WORLD,
+        cpu_group=dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo"),
+    )
+
+
+def shutdown() -> None:
+    """Destroy the process group. Safe to call twice; ``init()`` may be called again after.
+
+    Also registered to run at interpreter exit (as Horovod does), so scripts need not call it.
+    After it, the :class:`World` and process sets a script still holds no longer reference any
+    process group: a gloo group that outlives ``destroy_process_group`` is destroyed during
+    interpreter finalisation instead, where its worker threads sometimes abort the process
+    ("terminate called without an active exception", exit status 134) after a successful run.
+    """
+    world = get_world() if is_initialized() else None
+    if world is not None and world.runtime is not None:
+        if world.size > 1 and world.runtime.store is not None:
+            mark_exited(world.runtime.store, world.rank)  # peers still waiting can name us
+        world.runtime.close()  # releases every process set's groups
+    if world is not None:
+        # World is frozen for users; releasing its group handles is the one mutation.
+        object.__setattr__(world, "group", None)
+        object.__setattr__(world, "cpu_group", None)
+    set_current(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups kept alive only by reference cycles go now, not at finalisation
+
+
+@functools.cache
+def _shutdown_at_exit() -> None:
+    """Register :func:`shutdown` to run at interpreter exit, once per process."""
+    atexit.register(shutdown)
+
+
+def check_comm_arg(comm: Any, environ: Mapping[str, str] | None = None) -> None:
+    """Accept Horovod's ``init(comm=...)`` when it means "every launched process".
+
+    hvd_trainer's world is always every process the launcher started. ``comm`` may be
+    ``None``, the list of all ranks (``[0, ..., size-1]``, any order) or an mpi4py communicator
+    of that size (e.g. ``MPI.COMM_WORLD``); anything smaller is rejected rather than silently
+    ignored.
+
+    Raises:
+        CommValueError: ``comm`` names a subset of the launched processes.
+        CommTypeError: ``comm`` is neither a list of ranks nor a communicator.
+    """
+    if comm is None:
+        return
+    size = detect_launch_env(environ).size
+    if hasattr(comm, "Get_size"):
+        asked, what = int(comm.Get_size()), f"a communicator of size {comm.Get_size()}"
+        ok = asked == size
+    elif isinstance(comm, list | tuple | range):
+        ranks = sorted(int(r) for r in comm)
+        ok, what = ranks == list(range(size)), f"ranks {ranks}"
+    else:
+        raise CommTypeError(
+            f"init(comm={comm!r}): expected a list of ranks or an mpi4py communicator, got "
+            f"{type(comm).__name__}. HINT: call hvd.init() without comm."
+        )
+    if not ok:
+        raise CommValueError(
+            f"init(comm=...) asked for {what}, but hvd_trainer's world is all {size} launched "
+            "processes. HINT: launch only the processes you need (hvdrun -np N), or keep them "
+            "all and run the subset's collectives on hvd.ProcessSet(ranks)."
+        )
