@@ -112,7 +112,7 @@ def mpi_built() -> bool:
 
 def mpi_enabled() -> bool:
     """Whether this process was launched by MPI (``mpirun``/``hvdrun --mpi``: Open MPI or
-    MPICH variables present). Works before :func:`~hvd_trainer.comm.world.init`.
+    MPICH variables present). Works before :func:`~hvd_trainer.comm.session.init`.
 
     Raises:
         ValueError: the launcher's variables are malformed (see ``detect_launch_env``).
