@@ -2,19 +2,22 @@
 checks, compression, process sets and the timeline.
 
 Knows nothing of Lightning or Keras; every upper layer sits on it. Inside, every import points
-down (no cycle, no import inside a function except the optional ``mpi4py``)::
+down: a module imports only modules of the rows below its own (no cycle, and no import inside a
+function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps it so)::
 
-    session         init / shutdown (Horovod's init(comm, process_sets))
-    objects         broadcast_object, allgather_object
-    collectives     the blocking forms: async + wait()   fusion   (GradientReducer)
-    autograd        differentiable allreduce / allgather / broadcast, on the async forms
-    reductions_async, movement_async   the async forms     flatten (one helper, one dtype set)
-    handle, reduce  Handle / poll / synchronize; the one allreduce path
-    runtime, process_set_registry, process_set   per-world state; process sets
-    checks          cross-rank signatures, stalls      timeline, build_info
-    liveness, join_board                               world (World, get_world, rank())
-    store           the job's key-value store          launch_env, config, ops, compression,
-                                                       errors, fatal, arguments
+    session                init / shutdown, Horovod's init(comm, process_sets)
+    runtime                per-world state: config, store, timeline, the live process sets
+    objects                broadcast_object, allgather_object
+    collectives            the blocking forms: the async forms + wait(); join
+    autograd               differentiable allreduce / allgather / broadcast, on the async forms
+    reductions_async  movement_async  fusion      the async forms; the gradient reducer
+    handle  reduce         Handle / poll / synchronize; the one allreduce path
+    process_set_registry   add / remove / register process sets
+    process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
+    checks                 cross-rank signature checks, stall inspection
+    timeline  build_info
+    world  liveness  join_board  flatten  ops  arguments
+    store  config  launch_env  compression  errors  fatal
 """
 
 from __future__ import annotations

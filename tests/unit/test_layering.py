@@ -7,6 +7,8 @@
    by design). Optional third-party dependencies may be imported inside functions.
 3. Layer order: comm is the bottom; callbacks/, checkpoint.py and elastic/ sit on comm only;
    torch/, keras/ and launch/ never reach into the other front ends.
+4. Inside comm, a module imports only modules of lower rows of :data:`COMM_ROWS` (the table
+   in ``hvd_trainer/comm/__init__.py``'s docstring).
 
 Edges: ``import a.b`` is an edge to ``a.b``; ``from a import b`` is an edge to ``a.b`` when that
 is a module, else to ``a``. The implicit import of parent packages is not an edge (every
@@ -59,6 +61,23 @@ ALLOWED_LAYER_EDGES = {
     # torch/sync_batchnorm.py: removed by the resolvers branch
     ("hvd_trainer.torch.sync_batchnorm", "hvd_trainer.lightning.plugins"),
 }
+
+COMM_ROWS = (
+    ("session",),
+    ("runtime",),
+    ("objects",),
+    ("collectives",),
+    ("autograd",),
+    ("reductions_async", "movement_async", "fusion"),
+    ("handle", "reduce"),
+    ("process_set_registry",),
+    ("process_set",),
+    ("checks",),
+    ("timeline", "build_info"),
+    ("world", "liveness", "join_board", "flatten", "ops", "arguments"),
+    ("store", "config", "launch_env", "compression", "errors", "fatal"),
+)
+"""The comm layer top to bottom; a module may import only modules of the rows below its own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +269,22 @@ def _allowed(importer: str, imported: str) -> bool:
 def test_lower_layers_never_import_upper_ones() -> None:
     bad = _layer_violations()
     assert not bad, _report("imports that point up (or across front ends)", bad)
+
+
+def test_comm_modules_import_only_lower_rows() -> None:
+    row = {f"hvd_trainer.comm.{name}": i for i, names in enumerate(COMM_ROWS) for name in names}
+    modules = {m for m in _modules() if m.startswith("hvd_trainer.comm.")}
+    assert modules == set(row), (
+        f"comm modules missing from COMM_ROWS: {sorted(modules - set(row))}; listed but absent: "
+        f"{sorted(set(row) - modules)}. HINT: put a new module in a row above every "
+        "module it imports and below every module that imports it, here and in the table of "
+        "hvd_trainer/comm/__init__.py."
+    )
+    bad = [
+        e for e in _internal_edges()
+        if e.importer in row and e.imported in row and row[e.imported] <= row[e.importer]
+    ]
+    assert not bad, _report("comm imports that do not point to a lower row of COMM_ROWS", bad)
 
 
 def test_the_rules_see_violations() -> None:
