@@ -96,7 +96,8 @@ class _HorovodStrategyLogic:
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
         compression: wire format of gradient buckets: ``Compression.none`` (default),
             ``Compression.fp16``, ``Compression.bf16`` or the strings ``"none"``, ``"fp16"``,
-            ``"bf16"``. Gradients are scaled before the cast, so fp16 does not overflow.
+            ``"bf16"``, or a ``Compressor`` subclass (:meth:`Compression.resolve`). Gradients are
+            scaled before the cast, so fp16 does not overflow.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
@@ -144,7 +145,7 @@ class _HorovodStrategyLogic:
         first_bucket_bytes: int | None = None,
         timeout_seconds: float = 600.0,
         scale_lr_by_world_size: bool = False,
-        compression: Compressor | str | None = None,
+        compression: Compressor | type[Compressor] | str | None = None,
         elastic: bool | None = None,
         elastic_checkpoint_dir: str | os.PathLike[str] | None = None,
         elastic_commit_every_n_steps: int = 100,
@@ -161,7 +162,7 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
-        self._compression = _compression(compression)
+        self._compression = Compression.resolve(compression, error=StrategyConfigError)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -539,20 +540,6 @@ def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:
             )
         kwargs[name] = value
     return FusionConfig(**kwargs)
-
-
-def _compression(value: Compressor | str | None) -> Compressor:
-    if value is None:
-        return Compression.none
-    if isinstance(value, Compressor):
-        return value
-    choices = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
-    if isinstance(value, str) and value.lower() in choices:
-        return choices[value.lower()]
-    raise StrategyConfigError(
-        f"compression={value!r} is not a compressor. HINT: use one of {sorted(choices)} "
-        "or hvd_trainer.Compression.fp16 / .bf16 / .none."
-    )
 
 
 def _elastic_config(
