@@ -237,12 +237,12 @@ class _HorovodStrategyLogic:
     @override
     def setup_environment(self) -> None:
         env = self.cluster_environment
-        if isinstance(env, HorovodEnvironment):
-            env.launch_env()  # adopts Lightning's self-launch variables before comm reads them
+        # Lightning's self-launch exports no RANK: comm reads the environment's torchrun view
+        environ = env.environ() if isinstance(env, HorovodEnvironment) else None
         self.set_world_ranks()
         device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
         backend = "nccl" if device_type == "cuda" else "gloo"
-        self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds)
+        self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds, environ=environ)
         super().setup_environment()
 
     @override
