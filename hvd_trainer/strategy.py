@@ -50,9 +50,10 @@ from typing_extensions import override
 from hvd_trainer import comm
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.comm.world import World
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
-from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig, elastic_env
+from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
@@ -252,7 +253,7 @@ class _HorovodStrategyLogic:
         self._elastic = None
         if fitting and self.elastic:
             # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)
-            self._elastic = ElasticFit(self._elastic_config, trainer)
+            self._elastic = ElasticFit(self._elastic_config, trainer, self._require_world())
             self._elastic.start(trainer)
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync is not None:
@@ -276,7 +277,7 @@ class _HorovodStrategyLogic:
     def elastic(self) -> bool:
         """Whether ``fit`` commits and resumes (the ``elastic`` argument, or auto-detected)."""
         enabled = self._elastic_config.enabled
-        return elastic_env()[0] > 0 if enabled is None else enabled
+        return torchelastic_env().max_restarts > 0 if enabled is None else enabled
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
