@@ -51,9 +51,10 @@ from hvd_trainer import comm
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.comm.world import World
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
-from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig, elastic_env
+from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
@@ -97,7 +98,8 @@ class _HorovodStrategyLogic:
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
         compression: wire format of gradient buckets: ``Compression.none`` (default),
             ``Compression.fp16``, ``Compression.bf16`` or the strings ``"none"``, ``"fp16"``,
-            ``"bf16"``. Gradients are scaled before the cast, so fp16 does not overflow.
+            ``"bf16"``, or a ``Compressor`` subclass (:meth:`Compression.resolve`). Gradients are
+            scaled before the cast, so fp16 does not overflow.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
@@ -145,7 +147,7 @@ class _HorovodStrategyLogic:
         first_bucket_bytes: int | None = None,
         timeout_seconds: float = 600.0,
         scale_lr_by_world_size: bool = False,
-        compression: Compressor | str | None = None,
+        compression: Compressor | type[Compressor] | str | None = None,
         elastic: bool | None = None,
         elastic_checkpoint_dir: str | os.PathLike[str] | None = None,
         elastic_commit_every_n_steps: int = 100,
@@ -162,7 +164,7 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
-        self._compression = _compression(compression)
+        self._compression = Compression.resolve(compression, error=StrategyConfigError)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -237,12 +239,12 @@ class _HorovodStrategyLogic:
     @override
     def setup_environment(self) -> None:
         env = self.cluster_environment
-        if isinstance(env, HorovodEnvironment):
-            env.launch_env()  # adopts Lightning's self-launch variables before comm reads them
+        # Lightning's self-launch exports no RANK: comm reads the environment's torchrun view
+        environ = env.environ() if isinstance(env, HorovodEnvironment) else None
         self.set_world_ranks()
         device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
         backend = "nccl" if device_type == "cuda" else "gloo"
-        self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds)
+        self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds, environ=environ)
         super().setup_environment()
 
     @override
@@ -252,7 +254,7 @@ class _HorovodStrategyLogic:
         self._elastic = None
         if fitting and self.elastic:
             # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)
-            self._elastic = ElasticFit(self._elastic_config, trainer)
+            self._elastic = ElasticFit(self._elastic_config, trainer, self._require_world())
             self._elastic.start(trainer)
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync is not None:
@@ -276,7 +278,7 @@ class _HorovodStrategyLogic:
     def elastic(self) -> bool:
         """Whether ``fit`` commits and resumes (the ``elastic`` argument, or auto-detected)."""
         enabled = self._elastic_config.enabled
-        return elastic_env()[0] > 0 if enabled is None else enabled
+        return torchelastic_env().max_restarts > 0 if enabled is None else enabled
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -540,20 +542,6 @@ def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:
             )
         kwargs[name] = value
     return FusionConfig(**kwargs)
-
-
-def _compression(value: Compressor | str | None) -> Compressor:
-    if value is None:
-        return Compression.none
-    if isinstance(value, Compressor):
-        return value
-    choices = {"none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16}
-    if isinstance(value, str) and value.lower() in choices:
-        return choices[value.lower()]
-    raise StrategyConfigError(
-        f"compression={value!r} is not a compressor. HINT: use one of {sorted(choices)} "
-        "or hvd_trainer.Compression.fp16 / .bf16 / .none."
-    )
 
 
 def _elastic_config(

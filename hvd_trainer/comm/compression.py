@@ -14,6 +14,10 @@ Numerics (applied by the allreduce path, :mod:`hvd_trainer.comm.reduce`):
   fit fp32 therefore never overflow to ``inf``, and small values use fp16's precision instead of
   underflowing. Powers of two make the scaling exact. ``bf16`` has fp32's exponent range and
   needs no extra step.
+
+Every front end (the Lightning strategy, the torch and Keras ``DistributedOptimizer``, the Keras
+collectives) turns its ``compression=`` argument into a compressor with the one resolver
+:meth:`Compression.resolve`, so they accept exactly the same values.
 """
 
 from __future__ import annotations
@@ -22,14 +26,37 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression"]
+from hvd_trainer.comm.errors import CommValueError
+
+__all__ = [
+    "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+    "CompressionError",
+]
+
+_WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
+"""Wire dtypes the allreduce path supports (``None``: no cast)."""
+
+
+class CompressionError(CommValueError):
+    """``compression=`` is not a compressor the allreduce path can honour."""
 
 
 class Compressor:
-    """Interface: cast for the wire and back. ``wire_dtype`` is ``None`` for no compression."""
+    """Interface: cast for the wire and back. ``wire_dtype`` is ``None`` for no compression.
+
+    The allreduce path does not call :meth:`compress`/:meth:`decompress`: it reads
+    ``wire_dtype`` and casts itself, after scaling (see the module docstring). A subclass
+    therefore sets ``name`` and ``wire_dtype`` only; :meth:`Compression.resolve` rejects one
+    that overrides ``compress`` or ``decompress`` instead of ignoring them silently.
+    """
 
     name = "none"
     wire_dtype: torch.dtype | None = None
+
+    @property
+    def needs_global_scale(self) -> bool:
+        """Whether the allreduce applies fp16's global power-of-two scale (fp16 wire only)."""
+        return self.wire_dtype == torch.float16
 
     def applies_to(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is cast (floating and wider than the wire dtype)."""
@@ -59,7 +86,6 @@ class FP16Compressor(Compressor):
 
     name = "fp16"
     wire_dtype = torch.float16
-    needs_global_scale = True
 
 
 class BF16Compressor(Compressor):
@@ -67,15 +93,71 @@ class BF16Compressor(Compressor):
 
     name = "bf16"
     wire_dtype = torch.bfloat16
-    needs_global_scale = False
 
 
 class Compression:
-    """Namespace of the available compressors (``Compression.fp16`` ...)."""
+    """Namespace of the available compressors (``Compression.fp16`` ...) and their resolver."""
 
     none: Compressor = NoneCompressor()
     fp16: Compressor = FP16Compressor()
     bf16: Compressor = BF16Compressor()
+
+    @staticmethod
+    def resolve(value: Any, *, error: type[Exception] = CompressionError) -> Compressor:
+        """The compressor for a ``compression=`` argument; the one resolver of every front end.
+
+        Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``
+        (any case), a :class:`Compressor` instance, or a :class:`Compressor` subclass
+        (instantiated without arguments).
+
+        Args:
+            value: what the user passed as ``compression=``.
+            error: the exception class to raise (a front end passes its own argument error).
+
+        Raises:
+            CompressionError (or ``error``): anything else; a compressor whose ``wire_dtype`` is
+                not ``None``/``torch.float16``/``torch.bfloat16``; a subclass that overrides
+                ``compress``/``decompress`` (the allreduce casts itself and would ignore them).
+                The message echoes the value.
+        """
+        if value is None:
+            return Compression.none
+        if isinstance(value, str) and value.lower() in _BY_NAME:
+            return _BY_NAME[value.lower()]
+        if isinstance(value, type) and issubclass(value, Compressor):
+            value = value()
+        if not isinstance(value, Compressor):
+            raise error(
+                f"compression={value!r} is not a compressor. HINT: use one of "
+                f"{sorted(_BY_NAME)} or hvd_trainer.Compression.none / .fp16 / .bf16."
+            )
+        _check_compressor(value, error)
+        return value
+
+
+_BY_NAME: dict[str, Compressor] = {
+    "none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16,
+}
+
+
+def _check_compressor(value: Compressor, error: type[Exception]) -> None:
+    """Reject what the allreduce path could not honour (it reads only ``wire_dtype``/``name``)."""
+    cls = type(value)
+    overridden = [m for m in ("compress", "decompress") if getattr(cls, m) is not getattr(Compressor, m)]
+    if overridden:
+        raise error(
+            f"compression={value!r} overrides {'/'.join(overridden)}(), which hvd_trainer's "
+            "allreduce never calls: it casts to the compressor's wire_dtype itself, after scaling, "
+            "so that fp16 sums cannot overflow. HINT: subclass Compressor setting only name and "
+            "wire_dtype (torch.float16 or torch.bfloat16), or use Compression.fp16 / .bf16."
+        )
+    if value.wire_dtype not in _WIRE_DTYPES:
+        raise error(
+            f"compression={value!r} has wire_dtype={value.wire_dtype}; the allreduce supports "
+            "None, torch.float16 and torch.bfloat16. HINT: use Compression.fp16 or .bf16."
+        )
+    if not isinstance(value.name, str):
+        raise error(f"compression={value!r} has name={value.name!r}; it must be a str (e.g. 'fp16').")
 
 
 FP16_TARGET_MAX = 2.0**15

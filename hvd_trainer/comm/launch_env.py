@@ -22,10 +22,18 @@ Variables read, by launcher (first match wins, in this order):
   (``scontrol show hostnames`` when on ``PATH``, else :func:`expand_nodelist`). Master port:
   ``MASTER_PORT`` or ``10000 + SLURM_JOB_ID % 50000``. Jobs named ``bash``/``interactive``
   (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning.
+* Lightning's script launcher (``python train.py`` with ``devices=N``): ``LOCAL_RANK`` and
+  ``WORLD_SIZE`` without ``RANK``; :func:`lightning_script_view` gives the torchrun view of them
+  (single node: global rank = local rank) without writing ``os.environ``.
+* torchrun's elastic agent: ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``,
+  ``TORCHELASTIC_MAX_RESTARTS``, read only by :func:`torchelastic_env`.
+
+:func:`launcher_rank` is the global rank without any rendezvous (for "print on rank 0 only").
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -37,10 +45,14 @@ from dataclasses import dataclass
 __all__ = [
     "LaunchEnv",
     "LaunchEnvError",
+    "TorchElasticEnv",
     "expand_nodelist",
     "from_torchrun",
     "from_mpi",
     "from_slurm",
+    "launcher_rank",
+    "lightning_script_view",
+    "torchelastic_env",
     "worker_launcher",
 ]
 
@@ -125,6 +137,22 @@ def _derived_port(job_key: str, base: int = 20000, span: int = 20000) -> int:
     return base + zlib.crc32(job_key.encode()) % span
 
 
+def _mpi_ranks(
+    env: Mapping[str, str],
+) -> tuple[int | None, int | None, int | None, int | None, str | None] | None:
+    """``(rank, size, local_rank, local_size, job_key)`` of Open MPI or MPICH/PMI, or ``None``."""
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return (_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+                _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE"))
+    if "PMI_RANK" in env:
+        return (_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
+                _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+                _int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"),
+                env.get("PMI_KVSNAME") or env.get("PMI_ID"))
+    return None
+
+
 def from_mpi(env: Mapping[str, str]) -> LaunchEnv | None:
     """Topology from Open MPI or MPICH/PMI variables, or ``None`` when neither is present.
 
@@ -132,20 +160,10 @@ def from_mpi(env: Mapping[str, str]) -> LaunchEnv | None:
         LaunchEnvError: ``size > 1`` on several nodes with no ``MASTER_ADDR``/``MASTER_PORT``
             and no importable ``mpi4py`` to agree on one.
     """
-    if "OMPI_COMM_WORLD_RANK" in env:
-        rank = _int(env, "OMPI_COMM_WORLD_RANK")
-        size = _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-        local_size = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-        job_key = env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
-    elif "PMI_RANK" in env:
-        rank = _int(env, "PMI_RANK")
-        size = _int(env, "PMI_SIZE")
-        local_rank = _int(env, "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
-        local_size = _int(env, "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")
-        job_key = env.get("PMI_KVSNAME") or env.get("PMI_ID")
-    else:
+    ranks = _mpi_ranks(env)
+    if ranks is None:
         return None
+    rank, size, local_rank, local_size, job_key = ranks
     if rank is None or size is None:
         raise LaunchEnvError(
             f"MPI rank variables are incomplete (rank={rank}, size={size}). "
@@ -260,15 +278,19 @@ def _slurm_local_size(env: Mapping[str, str], size: int, local_rank: int) -> int
     return max(local_rank + 1, size // nodes)
 
 
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    """Inside an ``srun`` step (an ``salloc`` shell named bash/interactive is not one)."""
+    return ("SLURM_PROCID" in env and "SLURM_NTASKS" in env
+            and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"))
+
+
 def from_slurm(env: Mapping[str, str]) -> LaunchEnv | None:
     """Topology from ``srun``'s variables, or ``None`` when not inside an ``srun`` step.
 
     Raises:
         LaunchEnvError: a malformed integer or node list.
     """
-    if "SLURM_PROCID" not in env or "SLURM_NTASKS" not in env:
-        return None
-    if env.get("SLURM_JOB_NAME") in ("bash", "interactive"):
+    if not _in_slurm_step(env):
         return None
     rank = _int(env, "SLURM_PROCID")
     size = _int(env, "SLURM_NTASKS")
@@ -296,7 +318,7 @@ def worker_launcher(env: Mapping[str, str]) -> str | None:
     Used by ``hvdrun`` to refuse to run inside an already launched worker. Looks only at
     variables a launcher sets per worker process (not a Slurm batch script with one task).
     """
-    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env):
+    if torchelastic_env(env).under_agent or ("RANK" in env and "WORLD_SIZE" in env):
         return "torchrun"
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
         return "mpi"
@@ -304,3 +326,81 @@ def worker_launcher(env: Mapping[str, str]) -> str | None:
             and "SLURM_PROCID" in env:
         return "slurm"
     return None
+
+
+def lightning_script_view(env: Mapping[str, str]) -> dict[str, str] | None:
+    """The torchrun view of Lightning's single-node self-launch variables, or ``None``.
+
+    Lightning's script launcher (``python train.py`` with ``Trainer(devices=N)`` and no
+    launcher) exports ``LOCAL_RANK`` and ``WORLD_SIZE`` but no ``RANK``. On one node the global
+    rank is the local rank, so the view is ``env`` plus ``RANK=LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE=WORLD_SIZE`` (unless set). ``env`` itself is not modified: pass the view
+    to :func:`~hvd_trainer.comm.world.detect_launch_env` / ``init(environ=...)``.
+
+    Returns ``None`` when ``RANK`` is present or ``LOCAL_RANK``/``WORLD_SIZE`` is missing.
+    """
+    if "RANK" in env or "LOCAL_RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    view = dict(env)
+    view["RANK"] = env["LOCAL_RANK"]
+    view.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    return view
+
+
+def launcher_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as its launcher reported it; 0 when nothing launched it.
+
+    Same precedence as :func:`~hvd_trainer.comm.world.detect_launch_env` (torchrun, then
+    Open MPI / MPICH, then Slurm; Lightning's self-launch counts as torchrun), but it reads
+    only the rank variables: no rendezvous, no ``mpi4py``, no ``scontrol``. For "print on global
+    rank 0 only" in a CLI, under every launcher.
+
+    Raises:
+        LaunchEnvError: a rank variable that is not an integer.
+    """
+    env = os.environ if env is None else env
+    env = lightning_script_view(env) or env
+    torchrun = from_torchrun(env)
+    if torchrun is not None:
+        return torchrun.rank
+    mpi = _mpi_ranks(env)
+    if mpi is not None and mpi[0] is not None:
+        return mpi[0]
+    if _in_slurm_step(env):
+        return _int(env, "SLURM_PROCID") or 0
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class TorchElasticEnv:
+    """What torchrun's elastic agent tells its workers (all defaults outside an agent)."""
+
+    under_agent: bool = False
+    """``TORCHELASTIC_RUN_ID`` is set: an elastic agent started this process."""
+    max_restarts: int = 0
+    """``TORCHELASTIC_MAX_RESTARTS``: how often the agent may restart the workers."""
+    restart_count: int = 0
+    """``TORCHELASTIC_RESTART_COUNT``: 0 in the first attempt, then 1, 2, ..."""
+    run_id: str = ""
+    """``TORCHELASTIC_RUN_ID``; ``""`` outside an agent."""
+
+    @property
+    def unique_run_id(self) -> bool:
+        """Whether ``run_id`` tells jobs apart (torchrun's static rendezvous calls every job
+        ``"none"``)."""
+        return self.run_id not in ("", "none")
+
+
+def torchelastic_env(env: Mapping[str, str] | None = None) -> TorchElasticEnv:
+    """Read torchrun's ``TORCHELASTIC_*`` variables (the one place that reads them).
+
+    Raises:
+        LaunchEnvError: ``TORCHELASTIC_MAX_RESTARTS``/``_RESTART_COUNT`` is not an integer.
+    """
+    env = os.environ if env is None else env
+    return TorchElasticEnv(
+        under_agent="TORCHELASTIC_RUN_ID" in env,
+        max_restarts=_int(env, "TORCHELASTIC_MAX_RESTARTS") or 0,
+        restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
+        run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+    )

@@ -40,6 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hvd_trainer.comm import World, barrier, init
+from hvd_trainer.comm.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
 
 __all__ = ["run", "default_checkpoint_dir"]
@@ -47,29 +49,33 @@ __all__ = ["run", "default_checkpoint_dir"]
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def default_checkpoint_dir() -> Path | None:
+def default_checkpoint_dir(elastic_env: TorchElasticEnv | None = None) -> Path | None:
     """``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>``, or ``None`` without a usable run id.
 
-    torchrun's static rendezvous uses the run id ``"none"`` for every job, which cannot tell
-    two jobs apart, so no default is given then (commits stay in memory; a warning says so).
+    The one rule for the automatic commit directory (``@elastic.run`` and the Lightning
+    strategy's elastic fit). torchrun's static rendezvous uses the run id ``"none"`` for every
+    job, which cannot tell two jobs apart, so no default is given then (``@elastic.run`` keeps
+    commits in memory with a warning; the Lightning fit falls back to its root directory).
+
+    Args:
+        elastic_env: torchrun's variables (default: read them, :func:`torchelastic_env`).
     """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    if run_id in ("", "none"):
+    env = torchelastic_env() if elastic_env is None else elastic_env
+    if not env.unique_run_id:
         return None
-    return Path(tempfile.gettempdir()) / "hvd_trainer_elastic" / run_id
+    return Path(tempfile.gettempdir()) / "hvd_trainer_elastic" / env.run_id
 
 
-def _resume(state: State, directory: Path | None) -> None:
-    from hvd_trainer.comm import init
-
+def _resume(state: State, directory: Path | None) -> World:
     world = init()
     path = None if directory is None else directory / STATE_FILENAME
     state.attach_file(path, writer=world.local_rank == 0)
     if world.rank == 0:
         state.load_committed()
-    state.sync()  # carries rank 0's commit count, so every rank knows whether it resumed
+    state.sync(world=world)  # carries rank 0's commit count, so every rank knows whether it resumed
     if state.commit_count > 0:
         state.on_reset()
+    return world
 
 
 def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None = None) -> Any:
@@ -99,10 +105,10 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
                     "checkpoint_dir=... or launch with hvdrun --min-np/--max-np.",
                     stacklevel=2,
                 )
-            _resume(state, directory)
+            world = _resume(state, directory)
             result = fn(state, *args, **kwargs)
             if not explicit and directory is not None:
-                _cleanup(directory)
+                _cleanup(directory, world)
             return result
 
         return wrapper  # type: ignore[return-value]
@@ -110,9 +116,7 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
     return decorate(func) if func is not None else decorate
 
 
-def _cleanup(directory: Path) -> None:
-    from hvd_trainer.comm import barrier, get_world
-
-    barrier()  # every rank finished: the commit is no longer needed
-    if get_world().local_rank == 0:
+def _cleanup(directory: Path, world: World) -> None:
+    barrier(world=world)  # every rank finished: the commit is no longer needed
+    if world.local_rank == 0:
         (directory / STATE_FILENAME).unlink(missing_ok=True)

@@ -15,16 +15,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from hvd_trainer.comm import World, get_world, is_initialized
+
 __all__ = ["ElasticSampler"]
-
-
-def _world() -> tuple[int, int]:
-    from hvd_trainer.comm.world import get_world, is_initialized
-
-    if not is_initialized():
-        return 0, 1
-    world = get_world()
-    return world.rank, world.size
 
 
 class ElasticSampler(Sampler[int]):
@@ -41,13 +34,16 @@ class ElasticSampler(Sampler[int]):
         seed: base seed of the permutation, identical on every rank.
         drop_last: drop the tail that does not fill every rank; otherwise pad by repeating
             the first remaining indices (like ``DistributedSampler``).
+        world: the world to shard over. Default: the initialised one, looked up at the first
+            iteration and kept (before ``hvd_trainer.init()`` the sampler acts as a world of one).
 
     Raises:
         ValueError: an empty dataset.
     """
 
     def __init__(
-        self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False
+        self, dataset: Sized, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+        world: World | None = None,
     ) -> None:
         if len(dataset) == 0:
             raise ValueError("ElasticSampler got an empty dataset (len 0). HINT: check the data path.")
@@ -60,6 +56,15 @@ class ElasticSampler(Sampler[int]):
         """Samples of this epoch consumed by all ranks together (a prefix of the order)."""
         self._start = 0
         self._replicas = 1
+        self.world = world
+
+    def _world(self) -> tuple[int, int]:
+        """``(rank, size)`` of :attr:`world`, resolved once (a world of one before ``init()``)."""
+        if self.world is None:
+            if not is_initialized():
+                return 0, 1
+            self.world = get_world()
+        return self.world.rank, self.world.size
 
     def _order(self) -> list[int]:
         if not self.shuffle:
@@ -77,12 +82,12 @@ class ElasticSampler(Sampler[int]):
         return rest
 
     def __iter__(self) -> Iterator[int]:
-        rank, replicas = _world()
+        rank, replicas = self._world()
         self._start, self._replicas = self.processed, replicas
         return iter(self._remaining(replicas)[rank::replicas])
 
     def __len__(self) -> int:
-        _, replicas = _world()
+        _, replicas = self._world()
         return len(self._remaining(replicas)) // replicas
 
     def set_epoch(self, epoch: int) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hvd_trainer.checkpoint import atomic_save, load_checkpoint
+from hvd_trainer.comm import World, broadcast_object, get_world
 
 __all__ = ["State", "ObjectState", "TorchState", "STATE_FILENAME"]
 
@@ -104,17 +105,23 @@ class State:
         if self._saved is not None:
             self._apply(self._saved)
 
-    def sync(self) -> None:
+    def sync(self, world: World | None = None) -> None:
         """Make every rank's state equal to rank 0's (broadcast over ``hvd_trainer.comm``).
 
         The synced state also becomes the committed snapshot, so ``restore()`` after
-        ``sync()`` returns to it. Needs :func:`hvd_trainer.init` first.
-        """
-        from hvd_trainer.comm import broadcast_object, get_world
+        ``sync()`` returns to it.
 
-        world = get_world()
+        Args:
+            world: the world to sync over (default: the initialised one).
+
+        Raises:
+            NotInitializedError: no ``world`` and :func:`hvd_trainer.init` has not run.
+        """
+        world = get_world() if world is None else world
         payload = (self._commit_count, self._capture()) if world.rank == 0 else None
-        self._commit_count, snapshot = broadcast_object(payload, root_rank=0, name="elastic.State.sync")
+        self._commit_count, snapshot = broadcast_object(
+            payload, root_rank=0, name="elastic.State.sync", world=world
+        )
         self._apply(snapshot)
         self._saved = snapshot
 

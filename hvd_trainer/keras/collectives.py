@@ -22,27 +22,26 @@ import keras
 import numpy as np
 import torch
 
-from hvd_trainer import comm
+import hvd_trainer.comm as comm
+from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.flatten import numpy_to_wire
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
 from hvd_trainer.comm.world import get_world
 
 __all__ = ["allreduce", "allgather", "broadcast", "KerasCollectiveError"]
 
 
 class KerasCollectiveError(ValueError):
-    """Contradictory arguments to a Keras-level collective (e.g. ``average`` and ``op``)."""
+    """Contradictory or invalid arguments to a Keras-level collective (e.g. ``average`` and
+    ``op``, or an unknown ``compression``)."""
 
 
 def _resolve_op(average: bool | None, op: ReduceOp | str | None) -> ReduceOp:
-    if average is not None and op is not None:
-        raise KerasCollectiveError(
-            f"allreduce got both average={average!r} and op={op!r}. HINT: pass only op= "
-            "(average= is Horovod's deprecated spelling)."
-        )
-    if average is not None:
-        return ReduceOp.AVERAGE if average else ReduceOp.SUM
-    return to_reduce_op(op)
+    try:
+        merged = op_or_average(op, average)
+    except ValueError as exc:  # both given: the comm layer's message, as our error
+        raise KerasCollectiveError(f"allreduce {exc}") from None
+    return to_reduce_op(merged)
 
 
 def _run(value: Any, fn: Callable[[np.ndarray], np.ndarray], leading_dim_changes: bool = False) -> Any:
@@ -74,7 +73,7 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     op: ReduceOp | str | None = None,
-    compression: Any = None,
+    compression: Compressor | type[Compressor] | str | None = None,
 ) -> Any:
     """Reduce ``value`` over all ranks (default: average).
 
@@ -84,26 +83,26 @@ def allreduce(
         average: Horovod's older flag (True = Average, False = Sum); do not combine with ``op``.
         prescale_factor / postscale_factor: multiply before / after the reduction.
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        compression: ``None`` or a compressor such as ``Compression.fp16`` (wire format only).
+        compression: wire format only: ``None``, ``Compression.fp16`` / ``.bf16`` / ``.none``, a
+            ``Compressor`` subclass or ``"none"``/``"fp16"``/``"bf16"``. The comm allreduce scales
+            before the cast (fp16: by the set size and a global power of two), so values that
+            fit float32 do not overflow.
 
     Returns:
         A backend tensor with the shape and dtype of ``value``.
 
     Raises:
-        KerasCollectiveError: both ``average`` and ``op`` were given.
+        KerasCollectiveError: both ``average`` and ``op`` were given, or ``compression`` is not
+            a compressor.
         hvd_trainer.CollectiveMismatchError: shapes or dtypes differ across ranks.
     """
     rop = _resolve_op(average, op)
+    compressor = Compression.resolve(compression, error=KerasCollectiveError)
 
     def reduce(array: np.ndarray) -> np.ndarray:
         tensor, dtype = _as_torch(array)
-        ctx = None
-        if compression is not None:
-            tensor, ctx = compression.compress(tensor)
         out = comm.allreduce(tensor, op=rop, name=name or "keras.allreduce", prescale_factor=prescale_factor,
-                             postscale_factor=postscale_factor, world=get_world())
-        if compression is not None:
-            out = compression.decompress(out, ctx)
+                             postscale_factor=postscale_factor, compression=compressor, world=get_world())
         return out.numpy().astype(dtype, copy=False)
 
     return _run(value, reduce)

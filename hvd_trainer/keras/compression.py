@@ -4,6 +4,7 @@
 :class:`~hvd_trainer.comm.compression.Compression`, so one set of compressors serves both
 Keras backends: the TensorFlow bridge and the torch path hand it to the comm allreduce, which
 scales before the cast (fp16: a global power-of-two scale, so sums cannot overflow).
+``compression=`` arguments are resolved by :meth:`Compression.resolve`, as in every front end.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from hvd_trainer.comm.compression import (
     BF16Compressor,
     Compression,
+    CompressionError,
     Compressor,
     FP16Compressor,
     NoneCompressor,
@@ -24,26 +26,13 @@ __all__ = [
 ]
 
 
-class CompressionError(ValueError):
-    """``compression=`` is not a known compressor."""
-
-
 def resolve_compression(compression: Any) -> Compressor:
-    """Return the comm :class:`Compressor` for ``compression``.
+    """The comm :class:`Compressor` for ``compression`` (:meth:`Compression.resolve`).
 
-    Accepts ``None`` (no compression), a compressor instance (``Compression.fp16``) or a
-    compressor class (``FP16Compressor``, instantiated here).
+    Accepts ``None``, ``"none"``/``"fp16"``/``"bf16"``, a compressor instance
+    (``Compression.fp16``) or a compressor class (``FP16Compressor``, instantiated here).
 
     Raises:
         CompressionError: anything else (the message echoes the value).
     """
-    if compression is None:
-        return Compression.none
-    if isinstance(compression, Compressor):
-        return compression
-    if isinstance(compression, type) and issubclass(compression, Compressor):
-        return compression()
-    raise CompressionError(
-        f"compression={compression!r} is not a compressor. HINT: pass "
-        "hvd_trainer.keras.Compression.none, .fp16 or .bf16."
-    )
+    return Compression.resolve(compression)

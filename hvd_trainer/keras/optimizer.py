@@ -12,18 +12,25 @@ from typing import Any
 
 import keras
 
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
-from hvd_trainer.comm.world import World, get_world
+from hvd_trainer.comm import (
+    Compression,
+    Compressor,
+    GradientReducer,
+    ReduceOp,
+    World,
+    get_world,
+    grouped_allreduce_,
+)
+from hvd_trainer.comm.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.keras import _accumulate, _bridge
-from hvd_trainer.keras.compression import CompressionError, resolve_compression
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
 
 _LSO = keras.optimizers.LossScaleOptimizer
 
 
-class DistributedOptimizerError(ValueError):
-    """Invalid ``DistributedOptimizer`` arguments or an unsupported setup."""
+class DistributedOptimizerError(OptimizerArgumentError):
+    """Invalid ``DistributedOptimizer`` arguments or an unsupported setup (a ``ValueError``)."""
 
 
 class DistributedOptimizer(keras.optimizers.Optimizer):
@@ -82,7 +89,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         name: optional name (default ``"distributed_<inner name>"``).
         compression: wire format of floating gradients: ``None``/``Compression.none``,
             ``Compression.fp16`` or ``Compression.bf16`` (a compressor instance or class from
-            :mod:`hvd_trainer.keras.compression`); both backends.
+            :mod:`hvd_trainer.keras.compression`, or the strings ``"none"``/``"fp16"``/``"bf16"``;
+            see :meth:`~hvd_trainer.comm.compression.Compression.resolve`); both backends.
         backward_passes_per_step: N >= 1, ``apply()`` calls per update (see above).
         average_aggregated_gradients: with N > 1, divide the accumulated sum by N (default
             False, as in Horovod).
@@ -94,14 +102,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
         DistributedOptimizerError: unsupported ``op``, ``compression`` or factor, or
-            ``backward_passes_per_step`` not an int >= 1.
+            ``backward_passes_per_step`` not an int >= 1 (``True`` included).
     """
 
     def __init__(
         self,
         optimizer: keras.optimizers.Optimizer,
         name: str | None = None,
-        compression: Any = None,
+        compression: Compressor | type[Compressor] | str | None = None,
         backward_passes_per_step: int = 1,
         op: ReduceOp | str | None = None,
         gradient_predivide_factor: float = 1.0,
@@ -125,23 +133,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "optimizer is already a DistributedOptimizer; wrapping it twice would reduce "
                 "gradients twice. HINT: wrap the plain Keras optimizer once."
             )
-        rop = _check_args(op, backward_passes_per_step, gradient_predivide_factor)
-        try:
-            compressor = resolve_compression(compression)
-        except CompressionError as exc:
-            raise DistributedOptimizerError(str(exc)) from None
+        args = check_optimizer_args(
+            op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
+        )
+        compressor = Compression.resolve(compression, error=DistributedOptimizerError)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
             optimizer = _LSO(optimizer)
         super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
-        self._op = rop
+        self._op = args.op
         self._compression = compressor
-        self._passes = int(backward_passes_per_step)
+        self._passes = args.backward_passes_per_step
         self._average_passes = bool(average_aggregated_gradients)
         self._accum: Any = None  # _accumulate.TFAccumulation / TorchAccumulation when N > 1
-        self._predivide = float(gradient_predivide_factor)
+        self._predivide = args.gradient_predivide_factor
         self._world = world
         self._reducer = None
         self._buffers = _bridge.FlatBuffers()
@@ -214,8 +221,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._build_torch_reducer(var_list)
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
-        from hvd_trainer.comm import GradientReducer
-
         named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable]
         op, pre, post = self._scales()
         self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
@@ -262,8 +267,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Reduce the accumulators in place (one grouped allreduce); None where no rank had a gradient."""
         acc = self._accum
         if self.world.size > 1:
-            from hvd_trainer.comm import grouped_allreduce_
-
             op, pre, post = self._scales(passes=self._passes)
             grouped_allreduce_([*acc.sums, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
@@ -324,25 +327,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_numpy_accumulated(self, *arrays):
         return self._reduce_numpy(*arrays, passes=self._passes)
-
-
-def _check_args(op: ReduceOp | str | None, backward_passes_per_step: int, predivide: float) -> ReduceOp:
-    rop = to_reduce_op(op)
-    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise DistributedOptimizerError(f"op={op!r} is not supported; use Average or Sum.")
-    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-            or backward_passes_per_step < 1:
-        raise DistributedOptimizerError(
-            f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1. HINT: "
-            "backward_passes_per_step=2 applies the gradients of every 2 batches."
-        )
-    if not predivide > 0:
-        raise DistributedOptimizerError(f"gradient_predivide_factor={predivide!r} must be > 0.")
-    if predivide != 1.0 and rop is not ReduceOp.AVERAGE:
-        raise DistributedOptimizerError(
-            f"gradient_predivide_factor={predivide!r} only applies to op=Average, got {rop}."
-        )
-    return rop
 
 
 def _global_policy_is_mixed_float16() -> bool:

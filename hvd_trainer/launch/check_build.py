@@ -6,6 +6,10 @@ import importlib.metadata
 import importlib.util
 import shutil
 
+import torch
+
+from hvd_trainer.comm.build_info import gloo_built, mpi4py_installed, nccl_version
+
 __all__ = ["check_build_report"]
 
 
@@ -14,8 +18,6 @@ def _mark(ok: bool) -> str:
 
 
 def _nccl_line() -> str:
-    from hvd_trainer.comm.build_info import nccl_version
-
     version = nccl_version()
     if version is None:
         return f"{_mark(False)} NCCL"
@@ -38,10 +40,6 @@ def _version(dist_name: str) -> str | None:
 
 def check_build_report() -> str:
     """A Horovod ``--check-build``-style report; checks only, never initialises a transport."""
-    import torch
-
-    from hvd_trainer.comm.build_info import gloo_built, mpi4py_installed
-
     cuda = torch.cuda.is_available()
     count = torch.cuda.device_count() if cuda else 0
     keras_version = _version("keras")

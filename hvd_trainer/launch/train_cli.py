@@ -3,14 +3,14 @@
 A recipe is a module ``recipes/<NAME>.py`` that defines a dataclass ``Config`` (the schema)
 and ``run(cfg: Config) -> dict`` returning at least ``world_size``, ``val_acc``, ``epochs``,
 ``samples_per_s`` and ``wall_s``. Settings are merged in this order: the dataclass defaults,
-``conf/<NAME>.yaml``, then the command-line dotlist. Rank 0 prints one ``RESULT`` line.
+``conf/<NAME>.yaml``, then the command-line dotlist. Global rank 0 prints one ``RESULT`` line
+(under torchrun/hvdrun, mpirun, srun or Lightning's self-launch alike).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +18,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+from hvd_trainer.comm.launch_env import launcher_rank
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
 
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hvd-train: error: {exc}", file=sys.stderr)
         return 2
     result = module.run(cfg)
-    if result is not None and int(os.environ.get("RANK", "0")) == 0:
+    if result is not None and launcher_rank() == 0:  # RANK alone misses mpirun and srun
         print(format_result(result), flush=True)
     return 0
 

@@ -8,17 +8,20 @@ disagree about who is rank 0.
 It also understands Lightning's own single-node self-launch (``python train.py`` with
 ``Trainer(strategy="horovod", devices=N)``): Lightning's script launcher exports ``LOCAL_RANK`` and
 ``WORLD_SIZE`` (no ``RANK``) to the processes it starts; on one node the global rank equals the local
-rank, so :meth:`HorovodEnvironment.adopt_self_launch` writes the torchrun-style ``RANK`` and
-``LOCAL_WORLD_SIZE`` that ``detect_launch_env`` reads.
+rank, so :meth:`HorovodEnvironment.environ` hands ``detect_launch_env`` (and the strategy's
+``comm.init``) the torchrun view of them (:func:`~hvd_trainer.comm.launch_env.lightning_script_view`).
+``os.environ`` is not modified.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from lightning_fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
+from hvd_trainer.comm.launch_env import lightning_script_view
 from hvd_trainer.comm.world import LaunchEnv, detect_launch_env, free_port
 
 __all__ = ["HorovodEnvironment", "SelfLaunchError"]
@@ -26,11 +29,6 @@ __all__ = ["HorovodEnvironment", "SelfLaunchError"]
 
 class SelfLaunchError(RuntimeError):
     """``python train.py`` with ``num_nodes > 1`` and no launcher: processes cannot be started here."""
-
-
-def _lightning_self_launched() -> bool:
-    """True inside a process started by Lightning's script launcher (no RANK, LOCAL_RANK set)."""
-    return "RANK" not in os.environ and "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 class HorovodEnvironment(ClusterEnvironment):
@@ -46,20 +44,13 @@ class HorovodEnvironment(ClusterEnvironment):
 
     def launch_env(self) -> LaunchEnv:
         """What launched this process (a world of one when nothing did)."""
-        if _lightning_self_launched():
-            self.adopt_self_launch()
-        return detect_launch_env()
+        return detect_launch_env(self.environ())
 
     @staticmethod
-    def adopt_self_launch() -> None:
-        """Translate Lightning's single-node self-launch variables into torchrun's.
-
-        Only called when ``RANK`` is absent and ``LOCAL_RANK``/``WORLD_SIZE`` are present.
-        """
-        if "RANK" in os.environ:
-            return
-        os.environ["RANK"] = os.environ["LOCAL_RANK"]
-        os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+    def environ() -> Mapping[str, str]:
+        """The launcher variables to read: ``os.environ``, or inside a process of Lightning's
+        single-node self-launch its torchrun view (``RANK`` = ``LOCAL_RANK``), unwritten."""
+        return lightning_script_view(os.environ) or os.environ
 
     @property
     @override

@@ -37,12 +37,14 @@ same path, so a new job never resumes from an earlier job's state.
 
 Directory: ``elastic_checkpoint_dir`` if given (kept after the job); otherwise
 ``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>`` (what ``hvdrun`` gives: a fresh run id per
-job), or ``<trainer.default_root_dir>/hvd_elastic`` when torchrun gave no unique run id (static
+job; the rule of :func:`hvd_trainer.elastic.default_checkpoint_dir`), or
+``<trainer.default_root_dir>/hvd_elastic`` when torchrun gave no unique run id (static
 rendezvous). Automatic directories lose their commit file when ``fit`` ends normally.
 
-Environment (set by torchrun, read only here): ``TORCHELASTIC_MAX_RESTARTS`` (elastic mode
-is on by default when > 0), ``TORCHELASTIC_RESTART_COUNT`` (the attempt),
-``TORCHELASTIC_RUN_ID`` (the default directory and a guard against foreign commits).
+Environment (set by torchrun, read through :func:`hvd_trainer.comm.launch_env.torchelastic_env`):
+``TORCHELASTIC_MAX_RESTARTS`` (elastic mode is on by default when > 0),
+``TORCHELASTIC_RESTART_COUNT`` (the attempt), ``TORCHELASTIC_RUN_ID`` (the default directory
+and a guard against foreign commits).
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ import contextlib
 import itertools
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,12 +61,14 @@ import pytorch_lightning as pl
 from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from hvd_trainer import comm
+import hvd_trainer.comm as comm
 from hvd_trainer.checkpoint import atomic_save, load_checkpoint
+from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
+from hvd_trainer.elastic.run import default_checkpoint_dir
 
-__all__ = ["ElasticFitConfig", "ElasticFit", "elastic_env", "COMMIT_KEY"]
+__all__ = ["ElasticFitConfig", "ElasticFit", "COMMIT_KEY"]
 
 log = logging.getLogger(__name__)
 
@@ -90,30 +93,25 @@ class ElasticFitConfig:
     """Optimizer steps between mid-epoch commits; 0: commit at epoch ends only."""
 
 
-def elastic_env() -> tuple[int, int, str]:
-    """``(max_restarts, attempt, run_id)`` from torchrun's variables (0, 0, "" outside torchrun)."""
-    env = os.environ
-    return (int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0),
-            int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-            env.get("TORCHELASTIC_RUN_ID", ""))
-
-
-def _unique_run_id(run_id: str) -> bool:
-    return run_id not in ("", "none")  # torchrun's static rendezvous calls every job "none"
-
-
 class ElasticFit:
     """Commit/resume bookkeeping of one elastic ``fit`` (created by the strategy's ``setup``).
 
     Args:
         config: the strategy's elastic arguments.
         trainer: the fitting Trainer.
+        world: the world to commit and resume over (default: the initialised one).
     """
 
-    def __init__(self, config: ElasticFitConfig, trainer: pl.Trainer) -> None:
-        max_restarts, self.attempt, self.run_id = elastic_env()
+    def __init__(
+        self, config: ElasticFitConfig, trainer: pl.Trainer, world: comm.World | None = None
+    ) -> None:
+        self.world = comm.get_world() if world is None else world
+        env = torchelastic_env()
+        max_restarts, self.attempt, self.run_id = env.max_restarts, env.restart_count, env.run_id
+        self._unique_run_id = env.unique_run_id
         self.automatic = config.checkpoint_dir is None
-        directory = config.checkpoint_dir or _default_dir(self.run_id, trainer.default_root_dir)
+        directory = (config.checkpoint_dir or default_checkpoint_dir(env)
+                     or Path(trainer.default_root_dir) / "hvd_elastic")
         self.path = directory / f"lightning_fit{next(_FIT_CALLS)}.ckpt"
         self.every = config.commit_every_n_steps
         self.mid_epoch = self.every > 0
@@ -143,7 +141,7 @@ class ElasticFit:
         """
         trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, _ElasticCommit)]
         trainer.callbacks.append(_ElasticCommit(self))
-        world = comm.get_world()
+        world = self.world
         if self.attempt == 0:
             if world.local_rank == 0:
                 self.path.unlink(missing_ok=True)  # an earlier job's commit is not ours
@@ -207,7 +205,7 @@ class ElasticFit:
         if world.local_rank == 0 and self.path.exists():
             mine = load_checkpoint(self.path)
             meta = mine.get(COMMIT_KEY, {})
-            if _unique_run_id(self.run_id) and meta.get("run_id") != self.run_id:
+            if self._unique_run_id and meta.get("run_id") != self.run_id:
                 mine = None  # left by another job
         counts = comm.allgather_object(None if mine is None else mine[COMMIT_KEY]["commit"], world=world)
         found = [(c, -r) for r, c in enumerate(counts) if c is not None]
@@ -242,7 +240,7 @@ class ElasticFit:
         Every rank's RNG states (about 12 KB each) are allgathered first, so each writer
         stores all of them.
         """
-        world = comm.get_world()
+        world = self.world
         mine = capture_rng_states()
         mine["sampler"] = None if self._sampler is None else self._sampler.epoch_rng
         rng = comm.allgather_object(mine, name="elastic.rng", world=world)
@@ -268,18 +266,12 @@ class ElasticFit:
         """After a normal end of ``fit``: drop the commit of an automatic directory."""
         if not self.automatic:
             return
-        world = comm.get_world()
+        world = self.world
         comm.barrier(world=world)
         if world.local_rank == 0:
             self.path.unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # not empty: another fit's commit is still there
                 self.path.parent.rmdir()
-
-
-def _default_dir(run_id: str, default_root_dir: str) -> Path:
-    if _unique_run_id(run_id):
-        return Path(tempfile.gettempdir()) / "hvd_trainer_elastic" / run_id
-    return Path(default_root_dir) / "hvd_elastic"
 
 
 def _position(trainer: pl.Trainer) -> tuple[int, int]:

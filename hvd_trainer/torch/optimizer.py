@@ -33,6 +33,8 @@ import torch
 
 from hvd_trainer.comm import (
     Average,
+    Compression,
+    Compressor,
     FusionConfig,
     GradientReducer,
     Max,
@@ -40,30 +42,24 @@ from hvd_trainer.comm import (
     World,
     allreduce,
     get_world,
-    to_reduce_op,
+)
+from hvd_trainer.comm.optimizer_args import (
+    OptimizerArgumentError,
+    check_backward_passes_per_step,
+    check_optimizer_args,
 )
 from hvd_trainer.torch.sparse import sparse_allreduce
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError"]
 
 
-class OptimizerConfigError(ValueError):
-    """An argument of :class:`DistributedOptimizer` is invalid."""
+class OptimizerConfigError(OptimizerArgumentError):
+    """An argument of :class:`DistributedOptimizer` is invalid (a ``ValueError``)."""
 
 
 class GradientSyncError(RuntimeError):
     """The training loop called the optimizer out of order (e.g. ``zero_grad()`` while the
     gradients of this step are still being reduced)."""
-
-
-def _is_no_compression(compression: Any) -> bool:
-    if compression is None:
-        return True
-    try:  # Compression arrives with the comm layer's compression module.
-        from hvd_trainer.comm import Compression  # type: ignore[attr-defined]
-    except ImportError:
-        return False
-    return compression is Compression.none
 
 
 def _resolve_named(
@@ -105,24 +101,6 @@ def _resolve_named(
     return [(n, p) for n, p in named if id(p) in in_opt]
 
 
-def _validate(backward_passes_per_step: int, op: ReduceOp, predivide: float) -> None:
-    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-        raise OptimizerConfigError(
-            f"backward_passes_per_step={backward_passes_per_step!r} must be an int >= 1."
-        )
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise OptimizerConfigError(
-            f"op={op} is not supported by DistributedOptimizer. HINT: use Average or Sum."
-        )
-    if not predivide > 0:
-        raise OptimizerConfigError(f"gradient_predivide_factor={predivide!r} must be > 0.")
-    if predivide != 1.0 and op is not ReduceOp.AVERAGE:
-        raise OptimizerConfigError(
-            f"gradient_predivide_factor={predivide} needs op=Average, got op={op}. "
-            "HINT: leave gradient_predivide_factor=1.0 with op=Sum."
-        )
-
-
 class DistributedOptimizer(torch.optim.Optimizer):
     """Average gradients over ranks (overlapping backward), then run the wrapped optimizer.
 
@@ -156,8 +134,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         optimizer: the torch optimizer to wrap (not copied; its state is shared).
         named_parameters: ``(name, param)`` for every parameter of ``optimizer``; names must
             be unique. ``None`` names them by position.
-        compression: ``None`` (the default, same as ``Compression.none``) or a compressor of
-            the comm layer, passed to its GradientReducer.
+        compression: ``None`` (the default, same as ``Compression.none``),
+            ``Compression.fp16``/``.bf16``, a ``Compressor`` subclass, or the strings
+            ``"none"``/``"fp16"``/``"bf16"`` (see :meth:`hvd_trainer.Compression.resolve`).
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
         op: ``Average`` (default) or ``Sum``.
@@ -170,8 +149,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         world: the world to reduce over (default: ``hvd_trainer.get_world()``).
 
     Raises:
-        OptimizerConfigError: invalid ``named_parameters``, ``backward_passes_per_step``,
-            ``op`` or ``gradient_predivide_factor``; an option the comm layer lacks.
+        OptimizerConfigError: invalid ``named_parameters``, ``compression``,
+            ``backward_passes_per_step`` (``True`` included), ``op`` or
+            ``gradient_predivide_factor``; an option the comm layer lacks.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         NotInitializedError: ``hvd_trainer.init()`` has not run.
     """
@@ -184,7 +164,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-        compression: Any = None,
+        compression: Compressor | type[Compressor] | str | None = None,
         backward_passes_per_step: int = 1,
         op: ReduceOp | str | None = Average,
         gradient_predivide_factor: float = 1.0,
@@ -200,16 +180,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        self._op = to_reduce_op(op)
-        _validate(backward_passes_per_step, self._op, float(gradient_predivide_factor))
+        args = check_optimizer_args(
+            op, backward_passes_per_step, gradient_predivide_factor, error=OptimizerConfigError
+        )
+        self._op = args.op
+        self._compression = Compression.resolve(compression, error=OptimizerConfigError)
         self._inner = optimizer
         self._named = _resolve_named(optimizer, named_parameters)
         self._names = {id(p): n for n, p in self._named}
-        self._bpps = backward_passes_per_step
-        self._predivide = float(gradient_predivide_factor)
+        self._bpps = args.backward_passes_per_step
+        self._predivide = args.gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
-        self._compression = compression
         self._fusion_config = fusion_config
         self._reducer_kwargs = self._check_reducer_kwargs()
         self._world = get_world() if world is None else world
@@ -346,7 +328,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # -- reduction ----------------------------------------------------------------------------
     def _check_reducer_kwargs(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
-        if not _is_no_compression(self._compression):
+        if self._compression is not Compression.none:
             extra["compression"] = self._compression
         if self._predivide != 1.0:
             extra["prescale_factor"] = 1.0 / self._predivide
@@ -503,7 +485,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change ``backward_passes_per_step`` (between steps)."""
-        _validate(passes, self._op, self._predivide)
+        check_backward_passes_per_step(passes, error=OptimizerConfigError)
         self._check_not_due("set_backward_passes_per_step()")
         self._bpps = passes
 

@@ -15,19 +15,77 @@ Backward, with ``xhat = (x - mean) * invstd`` and ``g = dL/dy * weight``:
 ``dx = invstd * (g - sum(g)/N - xhat * sum(g * xhat)/N)``, where the two channel sums run
 over the global batch (one allreduce of ``2C`` numbers). ``dweight`` and ``dbias`` are this
 rank's sums; the gradient reducer then averages them like any other parameter gradient.
+
+Both collectives are the comm layer's named, cross-rank-checked ones (``"SyncBatchNorm.forward"``
+allgather, ``"SyncBatchNorm.backward"`` allreduce): a rank that skips a forward, or runs another
+collective in its place, raises :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` on every
+rank instead of hanging. A raw ``torch.distributed`` ``process_group`` (torch's own API) is still
+honoured, over plain ``torch.distributed`` calls without those checks; pass a comm
+:class:`~hvd_trainer.comm.ProcessSet` instead to keep them.
+
+The Lightning ``LayerSync`` plugin for this layer is
+:class:`hvd_trainer.lightning.plugins.HorovodSyncBatchNorm` (the torch API imports no Lightning).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hvd_trainer.comm import World, get_world, is_initialized
+from hvd_trainer.comm import ProcessSet, Sum, World, allgather, allreduce_, get_world, is_initialized
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
+
+FORWARD_NAME = "SyncBatchNorm.forward"
+"""Name of the statistics allgather (cross-rank checks, timeline)."""
+BACKWARD_NAME = "SyncBatchNorm.backward"
+"""Name of the gradient-sums allreduce."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Peers:
+    """Where the layer's two collectives run: a comm world / process set (checked), or a raw
+    ``torch.distributed`` group given as ``process_group`` (unchecked, torch's API)."""
+
+    size: int
+    world: World | None = None
+    process_set: ProcessSet | None = None
+    group: Any = None
+
+    def gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """``[k]`` on every rank -> ``[size, k]`` in rank order."""
+        if self.group is not None:
+            rows = [torch.empty_like(row) for _ in range(self.size)]
+            dist.all_gather(rows, row, group=self.group)
+            return torch.stack(rows)
+        return allgather(row.unsqueeze(0), name=FORWARD_NAME, process_set=self.process_set, world=self.world)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        if self.group is not None:
+            dist.all_reduce(tensor, group=self.group)
+            return tensor
+        return allreduce_(tensor, op=Sum, name=BACKWARD_NAME, process_set=self.process_set, world=self.world)
+
+
+class _WorldRef:
+    """Holds a layer's world. Copies of the layer share it (a ``World`` holds process groups,
+    which cannot be copied or pickled); a pickled layer drops it and resolves it again."""
+
+    __slots__ = ("world",)
+
+    def __init__(self, world: World | None) -> None:
+        self.world = world
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WorldRef:
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return _WorldRef, (None,)
 
 
 def _channel_dims(x: torch.Tensor) -> list[int]:
@@ -38,9 +96,7 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _gather_stats(
-    x: torch.Tensor, group: Any, size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gather_stats(x: torch.Tensor, peers: _Peers) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global per-channel (mean, M2) in fp32 or wider, and the global count N."""
     dims = _channel_dims(x)
     acc = _wide(x)
@@ -52,9 +108,7 @@ def _gather_stats(
         mean = acc.new_zeros(acc.shape[1])
         m2 = acc.new_zeros(acc.shape[1])
     local = torch.cat([mean.new_tensor([float(n)]), mean, m2])
-    gathered = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(gathered, local, group=group)
-    table = torch.stack(gathered)  # [size, 1 + 2C]
+    table = peers.gather_rows(local)  # [size, 1 + 2C]
     c = acc.shape[1]
     counts, means, m2s = table[:, :1], table[:, 1 : 1 + c], table[:, 1 + c :]
     total = counts.sum()
@@ -65,8 +119,8 @@ def _gather_stats(
 
 class _SyncBatchNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group, size):
-        mean, m2, total = _gather_stats(x, group, size)
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, peers):
+        mean, m2, total = _gather_stats(x, peers)
         if int(total.item()) <= 1:
             raise ValueError(
                 f"SyncBatchNorm needs more than 1 value per channel over all ranks, got "
@@ -87,7 +141,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if bias is not None:
             y = y + bias.view(shape)
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.group, ctx.total, ctx.bias_dtype = group, total, None if bias is None else bias.dtype
+        ctx.peers, ctx.total, ctx.bias_dtype = peers, total, None if bias is None else bias.dtype
         return y.to(x.dtype)
 
     @staticmethod
@@ -105,15 +159,14 @@ class _SyncBatchNormFn(torch.autograd.Function):
         if ctx.bias_dtype is not None:
             grad_b = sum_dy.to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
-            sums = torch.cat([sum_dy, sum_dy_xhat])
-            dist.all_reduce(sums, group=ctx.group)
+            sums = ctx.peers.sum_(torch.cat([sum_dy, sum_dy_xhat]))
             c = sum_dy.numel()
             g_sum_dy, g_sum_dy_xhat = sums[:c], sums[c:]
             w = weight.to(dy32.dtype) if weight is not None else torch.ones_like(g_sum_dy)
             g = dy32 - (g_sum_dy / ctx.total).view(shape)
             g = g - x32 * (g_sum_dy_xhat / ctx.total).view(shape)
             grad_x = (g * (w * invstd).view(shape)).to(dy.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class SyncBatchNorm(torch.nn.SyncBatchNorm):
@@ -125,19 +178,38 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
     communication; a world of one (or no ``hvd_trainer.init()``) falls back to
     ``F.batch_norm``. Every rank must run forward and backward of the layer together.
 
-    Args: as ``torch.nn.SyncBatchNorm``; ``process_group=None`` means the hvd_trainer world.
+    Args: as ``torch.nn.SyncBatchNorm``, plus ``world``. ``process_group``: ``None`` (the whole
+        world), a comm :class:`~hvd_trainer.comm.ProcessSet`, or a raw ``torch.distributed``
+        group (then without cross-rank checks). ``world``: the world to normalise over; default
+        the initialised one, looked up at the first training forward and kept (copies of the
+        layer share it).
 
     Raises:
         ValueError: input with fewer than 2 dims, or a single value per channel overall.
+        CollectiveMismatchError: ranks ran the layer's collectives out of step (one skipped a
+            forward, or ran another collective instead), raised on every rank.
     """
 
-    def _group_and_size(self, x: torch.Tensor) -> tuple[Any, int]:
-        if self.process_group is not None:
-            return self.process_group, dist.get_world_size(self.process_group)
-        if not is_initialized():
-            return None, 1
-        world: World = get_world()
-        return world.group_for(x), world.size
+    def __init__(self, *args: Any, world: World | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._world_ref = _WorldRef(world)
+
+    @property
+    def world(self) -> World | None:
+        """The world this layer normalises over (``None`` until resolved, or before ``init()``)."""
+        return self._world_ref.world
+
+    def _peers(self) -> _Peers:
+        group = self.process_group
+        if group is not None and not isinstance(group, ProcessSet):
+            return _Peers(size=dist.get_world_size(group), group=group)
+        if self._world_ref.world is None:
+            if not is_initialized():
+                return _Peers(size=1)
+            self._world_ref.world = get_world()
+        world = self._world_ref.world
+        size = world.size if group is None else group.size()
+        return _Peers(size=size, world=world, process_set=group)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
         self._check_input_dim(input)
@@ -151,21 +223,22 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         track = not self.training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
-        group, size = self._group_and_size(input) if self.training else (None, 1)
-        if not (bn_training and self.training) or size == 1:
+        peers = self._peers() if self.training else _Peers(size=1)
+        if not (bn_training and self.training) or peers.size == 1:
             return F.batch_norm(
                 input, running_mean, running_var, self.weight, self.bias, bn_training, factor,
                 self.eps,
             )
         return _SyncBatchNormFn.apply(
-            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, group,
-            size,
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, peers,
         )
 
     @classmethod
-    def convert_sync_batchnorm(cls, module: torch.nn.Module, process_group: Any = None):
+    def convert_sync_batchnorm(
+        cls, module: torch.nn.Module, process_group: Any = None, *, world: World | None = None
+    ):
         """Return ``module`` with every ``nn.BatchNorm*d`` (and torch ``SyncBatchNorm``)
-        replaced by this class, sharing the same parameters and buffers."""
+        replaced by this class, sharing the same parameters and buffers (and ``world``)."""
         out = module
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
             module, cls
@@ -173,6 +246,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             out = cls(
                 module.num_features, module.eps, module.momentum, module.affine,
                 module.track_running_stats, process_group, bias=module.bias is not None,
+                world=world,
             )
             if module.affine:
                 out.weight, out.bias = module.weight, module.bias
@@ -183,20 +257,10 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
             if hasattr(module, "qconfig"):
                 out.qconfig = module.qconfig
         for name, child in module.named_children():
-            out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_group, world=world))
         return out
 
 
-def convert_sync_batchnorm(module: torch.nn.Module) -> torch.nn.Module:
+def convert_sync_batchnorm(module: torch.nn.Module, *, world: World | None = None) -> torch.nn.Module:
     """Replace every BatchNorm layer of ``module`` by :class:`SyncBatchNorm` (see there)."""
-    return SyncBatchNorm.convert_sync_batchnorm(module)
-
-
-def __getattr__(name: str) -> Any:
-    # The Lightning plugin lives in hvd_trainer.lightning.plugins so that importing this module
-    # (and hvd_trainer) does not import Lightning.
-    if name == "HorovodSyncBatchNorm":
-        from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
-
-        return HorovodSyncBatchNorm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return SyncBatchNorm.convert_sync_batchnorm(module, world=world)

@@ -337,7 +337,9 @@ def argument_errors() -> dict:
     cases = {
         "op": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), op="max"),
         "passes": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
-        "compression": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), compression="fp16"),
+        # "fp16" is a valid spelling (Compression.resolve); an unknown name is not
+        "compression": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), compression="int8"),
+        "passes_bool": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=True),
         "predivide": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), gradient_predivide_factor=0),
         "kwarg": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), lr=0.1),
         "type": lambda: hk.DistributedOptimizer("sgd"),

@@ -37,6 +37,16 @@ def _collectives(hvd: Any, keras: Any) -> dict[str, Any]:
     out["fp16"] = keras.ops.convert_to_numpy(
         hvd.allreduce(np.array([1 / 3 + r], dtype="float32"), compression=hvd.Compression.fp16)
     ).tolist()
+    # fp16 wire of values beyond fp16's range (65504): the comm path scales before the cast
+    big = np.array([6.0e4, 1.0e5 * (r + 1), -7.0e4], dtype="float32")
+    fp16 = hvd.Compression.fp16
+    out["fp16_big_avg"] = keras.ops.convert_to_numpy(hvd.allreduce(big, compression=fp16)).tolist()
+    out["fp16_big_sum"] = keras.ops.convert_to_numpy(hvd.allreduce(big, op=hvd.Sum, compression="fp16")).tolist()
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        traced_big = tf.function(lambda t: hvd.allreduce(t, compression=fp16))
+        out["fp16_big_traced"] = traced_big(tf.constant(big)).numpy().tolist()
     rows = np.full((r + 1, 2), float(r), dtype="float32")
     out["gather"] = keras.ops.convert_to_numpy(hvd.allgather(rows)).tolist()
     out["bcast"] = keras.ops.convert_to_numpy(hvd.broadcast(np.array([r, 7 * r], dtype="int64"), 1)).tolist()
@@ -118,6 +128,11 @@ def test_collectives_on_keras_values(results) -> None:
         assert c["int_sum"] == [[3], "int32"]
         assert c["scalar"] == 0.5
         assert abs(c["fp16"][0] - (1 / 3 + 0.5)) < 1e-3
+        big_keys = ["fp16_big_avg"] + (["fp16_big_traced"] if backend == "tensorflow" else [])
+        for key, want in [*((k, [6.0e4, 1.5e5, -7.0e4]) for k in big_keys),
+                          ("fp16_big_sum", [1.2e5, 3.0e5, -1.4e5])]:
+            for got, w in zip(c[key], want, strict=True):  # finite, within fp16 rounding
+                assert abs(got - w) <= 1e-3 * abs(w), (key, c[key], want)
         assert c["gather"] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]  # rank 0: 1 row, rank 1: 2 rows
         assert c["bcast"] == [1, 7]
         assert "average=True" in c["both_error"] and "op=" in c["both_error"]

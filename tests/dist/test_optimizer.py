@@ -61,6 +61,12 @@ def _options(mode: str) -> dict:
         return {"gradient_predivide_factor": 4.0}
     if mode == "fp16":
         return {"compression": hvd.comm.Compression.fp16}
+    if mode == "fp16_str":  # resolved at construction (it used to fail at the first synchronize)
+        return {"compression": "fp16"}
+    if mode == "fp16_cls":
+        from hvd_trainer.comm.compression import FP16Compressor
+
+        return {"compression": FP16Compressor}
     return {}
 
 
@@ -431,10 +437,14 @@ def _has_fp16_compression() -> bool:
 
 @pytest.mark.skipif(not _has_fp16_compression(), reason="comm layer has no Compression.fp16")
 def test_fp16_compression() -> None:
-    results = run_workers(_options_checks, 2, args=([("sgd", "fp16")],), timeout_seconds=120)
+    cases = [("sgd", "fp16"), ("sgd", "fp16_str"), ("sgd", "fp16_cls")]
+    results = run_workers(_options_checks, 2, args=(cases,), timeout_seconds=120)
     err, w0 = results[0]["sgd-fp16"]
     assert err <= 1e-3  # gradients rounded to fp16 (11-bit significand) for transport
     assert w0 == results[1]["sgd-fp16"][1]
+    for spelling in ("sgd-fp16_str", "sgd-fp16_cls"):  # the same compressor, the same weights
+        assert results[0][spelling] == results[0]["sgd-fp16"], spelling
+        assert results[1][spelling][1] == results[1]["sgd-fp16"][1], spelling
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
 """SyncBatchNorm on 2 processes (gloo, CPU): each rank holds part of a batch; outputs, running
-statistics and gradients equal nn.BatchNorm on the whole batch."""
+statistics and gradients equal nn.BatchNorm on the whole batch. Its collectives are the comm
+layer's checked ones: a rank out of step gets CollectiveMismatchError, on every rank, fast."""
 
 from __future__ import annotations
 
 import copy
+import pickle
+import time
 
 import pytest
 import torch
@@ -78,6 +81,67 @@ def _worker() -> dict:
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
     return run_workers(_worker, 2, timeout_seconds=120)
+
+
+def _out_of_step_worker() -> dict:
+    """Each case: ranks run the layer's collectives out of step; every rank must raise."""
+    import hvd_trainer as hvd
+
+    r = hvd.rank()
+    bn = hvd.SyncBatchNorm(3)
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(r))
+    bn(x)  # in step: both ranks
+    out: dict = {"world_is_the_global": bn.world is hvd.get_world()}
+    copied = copy.deepcopy(bn)  # the copy shares the world (process groups cannot be copied)
+    out["copy_shares_world"] = copied.world is bn.world
+    out["pickle_drops_world"] = pickle.loads(pickle.dumps(bn)).world is None
+
+    def extra_forward() -> None:  # rank 0 runs one forward more, rank 1 goes on to the loss
+        if r == 0:
+            bn(x)
+        hvd.allreduce(torch.ones(1), name="loss_after_forward")
+
+    def other_collective() -> None:  # rank 1 runs a different collective instead of the forward
+        if r == 0:
+            bn(x)
+        else:
+            hvd.allgather(torch.zeros(1, 7), name="other_gather")
+
+    def skipped_backward() -> None:  # rank 1 skips backward (the gradient allreduce)
+        xr = x.clone().requires_grad_()
+        y = bn(xr)
+        if r == 0:
+            y.sum().backward()
+        hvd.allreduce(torch.ones(1), name="loss_after_backward")
+
+    for label, case in (("extra_forward", extra_forward), ("other_collective", other_collective),
+                        ("skipped_backward", skipped_backward)):
+        t0 = time.monotonic()
+        try:
+            case()
+            out[label] = ("no error", 0.0)
+        except hvd.CollectiveMismatchError as exc:
+            out[label] = (str(exc), time.monotonic() - t0)
+    return out
+
+
+OUT_OF_STEP_TEXT = {
+    "extra_forward": ["SyncBatchNorm.forward", "loss_after_forward"],
+    "other_collective": ["SyncBatchNorm.forward", "other_gather"],
+    "skipped_backward": ["SyncBatchNorm.backward", "loss_after_backward"],
+}
+
+
+def test_out_of_step_ranks_raise_a_mismatch_on_every_rank() -> None:
+    results = run_workers(_out_of_step_worker, 2, env={"HVD_TEST_PG_TIMEOUT": "60"}, timeout_seconds=120)
+    for r, res in enumerate(results):
+        assert res["world_is_the_global"] and res["copy_shares_world"] and res["pickle_drops_world"]
+        for label, needles in OUT_OF_STEP_TEXT.items():
+            message, seconds = res[label]
+            for needle in needles:
+                assert needle in message, (r, label, message)
+            assert "HINT" in message, (r, label)
+            assert seconds < 30, (r, label, seconds)  # an error, not a hang until the timeout
 
 
 @pytest.mark.parametrize("name", list(CASES))

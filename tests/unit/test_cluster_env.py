@@ -15,7 +15,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in LAUNCH_VARS:
         # set, then delete: monkeypatch then restores the original state, even for variables
-        # that HorovodEnvironment itself writes (RANK, LOCAL_WORLD_SIZE)
+        # a test (or Lightning's launcher) writes
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
 
@@ -51,7 +51,10 @@ def test_lightning_self_launch_variables_are_translated(monkeypatch: pytest.Monk
     assert env.creates_processes_externally is True
     import os
 
-    assert os.environ["RANK"] == "1" and os.environ["LOCAL_WORLD_SIZE"] == "2"
+    # the torchrun view is handed to comm, not written into the process environment
+    assert env.environ()["RANK"] == "1" and env.environ()["LOCAL_WORLD_SIZE"] == "2"
+    assert env.launch_env().local_size == 2
+    assert "RANK" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ
 
 
 def test_multi_node_self_launch_is_refused() -> None:

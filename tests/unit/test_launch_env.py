@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from hvd_trainer.comm import launch_env
-from hvd_trainer.comm.launch_env import LaunchEnv, LaunchEnvError, expand_nodelist, worker_launcher
+from hvd_trainer.comm.launch_env import (
+    LaunchEnv,
+    LaunchEnvError,
+    TorchElasticEnv,
+    expand_nodelist,
+    launcher_rank,
+    lightning_script_view,
+    torchelastic_env,
+    worker_launcher,
+)
 from hvd_trainer.comm.world import detect_launch_env
 
 CASES = [
@@ -135,3 +144,58 @@ def test_expand_nodelist_bad_range() -> None:
 )
 def test_worker_launcher(env: dict[str, str], expected: str | None) -> None:
     assert worker_launcher(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [
+        ({}, 0),
+        ({"RANK": "3", "WORLD_SIZE": "4"}, 3),
+        ({"RANK": "3"}, 0),  # no WORLD_SIZE: not torchrun (as detect_launch_env)
+        ({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4"}, 2),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, 1),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}, 5),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_JOB_NAME": "bash"}, 0),  # salloc shell
+        ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, 1),  # Lightning's self-launch
+        ({"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"}, 0),  # torchrun first
+    ],
+)
+def test_launcher_rank_without_rendezvous(env: dict[str, str], rank: int, monkeypatch) -> None:
+    def no_rendezvous():
+        raise AssertionError("launcher_rank must not rendezvous")
+
+    monkeypatch.setattr(launch_env, "_mpi4py_rendezvous", no_rendezvous)
+    assert launcher_rank(env) == rank
+
+
+def test_launcher_rank_agrees_with_detect_launch_env(monkeypatch) -> None:
+    monkeypatch.setattr(launch_env, "_mpi4py_rendezvous", lambda: None)
+    for env in ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_ADDR": "h",
+                 "MASTER_PORT": "1"},
+                {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+                {"RANK": "1", "WORLD_SIZE": "2"}):
+        assert launcher_rank(env) == detect_launch_env(env).rank == 1
+
+
+def test_lightning_script_view_does_not_modify_the_environment() -> None:
+    env = {"LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29600"}
+    view = lightning_script_view(env)
+    assert view == {**env, "RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert "RANK" not in env
+    assert detect_launch_env(view) == LaunchEnv(rank=1, size=2, local_rank=1, local_size=2,
+                                                master_port=29600, launcher="torchrun")
+    assert lightning_script_view({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}) is None
+    assert lightning_script_view({"LOCAL_RANK": "0"}) is None
+
+
+def test_torchelastic_env() -> None:
+    assert torchelastic_env({}) == TorchElasticEnv()
+    assert not TorchElasticEnv().unique_run_id
+    got = torchelastic_env({"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_MAX_RESTARTS": "3",
+                            "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert got == TorchElasticEnv(under_agent=True, max_restarts=3, restart_count=1, run_id="job7")
+    assert got.unique_run_id
+    static = torchelastic_env({"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_MAX_RESTARTS": ""})
+    assert static.under_agent and not static.unique_run_id and static.max_restarts == 0
+    with pytest.raises(LaunchEnvError, match="TORCHELASTIC_RESTART_COUNT='x'.*HINT"):
+        torchelastic_env({"TORCHELASTIC_RESTART_COUNT": "x"})

@@ -7,7 +7,8 @@ import copy
 import torch
 from pytorch_lightning.plugins.layer_sync import _BatchNormXd
 
-from hvd_trainer.torch.sync_batchnorm import HorovodSyncBatchNorm, SyncBatchNorm, convert_sync_batchnorm
+from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
+from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 
 def _net() -> torch.nn.Module:
@@ -39,3 +40,17 @@ def test_layer_sync_plugin_converts_and_reverts() -> None:
     assert type(synced[1]) is SyncBatchNorm and synced[1].weight is weight
     reverted = plugin.revert(synced)
     assert type(reverted[1]) is _BatchNormXd and reverted[1].weight is weight
+
+
+def test_a_given_world_is_kept_and_shared_by_conversion() -> None:
+    from hvd_trainer.comm.world import World
+
+    world = World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                  device=torch.device("cpu"), backend="gloo")
+    ref = _net()
+    net = convert_sync_batchnorm(copy.deepcopy(ref), world=world)
+    assert net[1].world is world and net[2][2].world is world
+    x = torch.randn(5, 2, 4, 4)
+    assert torch.equal(net(x), ref(x))  # a world of one: plain batch norm
+    assert copy.deepcopy(net)[1].world is world
+    assert SyncBatchNorm(3).world is None  # resolved at the first training forward, not before

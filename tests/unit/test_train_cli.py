@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -64,3 +67,44 @@ def test_result_line_format() -> None:
         {"world_size": 2, "val_acc": 0.9712, "epochs": 20, "samples_per_s": 1234.56, "wall_s": 42.04}
     )
     assert line == "RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.6 wall_s=42.0"
+
+
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+               "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
+               "SLURM_JOB_NAME")
+
+
+@pytest.mark.parametrize(
+    ("env", "prints"),
+    [
+        ({}, True),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, True),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, False),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, True),
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, False),
+        ({"PMI_RANK": "1", "PMI_SIZE": "2"}, False),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, True),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, False),
+        ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False),  # Lightning's self-launch, local rank 1
+    ],
+)
+def test_result_line_on_global_rank_0_only_under_every_launcher(
+    env: dict[str, str], prints: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    @dataclasses.dataclass
+    class FakeConfig:
+        steps: int = 1
+
+    recipe = types.ModuleType("recipes.fake_result")
+    recipe.Config = FakeConfig
+    recipe.run = lambda cfg: {"world_size": 2, "val_acc": 0.5, "epochs": cfg.steps,
+                              "samples_per_s": 1.0, "wall_s": 2.0}
+    monkeypatch.setitem(sys.modules, "recipes.fake_result", recipe)
+    assert main(["recipe=fake_result", "steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert ("RESULT world_size=2 val_acc=0.50 epochs=3" in out) is prints, (env, out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from hvd_trainer.comm.world import get_world
+from hvd_trainer.comm.world import World, get_world
 
 __all__ = ["BestModelCheckpoint"]
 
@@ -18,15 +18,22 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     Example:
         >>> BestModelCheckpoint(filepath="best.keras", monitor="val_loss")
+
+    Args:
+        world: the world whose rank 0 writes (default: the initialised one, looked up here).
+
+    Raises:
+        NotInitializedError: no ``world`` and ``hvd_trainer.init()`` has not run.
     """
 
     def __init__(self, filepath: str, monitor: str = "val_loss", verbose: int = 0,
                  save_weights_only: bool = False, mode: str = "auto", save_freq="epoch",
-                 initial_value_threshold: float | None = None) -> None:
+                 initial_value_threshold: float | None = None, *, world: World | None = None) -> None:
         super().__init__(filepath=filepath, monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq,
                          initial_value_threshold=initial_value_threshold)
-        self._is_writer = get_world().rank == 0
+        self.world = get_world() if world is None else world
+        self._is_writer = self.world.rank == 0
 
     def _save_model(self, epoch, batch, logs):
         if self._is_writer:

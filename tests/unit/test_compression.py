@@ -1,0 +1,174 @@
+"""Compression.resolve: the one resolver of ``compression=`` (comm, the Lightning strategy and the
+torch DistributedOptimizer here; the Keras front end in test_keras_arguments.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hvd_trainer.comm.compression import (
+    BF16Compressor,
+    Compression,
+    CompressionError,
+    Compressor,
+    FP16Compressor,
+    NoneCompressor,
+)
+from hvd_trainer.comm.world import World
+
+
+class WireOnly(Compressor):
+    """A user compressor that only chooses the wire dtype: honoured."""
+
+    name = "my_bf16"
+    wire_dtype = torch.bfloat16
+
+
+class OwnCast(Compressor):
+    """A Horovod-style compressor with its own compress/decompress: the allreduce cannot call it."""
+
+    name = "own"
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor.to(torch.float16), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor.to(ctx)
+
+
+class OwnDecompress(Compressor):
+    name = "own_decompress"
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class Int8Wire(Compressor):
+    name = "int8"
+    wire_dtype = torch.int8
+
+
+class HorovodStyle:
+    """Duck-typed (not a Compressor): rejected."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+ACCEPTED = [
+    (None, Compression.none),
+    ("none", Compression.none),
+    ("fp16", Compression.fp16),
+    ("bf16", Compression.bf16),
+    ("FP16", Compression.fp16),
+    (Compression.none, Compression.none),
+    (Compression.fp16, Compression.fp16),
+    (Compression.bf16, Compression.bf16),
+]
+
+REJECTED = [
+    ("int8", "compression='int8' is not a compressor"),
+    (16, "compression=16 is not a compressor"),
+    (torch.float16, "compression=torch.float16 is not a compressor"),
+    (HorovodStyle, "is not a compressor"),
+    (HorovodStyle(), "is not a compressor"),
+    (OwnCast, "overrides compress/decompress()"),
+    (OwnCast(), "overrides compress/decompress()"),
+    (OwnDecompress(), "overrides decompress()"),
+    (Int8Wire, "wire_dtype=torch.int8"),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), ACCEPTED)
+def test_resolve_accepts_names_and_instances(value: Any, expected: Compressor) -> None:
+    assert Compression.resolve(value) is expected
+
+
+@pytest.mark.parametrize(("cls", "wire"), [(NoneCompressor, None), (FP16Compressor, torch.float16),
+                                           (BF16Compressor, torch.bfloat16), (WireOnly, torch.bfloat16)])
+def test_resolve_instantiates_classes(cls: type, wire: torch.dtype | None) -> None:
+    got = Compression.resolve(cls)
+    assert type(got) is cls and got.wire_dtype == wire
+
+
+def test_global_fp16_scale_follows_the_wire_dtype() -> None:
+    # the allreduce scales fp16 wires globally (overflow safety), whatever the class is called
+    assert Compression.fp16.needs_global_scale and not Compression.bf16.needs_global_scale
+    assert not Compression.none.needs_global_scale
+
+    class MyHalf(Compressor):
+        name = "half"
+        wire_dtype = torch.float16
+
+    assert Compression.resolve(MyHalf).needs_global_scale
+
+
+@pytest.mark.parametrize(("value", "needle"), REJECTED)
+def test_resolve_rejects_with_the_value_and_a_hint(value: Any, needle: str) -> None:
+    with pytest.raises(CompressionError, match="HINT") as info:
+        Compression.resolve(value)
+    assert needle in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_resolve_raises_the_callers_error_class() -> None:
+    class FrontEndError(ValueError):
+        pass
+
+    with pytest.raises(FrontEndError, match="compression='zip'"):
+        Compression.resolve("zip", error=FrontEndError)
+
+
+# -- front ends: the Lightning strategy ----------------------------------------------------------
+@pytest.mark.parametrize(("value", "expected"), ACCEPTED)
+def test_strategy_accepts_every_form(value: Any, expected: Compressor) -> None:
+    from hvd_trainer.strategy import HorovodStrategy
+
+    assert HorovodStrategy(compression=value)._compression is expected
+    assert type(HorovodStrategy(compression=FP16Compressor)._compression) is FP16Compressor
+
+
+@pytest.mark.parametrize(("value", "needle"), REJECTED)
+def test_strategy_rejects_every_bad_form(value: Any, needle: str) -> None:
+    from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+
+    with pytest.raises(StrategyConfigError, match="HINT") as info:
+        HorovodStrategy(compression=value)
+    assert needle in str(info.value)
+
+
+# -- front ends: the torch DistributedOptimizer ----------------------------------------------------
+def _world_of_one() -> World:
+    return World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                 device=torch.device("cpu"), backend="gloo")
+
+
+def _torch_opt(**kwargs: Any):
+    import hvd_trainer as hvd
+
+    model = torch.nn.Linear(2, 1)
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model.named_parameters(), world=_world_of_one(), **kwargs)
+
+
+@pytest.mark.parametrize(("value", "expected"), ACCEPTED)
+def test_torch_optimizer_accepts_every_form(value: Any, expected: Compressor) -> None:
+    # "fp16" used to be stored as a string and fail at the first synchronize()
+    assert _torch_opt(compression=value)._compression is expected
+    assert type(_torch_opt(compression=BF16Compressor)._compression) is BF16Compressor
+
+
+@pytest.mark.parametrize(("value", "needle"), REJECTED)
+def test_torch_optimizer_rejects_every_bad_form_at_construction(value: Any, needle: str) -> None:
+    from hvd_trainer.torch.optimizer import OptimizerConfigError
+
+    with pytest.raises(OptimizerConfigError, match="HINT") as info:
+        _torch_opt(compression=value)
+    assert needle in str(info.value)
