@@ -16,8 +16,8 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
     timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
-    world  liveness  join_board  flatten  ops  arguments
-    store  config  launch_env  compression  errors  fatal
+    world  liveness  join_board  flatten  ops  arguments  compression
+    store  config  launch_env  errors  fatal
 """
 
 from __future__ import annotations

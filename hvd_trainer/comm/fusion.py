@@ -41,6 +41,7 @@ import torch
 from hvd_trainer.comm.checks import Signature
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.config import default_fusion_threshold_bytes
+from hvd_trainer.comm.errors import CommTypeError
 from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
@@ -173,7 +174,7 @@ class GradientReducer:
         self.op = to_reduce_op(op)
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
-        self.compression = compression
+        self.compression = Compression.resolve(compression, error=CommTypeError)
         self.prescale_factor = prescale_factor
         self.postscale_factor = postscale_factor
         self.active = process_set is None or process_set.included()

@@ -97,18 +97,13 @@ def _postprocess(t: torch.Tensor, rop: ReduceOp, post_factor: float, size: int) 
         t.copy_((t.double() * post_factor).to(t.dtype))
 
 
-def _validate(tensor: torch.Tensor, rop: ReduceOp, compression: Compressor) -> None:
+def _validate(tensor: torch.Tensor, rop: ReduceOp) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise CommTypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}.")
     if tensor.dtype == torch.bool and rop in (ReduceOp.AVERAGE, ReduceOp.PRODUCT):
         raise CommTypeError(
             f"op={rop.name} of a bool tensor is undefined. HINT: use Sum (logical or), Min or Max, "
             "or convert the tensor to an integer dtype."
-        )
-    if not isinstance(compression, Compressor):
-        raise CommTypeError(
-            f"compression={compression!r} is not a Compressor. HINT: use Compression.none, "
-            "Compression.fp16 or Compression.bf16."
         )
 
 
@@ -142,7 +137,7 @@ def start_allreduce(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
+    compression: Compressor | str | type | None = Compression.none,
     kind: str = "allreduce",
     sig: Signature | None = None,
     prescaled_post_factor: float | None = None,
@@ -154,10 +149,12 @@ def start_allreduce(
     bucket; only this factor is applied after the sum.
 
     Raises:
-        CommTypeError: not a tensor, bool Average/Product, or a bad compressor.
+        CommTypeError: not a tensor, bool Average/Product, or a compressor that
+            ``Compression.resolve`` rejects.
         CollectiveMismatchError, JoinedRankError, StallError: from the cross-rank checks.
     """
-    _validate(tensor, op, compression)
+    compression = Compression.resolve(compression, error=CommTypeError)
+    _validate(tensor, op)
     n = pset.size()
     compress = compression.applies_to(tensor) and op is not ReduceOp.PRODUCT
     global_scale = compress and getattr(compression, "needs_global_scale", False)

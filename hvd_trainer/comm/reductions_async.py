@@ -18,7 +18,7 @@ import torch
 
 from hvd_trainer.comm.arguments import require_tensor
 from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.errors import CommValueError
+from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.flatten import flatten
 from hvd_trainer.comm.handle import Handle
 from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
@@ -136,6 +136,7 @@ def grouped_allreduce_async(
         raise CommValueError(f"grouped_allreduce needs one device, got tensors on {devices}.")
     pset = resolve_set(process_set, world, "grouped_allreduce")
     rop = to_reduce_op(op_or_average(op, average))
+    compression = Compression.resolve(compression, error=CommTypeError)
     groups = flatten(tensors, what="grouped_allreduce")
     reductions = []
     for group in groups:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import hvd_trainer.comm as comm
 from hvd_trainer.comm.compression import (
     BF16Compressor,
     Compression,
@@ -172,3 +173,26 @@ def test_torch_optimizer_rejects_every_bad_form_at_construction(value: Any, need
     with pytest.raises(OptimizerConfigError, match="HINT") as info:
         _torch_opt(compression=value)
     assert needle in str(info.value)
+
+
+def test_comm_allreduce_resolves_compression_like_every_front_end() -> None:
+    # The allreduce path itself takes the same forms (a world of one needs no launcher).
+    was_initialized = comm.is_initialized()
+    comm.init()
+    try:
+        t = torch.tensor([1.5, -2.0])
+        for form in ("fp16", comm.Compression.fp16, type(comm.Compression.bf16)):
+            assert torch.equal(comm.allreduce(t, compression=form), t)
+        assert torch.equal(comm.grouped_allreduce([t], compression="bf16")[0], t)
+
+        class OwnCast(comm.Compressor):
+            def compress(self, tensor):  # type: ignore[override]
+                return tensor, None
+
+        with pytest.raises(comm.CommTypeError, match="compress"):
+            comm.allreduce(t, compression=OwnCast())
+        with pytest.raises(comm.CommTypeError, match="int8"):
+            comm.allreduce(t, compression="int8")
+    finally:
+        if not was_initialized:
+            comm.shutdown()

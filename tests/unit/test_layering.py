@@ -52,8 +52,8 @@ COMM_ROWS = (
     ("process_set",),
     ("checks",),
     ("timeline", "build_info", "optimizer_args"),
-    ("world", "liveness", "join_board", "flatten", "ops", "arguments"),
-    ("store", "config", "launch_env", "compression", "errors", "fatal"),
+    ("world", "liveness", "join_board", "flatten", "ops", "arguments", "compression"),
+    ("store", "config", "launch_env", "errors", "fatal"),
 )
 """The comm layer top to bottom; a module may import only modules of the rows below its own."""
 
