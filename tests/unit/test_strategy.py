@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 import hvd_trainer  # noqa: F401
@@ -17,6 +20,27 @@ def test_registered_once_and_idempotent() -> None:
     assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy
     register()  # a second registration is a no-op, not a "name already registered" error
     assert isinstance(StrategyRegistry.get("horovod"), HorovodStrategy)
+
+
+@pytest.mark.parametrize(
+    "first_import",
+    ["hvd_trainer.lightning.elastic", "hvd_trainer.lightning.callbacks", "hvd_trainer.lightning.cluster_env",
+     "hvd_trainer.lightning.plugins", "hvd_trainer.lightning.checkpoint_io", "hvd_trainer.strategy",
+     "pytorch_lightning"],
+)
+def test_registered_whichever_module_is_imported_first(first_import: str) -> None:
+    # A fresh interpreter, warnings as errors: importing any Lightning-side module first must
+    # neither warn (a half-initialised module met by the import hook) nor leave "horovod" out.
+    code = (
+        f"import {first_import}\n"
+        "import hvd_trainer\n"
+        "from pytorch_lightning.strategies import StrategyRegistry\n"
+        "from hvd_trainer.strategy import HorovodStrategy\n"
+        "assert StrategyRegistry['horovod']['strategy'] is HorovodStrategy\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_fusion_kwargs_reach_the_comm_config() -> None:
