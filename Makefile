@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 
-$(STAMP): $(PY) setup.cfg
+$(STAMP): $(PY) setup.cfg pyproject.toml
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[all]'
 	touch $(STAMP)
@@ -29,4 +29,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check hvd_trainer recipes tests bench
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build dist
