@@ -12,7 +12,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 
-$(STAMP): $(PY) setup.cfg pyproject.toml
+$(STAMP): $(PY) setup.cfg
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[all]'
 	touch $(STAMP)
