@@ -42,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hvd_trainer.comm._torch_compat import default_store as _torch_default_store
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, RankFailedError, StallError
 from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, exit_hard_at_exit
@@ -481,4 +482,4 @@ def default_store() -> Any:
     """The key-value store of the default process group (``None`` before init)."""
     if not dist.is_initialized():
         return None
-    return dist.distributed_c10d._get_default_store()
+    return _torch_default_store()

@@ -25,7 +25,7 @@ from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.world import World
 
-__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays", "in_xla_context"]
+__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays"]
 
 # numpy dtypes torch.from_numpy accepts; anything else (e.g. ml_dtypes.bfloat16) travels as float32.
 _TORCH_OK = {np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64", "uint8")}
@@ -118,19 +118,3 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], *, root_rank: int, world: Wor
         _unpack(flat, arrays, idx, dtype, out)
     return out
 
-
-def in_xla_context() -> bool:
-    """True while TensorFlow traces a function compiled with XLA (``jit_compile=True``).
-
-    Uses TF's internal control-flow utility; returns False if it is unavailable.
-    """
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - TF layout changed
-        return False
-    graph = tf_ops.get_default_graph()
-    try:
-        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
-    except Exception:  # noqa: BLE001 - private API: never let a probe break training
-        return False
