@@ -265,6 +265,18 @@ def test_lightning_fabric_optimizers_to_device() -> None:
     assert opt.state[w]["exp_avg"].device.type == "cpu"
 
 
+def test_lightning_all_gather_with_grads(world_of_one: hvd.World) -> None:
+    """Replaced private: lightning_fabric's _all_gather_ddp_if_available (the strategy calls
+    torch.distributed.nn.functional.all_gather, which it wrapped)."""
+    from hvd_trainer.strategy import HorovodStrategy
+
+    x = torch.arange(6.0).reshape(2, 3).requires_grad_()
+    gathered = HorovodStrategy().all_gather(x.t() * 2, sync_grads=True)  # not contiguous
+    assert gathered.shape == (1, 3, 2) and torch.equal(gathered[0], x.detach().t() * 2)
+    gathered.sum().backward()
+    assert x.grad is not None and x.grad.tolist() == [[2.0] * 3] * 2
+
+
 def test_lightning_module_trainer_when_detached(no_launcher: None) -> None:
     """Replaced private: LightningModule._trainer (public LightningModule.trainer raises)."""
     from hvd_trainer.lightning._compat import attached_trainer
