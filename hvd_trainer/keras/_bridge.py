@@ -117,4 +117,3 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], *, root_rank: int, world: Wor
         broadcast_(torch.from_numpy(flat), root_rank, name="keras.variables", world=world)
         _unpack(flat, arrays, idx, dtype, out)
     return out
-
