@@ -29,4 +29,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check hvd_trainer recipes tests bench
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build dist

@@ -36,15 +36,13 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning_fabric.utilities.distributed import _all_gather_ddp_if_available
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.plugins import TorchSyncBatchNorm
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.distributed.nn.functional import all_gather as differentiable_all_gather
 from typing_extensions import override
 
 from hvd_trainer import comm
@@ -53,6 +51,7 @@ from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.comm.world import World
+from hvd_trainer.lightning._compat import SubprocessScriptLauncher, attached_trainer, optimizers_to_device
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
 from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
@@ -232,7 +231,7 @@ class _HorovodStrategyLogic:
         env = self.cluster_environment
         assert env is not None
         if not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
-            self._launcher = _SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
         else:
             self._launcher = None
 
@@ -272,7 +271,7 @@ class _HorovodStrategyLogic:
             self._attach_reducer()
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            optimizers_to_device(self.optimizers, self.root_device)
 
     @property
     def elastic(self) -> bool:
@@ -358,7 +357,7 @@ class _HorovodStrategyLogic:
             self._reducer = None
         self._managed_ids = set()
         module = self.lightning_module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        trainer = attached_trainer(module)
         if self._layer_sync is not None and trainer is not None and trainer.state.fn == "fit":
             self.model = self._layer_sync.revert(self.model)  # undo setup's apply, as DDP does
         super().teardown()
@@ -367,7 +366,7 @@ class _HorovodStrategyLogic:
     def on_train_start(self) -> None:
         """Refuse to train when ranks have different numbers of training batches per epoch; a
         resumed elastic fit restores a mid-epoch commit's RNG states here."""
-        trainer = getattr(self.lightning_module, "_trainer", None)
+        trainer = attached_trainer(self.lightning_module)
         if trainer is not None and self.world_size > 1:
             _check_equal_batches(trainer, self._require_world())
             if not any(isinstance(cb, _EpochEndCheck) for cb in trainer.callbacks):
@@ -438,8 +437,8 @@ class _HorovodStrategyLogic:
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack every rank's ``tensor`` (same shape everywhere): shape ``[world_size, *shape]``."""
         _check_group(group)
-        if sync_grads:  # differentiable gather: torch.distributed.nn
-            return _all_gather_ddp_if_available(tensor, group=None, sync_grads=True)
+        if sync_grads:
+            return _all_gather_with_grads(tensor)
         return comm.allgather(tensor.unsqueeze(0), world=self._require_world())
 
     @override
@@ -563,6 +562,14 @@ def _elastic_config(
         )
     return ElasticFitConfig(enabled=enabled, checkpoint_dir=None if directory is None else Path(directory),
                             commit_every_n_steps=every)
+
+
+def _all_gather_with_grads(tensor: Tensor) -> Tensor:
+    """Differentiable allgather over the world, shape ``[world_size, *shape]`` (what Lightning's
+    DDP strategy runs; ``tensor`` itself while ``torch.distributed`` is not initialised, as there)."""
+    if not dist.is_initialized():
+        return tensor
+    return torch.stack(differentiable_all_gather(tensor.contiguous()))  # contiguous: pytorch#73515
 
 
 def _check_group(group: Any | None) -> None:

@@ -18,6 +18,7 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
     world  liveness  join_board  flatten  ops  arguments  compression
     store  config  launch_env  errors  fatal
+    _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
 
 from __future__ import annotations

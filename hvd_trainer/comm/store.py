@@ -13,6 +13,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hvd_trainer.comm._torch_compat import default_store as _torch_default_store
+
 __all__ = ["default_store", "try_get", "generation_store"]
 
 _ABSENT = "\x00hvd-absent\x00"
@@ -25,7 +27,7 @@ def default_store() -> Any:
     """The key-value store of the default process group (``None`` before init)."""
     if not dist.is_initialized():
         return None
-    return dist.distributed_c10d._get_default_store()
+    return _torch_default_store()
 
 
 def try_get(store: Any, key: str) -> str | None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hvd_trainer.keras._compat import iterations_variable
+
 __all__ = ["TFAccumulation", "TorchAccumulation", "iteration_variable"]
 
 
@@ -21,11 +23,11 @@ def iteration_variable(optimizer: Any) -> Any:
     """The step-counter variable of the innermost optimizer (below any ``LossScaleOptimizer``).
 
     ``Optimizer.iterations`` is a derived tensor when Keras' own ``gradient_accumulation_steps``
-    is set, so the variable behind it (``_iterations``) is used when present.
+    is set, so the variable behind it is used when present.
     """
     while hasattr(optimizer, "inner_optimizer"):
         optimizer = optimizer.inner_optimizer
-    variable = getattr(optimizer, "_iterations", None)
+    variable = iterations_variable(optimizer)
     return optimizer.iterations if variable is None else variable
 
 

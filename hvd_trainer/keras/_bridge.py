@@ -30,7 +30,7 @@ from hvd_trainer.comm.flatten import flat_collective, numpy_to_wire, wire_to_num
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.world import World
 
-__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays", "in_xla_context"]
+__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays"]
 
 
 class FlatBuffers:
@@ -102,19 +102,3 @@ def broadcast_arrays(arrays: Sequence[np.ndarray], *, root_rank: int, world: Wor
 
     return _arrays_collective(arrays, bcast, None, "Keras variable broadcast")
 
-
-def in_xla_context() -> bool:
-    """True while TensorFlow traces a function compiled with XLA (``jit_compile=True``).
-
-    Uses TF's internal control-flow utility; returns False if it is unavailable.
-    """
-    try:
-        from tensorflow.python.framework import ops as tf_ops
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - TF layout changed
-        return False
-    graph = tf_ops.get_default_graph()
-    try:
-        return bool(control_flow_util.GraphOrParentsInXlaContext(graph))
-    except Exception:  # noqa: BLE001 - private API: never let a probe break training
-        return False

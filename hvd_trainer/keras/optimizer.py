@@ -23,6 +23,7 @@ from hvd_trainer.comm import (
 )
 from hvd_trainer.comm.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.keras import _accumulate, _bridge
+from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
 
@@ -240,7 +241,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _apply_accumulated(self, grads, trainable_variables) -> None:
         """N > 1: accumulate; on the N-th call reduce the sums and apply them (class docstring)."""
-        tvs = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        tvs = built_trainable_variables(self) if trainable_variables is None else list(trainable_variables)
         counter = _accumulate.iteration_variable(self.inner_optimizer)
         if self._tf:
             def update(summed):
@@ -290,14 +291,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce_torch(self, grads, trainable_variables):
         assert self._reducer is not None
         self._reducer.wait()
-        tvs = trainable_variables if trainable_variables is not None else self._trainable_variables
+        tvs = trainable_variables if trainable_variables is not None else built_trainable_variables(self)
         # wait() may have given an unused parameter a (zero, then averaged) gradient.
         return [v.value.grad if v.trainable else g for g, v in zip(grads, tvs, strict=True)]
 
     def _reduce_tf(self, grads, passes: int = 1):
         import tensorflow as tf
 
-        if _bridge.in_xla_context():
+        if in_xla_context():
             raise DistributedOptimizerError(
                 "DistributedOptimizer cannot run inside an XLA-compiled function "
                 "(jit_compile=True): its allreduce leaves the graph. HINT: "

@@ -12,6 +12,17 @@ from __future__ import annotations
 
 import argparse
 import socket
+from datetime import timedelta
+
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 __all__ = ["BACKEND", "use_loopback_store"]
 
@@ -19,18 +30,47 @@ BACKEND = "hvdrun-loopback"
 LOOPBACK = "127.0.0.1"
 
 
-def _create_handler(params):  # RendezvousParameters -> RendezvousHandler
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+class LoopbackStaticRendezvous(RendezvousHandler):
+    """torchrun's static rendezvous of one node (what ``StaticTCPRendezvous`` does for rank 0),
+    on the public handler interface, over a store that listens on the bound socket ``sock``."""
 
-    class LoopbackStaticRendezvous(StaticTCPRendezvous):
-        def get_backend(self) -> str:
-            return BACKEND
+    def __init__(self, port: int, world_size: int, run_id: str, timeout: timedelta,
+                 sock: socket.socket) -> None:
+        self.port, self.world_size, self.run_id = port, world_size, run_id
+        self.store = TCPStore(LOOPBACK, port, world_size, True, timeout, multi_tenant=True,
+                              master_listen_fd=sock.fileno())
+        self._socket = sock  # keep the listening socket alive with the store
 
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True  # the workers use the agent's store, as with the static rendezvous
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        return RendezvousInfo(PrefixStore(self.run_id, self.store), 0, self.world_size,
+                              RendezvousStoreInfo(LOOPBACK, self.port))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def shutdown(self) -> bool:
+        return True
+
+
+def _create_handler(params: RendezvousParameters) -> RendezvousHandler:
     _, port = parse_rendezvous_endpoint(params.endpoint, -1)
-    timeout = int(params.config.get("timeout", 600))
-    handler = LoopbackStaticRendezvous(LOOPBACK, port, 0, params.max_nodes, params.run_id, timeout)
+    timeout = timedelta(seconds=int(params.config.get("timeout", 600)))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((LOOPBACK, port))
@@ -41,17 +81,10 @@ def _create_handler(params):  # RendezvousParameters -> RendezvousHandler
             "HINT: choose another --port or leave it out to pick a free one."
         ) from exc
     sock.listen(128)
-    handler._store = TCPStore(
-        LOOPBACK, port, handler.world_size, True, handler.timeout,
-        multi_tenant=True, master_listen_fd=sock.fileno(),
-    )
-    handler._hvdrun_socket = sock  # keep the listening socket alive with the store
-    return handler
+    return LoopbackStaticRendezvous(port, params.max_nodes, params.run_id, timeout, sock)
 
 
 def _register() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
     rendezvous_handler_registry.register(BACKEND, _create_handler)
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import pkgutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from omegaconf import OmegaConf
@@ -23,7 +26,22 @@ from hvd_trainer.comm.launch_env import launcher_rank
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+RECIPE_PACKAGES = ("hvd_trainer.recipes", "recipes")
+"""Where recipes are imported from, first found wins: an installed wheel carries the repository's
+``recipes/`` as ``hvd_trainer.recipes``; a checkout (editable install or ``PYTHONPATH``) has the
+top-level ``recipes`` package."""
+
+
+def _conf_dir() -> Path:
+    """The recipes' YAML folder: ``hvd_trainer/conf`` of an installed wheel (the repository's
+    ``conf/``, installed as package data), else ``conf/`` of the checkout this file is in."""
+    spec = importlib.util.find_spec("hvd_trainer.conf")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / "conf"
+
+
+CONF_DIR = _conf_dir()
 RESULT_KEYS = ("world_size", "val_acc", "epochs", "samples_per_s", "wall_s")
 
 
@@ -102,6 +120,30 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
     return recipe, rest
 
 
+def _recipe_package() -> str:
+    for package in RECIPE_PACKAGES:
+        if importlib.util.find_spec(package) is not None:
+            return package
+    return RECIPE_PACKAGES[-1]
+
+
+def _import_recipe(name: str) -> ModuleType:
+    """Import recipe ``name`` from the first of :data:`RECIPE_PACKAGES` that exists.
+
+    Raises:
+        ConfigError: there is no such recipe (the message lists the available ones).
+    """
+    package = _recipe_package()
+    try:
+        return importlib.import_module(f"{package}.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{package}.{name}":
+            raise
+        parent = importlib.import_module(package)
+        available = sorted(m.name for m in pkgutil.iter_modules(parent.__path__))
+        raise ConfigError(f"no recipe {name!r}; available: {available}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hvd-train``. Returns 0 on success, 2 on a config error."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -110,15 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         name, overrides = _split_args(argv)
-        try:
-            module = importlib.import_module(f"recipes.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"recipes.{name}":
-                raise
-            available = sorted(
-                p.stem for p in (CONF_DIR.parent / "recipes").glob("*.py") if p.stem != "__init__"
-            )
-            raise ConfigError(f"no recipe {name!r}; available: {available}") from None
+        module = _import_recipe(name)
         cfg = load_config(module.Config, CONF_DIR / f"{name}.yaml", overrides)
     except ConfigError as exc:
         print(f"hvd-train: error: {exc}", file=sys.stderr)

@@ -67,6 +67,11 @@ from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 from hvd_trainer.elastic.run import default_checkpoint_dir
+from hvd_trainer.lightning._compat import (
+    dump_checkpoint,
+    has_loaded_checkpoint,
+    restore_modules_and_callbacks,
+)
 
 __all__ = ["ElasticFitConfig", "ElasticFit", "COMMIT_KEY"]
 
@@ -147,8 +152,7 @@ class ElasticFit:
                 self.path.unlink(missing_ok=True)  # an earlier job's commit is not ours
             comm.barrier(world=world)
             return
-        connector = trainer._checkpoint_connector
-        if trainer.ckpt_path is not None or connector._loaded_checkpoint:
+        if trainer.ckpt_path is not None or has_loaded_checkpoint(trainer):
             rank_zero_info(f"hvd_trainer elastic: fit(ckpt_path={trainer.ckpt_path!r}) given; "
                            "not resuming from the elastic commit.")
             return
@@ -159,7 +163,7 @@ class ElasticFit:
             return
         meta = self._loaded[COMMIT_KEY]
         self.commits = int(meta["commit"])
-        connector._restore_modules_and_callbacks(str(self.path))  # loads via take_loaded()
+        restore_modules_and_callbacks(trainer, self.path)  # loads via take_loaded()
         self._take_rng(meta, world)
         rank_zero_info(
             f"hvd_trainer elastic: attempt {self.attempt} resumed from {self.path} (commit "
@@ -244,7 +248,7 @@ class ElasticFit:
         mine = capture_rng_states()
         mine["sampler"] = None if self._sampler is None else self._sampler.epoch_rng
         rng = comm.allgather_object(mine, name="elastic.rng", world=world)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        checkpoint = dump_checkpoint(trainer, weights_only=False)
         epoch, batch = _position(trainer)
         self.commits += 1
         checkpoint[COMMIT_KEY] = {

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -43,6 +42,7 @@ from hvd_trainer.comm import (
     allreduce,
     get_world,
 )
+from hvd_trainer.comm._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.optimizer_args import (
     OptimizerArgumentError,
     check_backward_passes_per_step,
@@ -157,7 +157,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     # GradScaler must unscale through ``param_groups`` (which finishes the reduction) and not
-    # hand its scale to a fused inner step via attributes set on this wrapper.
+    # hand its scale to a fused inner step via attributes set on this wrapper. (A torch private:
+    # comm/_torch_compat.AMP_SCALING_FLAG, checked in tests/unit/test_compat.py.)
     _step_supports_amp_scaling = False
 
     def __init__(
@@ -195,15 +196,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fusion_config = fusion_config
         self._reducer_kwargs = self._check_reducer_kwargs()
         self._world = get_world() if world is None else world
-        # torch.optim.Optimizer bookkeeping; its __init__ is not called because the
-        # parameters, state and defaults are the inner optimizer's.
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._patch_step_function()
+        # torch.optim.Optimizer bookkeeping (hook tables, profiled step); its __init__ is not
+        # called because the parameters, state and defaults are the inner optimizer's.
+        init_optimizer_bookkeeping(self)
         self._reducer: GradientReducer | None = None
         self._reducer_ids: set[int] = set()
         self._sparse: list[tuple[str, torch.Tensor]] = []

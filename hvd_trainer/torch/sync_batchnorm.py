@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hvd_trainer.comm import ProcessSet, Sum, World, allgather, allreduce_, get_world, is_initialized
+from hvd_trainer.comm._torch_compat import BatchNormBase
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -90,6 +91,14 @@ class _WorldRef:
 
 def _channel_dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
+
+
+def _check_input(x: torch.Tensor) -> None:
+    """Reject what ``torch.nn.SyncBatchNorm`` rejects, with its messages (ValueError)."""
+    if x.dim() < 2:
+        raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+    if x.size(1) == 0:
+        raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -212,8 +221,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         return _Peers(size=size, world=world, process_set=group)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - torch's name
-        self._check_input_dim(input)
-        self._check_non_zero_input_channels(input)
+        _check_input(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
             self.num_batches_tracked.add_(1)
@@ -240,9 +248,7 @@ class SyncBatchNorm(torch.nn.SyncBatchNorm):
         """Return ``module`` with every ``nn.BatchNorm*d`` (and torch ``SyncBatchNorm``)
         replaced by this class, sharing the same parameters and buffers (and ``world``)."""
         out = module
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(
-            module, cls
-        ):
+        if isinstance(module, BatchNormBase) and not isinstance(module, cls):
             out = cls(
                 module.num_features, module.eps, module.momentum, module.affine,
                 module.track_running_stats, process_group, bias=module.bias is not None,

@@ -54,6 +54,7 @@ COMM_ROWS = (
     ("timeline", "build_info", "optimizer_args"),
     ("world", "liveness", "join_board", "flatten", "ops", "arguments", "compression"),
     ("store", "config", "launch_env", "errors", "fatal"),
+    ("_torch_compat",),
 )
 """The comm layer top to bottom; a module may import only modules of the rows below its own."""
 

@@ -35,6 +35,11 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self.world = get_world() if world is None else world
         self._is_writer = self.world.rank == 0
 
-    def _save_model(self, epoch, batch, logs):
+    # ModelCheckpoint saves only from these two hooks; other ranks skip them whole.
+    def on_train_batch_end(self, batch, logs=None):
         if self._is_writer:
-            super()._save_model(epoch, batch, logs)
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._is_writer:
+            super().on_epoch_end(epoch, logs)
