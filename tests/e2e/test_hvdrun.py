@@ -127,7 +127,9 @@ def test_shutdown_then_init_again_in_the_same_job() -> None:
         "hvd.shutdown()\n"
         "time.sleep(2.0 if r == 0 else 0.0)\n"
         "hvd.init()\n"
-        "print('AGAIN', r, hvd.allreduce(torch.full((1,), float(r)), op=hvd.Sum).item(), flush=True)\n"
+        # one write per line: ranks share the terminal, and print() may write in pieces
+        "v = hvd.allreduce(torch.full((1,), float(r)), op=hvd.Sum).item()\n"
+        "import sys; sys.stdout.write(f'AGAIN {r} {v}\\n'); sys.stdout.flush()\n"
     )
     res = hvdrun(["-np", "2", "python", "-c", code], timeout=120)
     assert res.returncode == 0, res.explain()

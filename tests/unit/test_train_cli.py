@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from hvd_trainer.launch import train_cli
 from hvd_trainer.launch.train_cli import CONF_DIR, ConfigError, format_result, load_config, main
 from recipes.digits import Config
 
@@ -100,11 +101,12 @@ def test_result_line_on_global_rank_0_only_under_every_launcher(
     class FakeConfig:
         steps: int = 1
 
-    recipe = types.ModuleType("recipes.fake_result")
+    module_name = f"{train_cli._recipe_package()}.fake_result"  # hvd_trainer.recipes once installed
+    recipe = types.ModuleType(module_name)
     recipe.Config = FakeConfig
     recipe.run = lambda cfg: {"world_size": 2, "val_acc": 0.5, "epochs": cfg.steps,
                               "samples_per_s": 1.0, "wall_s": 2.0}
-    monkeypatch.setitem(sys.modules, "recipes.fake_result", recipe)
+    monkeypatch.setitem(sys.modules, module_name, recipe)
     assert main(["recipe=fake_result", "steps=3"]) == 0
     out = capsys.readouterr().out
     assert ("RESULT world_size=2 val_acc=0.50 epochs=3" in out) is prints, (env, out)
