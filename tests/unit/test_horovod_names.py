@@ -170,3 +170,13 @@ def test_average_keyword_and_positional_bool_as_in_horovod() -> None:
     for fn in (hvd.allreduce, hvd.allreduce_, hvd.allreduce_async, hvd.allreduce_async_,
                hvd.grouped_allreduce_async):
         assert "average" in inspect.signature(fn).parameters, fn.__name__
+
+
+def test_hvd_trainer_torch_offers_every_name_of_hvd_trainer() -> None:
+    # `import hvd_trainer.torch as hvd` and `import hvd_trainer as hvd` are the same API.
+    import hvd_trainer.torch as hvd_torch
+
+    names = [n for n in hvd.__all__ if n != "__version__"]
+    assert sorted(names) == sorted(hvd_torch.__all__)
+    assert not [n for n in names if getattr(hvd_torch, n) is not getattr(hvd, n)]
+    assert not [n for n in HOROVOD_TORCH_NAMES if not hasattr(hvd_torch, n)]
