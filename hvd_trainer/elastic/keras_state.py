@@ -20,6 +20,10 @@ __all__ = ["KerasState"]
 class KerasState(State):
     """Commit/restore/sync a Keras model's weights and its optimizer's variables as numpy arrays.
 
+    The optimizer is built (for ``model.trainable_variables``) before a snapshot is taken or
+    applied, so ``sync()`` works when some ranks have trained and others start with a fresh,
+    unbuilt optimizer (a restarted worker).
+
     Args:
         model: a built ``keras.Model``.
         optimizer: defaults to ``model.optimizer``; ``None`` when the model is not compiled.
@@ -40,9 +44,21 @@ class KerasState(State):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         super().__init__(**extra)
 
+    def _ensure_optimizer_built(self) -> None:
+        """Build the optimizer for the model's trainable variables if it is not built yet.
+
+        An unbuilt Keras optimizer has only ``iterations`` and ``learning_rate``; building it
+        first makes every snapshot (and every rank's, for ``sync()``) hold the full set, so a
+        fresh rank can receive a trained rank's state.
+        """
+        opt = self.optimizer
+        if opt is not None and not opt.built and self.model.trainable_variables:
+            opt.build(self.model.trainable_variables)
+
     def _optimizer_values(self) -> list[np.ndarray]:
         if self.optimizer is None:
             return []
+        self._ensure_optimizer_built()
         return [np.array(v.numpy(), copy=True) for v in self.optimizer.variables]
 
     def _capture(self) -> dict[str, Any]:
@@ -57,8 +73,7 @@ class KerasState(State):
         values = snapshot["__optimizer__"]
         if self.optimizer is None or not values:
             return
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
+        self._ensure_optimizer_built()
         variables = self.optimizer.variables
         if len(variables) != len(values):
             raise ValueError(
