@@ -27,6 +27,8 @@ class KerasState(State):
     Args:
         model: a built ``keras.Model``.
         optimizer: defaults to ``model.optimizer``; ``None`` when the model is not compiled.
+        backend: accepted for Horovod's signature (``KerasState(model, optimizer, backend)``)
+            and unused: Keras 3 variables are read and assigned through their own API.
         **extra: further named values (epoch, batch, ...).
 
     Raises:
@@ -34,7 +36,7 @@ class KerasState(State):
         ValueError: a snapshot's variable count does not match (different model/optimizer).
     """
 
-    def __init__(self, model: Any, optimizer: Any | None = None, **extra: Any) -> None:
+    def __init__(self, model: Any, optimizer: Any | None = None, backend: Any = None, **extra: Any) -> None:
         if not all(callable(getattr(model, name, None)) for name in ("get_weights", "set_weights")):
             raise TypeError(
                 f"KerasState needs a keras.Model (get_weights/set_weights), got {type(model).__name__}. "

@@ -76,6 +76,11 @@ def from_config(rank: int) -> dict:
     # Horovod's positional order: optimizer, name, device_dense, device_sparse, compression
     positional = hk.DistributedOptimizer(keras.optimizers.SGD(0.1), None, "", "", hk.Compression.fp16)
     out["positional_compression"] = type(positional._compression).__name__
+    # Horovod's order for the LR callbacks: ..., momentum_correction, steps_per_epoch
+    warm = hk.callbacks.LearningRateWarmupCallback(0.4, 2, False, 7)
+    sched = hk.callbacks.LearningRateScheduleCallback(0.4, 0.5, 1, 3, False, False, 7)
+    out["lr_positional"] = [warm.warmup_epochs, warm.steps_per_epoch, sched.schedule.staircase,
+                            sched.steps_per_epoch, sched.schedule.end_epoch]
     # the copy trains: both ranks end identical
     model = _mlp(seed=100 + rank)
     model.compile(optimizer=copy, loss="mse")
@@ -178,11 +183,13 @@ def state_sync_unbuilt(rank: int) -> dict:
         if case == "root_fresh" and rank != 0:
             x, y = _data(seed=rank)
             model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # builds and moves Adam's slots
-        state = hk.elastic.KerasState(model, epoch=rank)
+        # Horovod's positional form KerasState(model, optimizer, backend): backend is unused
+        state = hk.elastic.KerasState(model, None, keras.backend, epoch=rank)
         state.sync()
         out[case] = {"weights": _w(model.get_weights()),
                      "opt": _w([v.numpy() for v in model.optimizer.variables]),
                      "n_opt": len(model.optimizer.variables), "epoch": state.epoch,
+                     "has_backend_attr": "backend" in state._names,
                      "init0": _w(_mlp(seed=20).get_weights())}
     return out
 

@@ -48,6 +48,7 @@ def test_from_config_round_trip_and_positional_order(results):
         assert fc["served"] == ["DistributedOptimizer", 0.25]
         assert "serialize" in fc["bare_error"] and "HINT" in fc["bare_error"]
         assert fc["positional_compression"] == "FP16Compressor"
+        assert fc["lr_positional"] == [2, 7, False, 7, 3]
         assert fc["iterations"] == 4
     assert _close(r0["from_config"]["trained"], r1["from_config"]["trained"])
 
@@ -83,6 +84,7 @@ def test_keras_state_sync_with_unbuilt_optimizer(results):
         assert _close(a["opt"], b["opt"])
         assert b["opt"][0] == 0  # rank 0's fresh iterations reached the trained rank
         assert a["epoch"] == b["epoch"] == 0
+        assert a["has_backend_attr"] is False
 
 
 def test_elastic_callbacks_commit_and_track_progress(results):
