@@ -161,15 +161,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             False, as in Horovod).
         num_groups, groups: only the defaults (0, None): gradients of one dtype always go in
             one fused allreduce.
-        process_set: only ``None`` (the whole world). HINT for a subset: ``world=``.
-        scale_local_gradients: divide local variables' gradients by the world size (default True).
+        process_set: average over this :class:`~hvd_trainer.comm.ProcessSet` only (``None``:
+            the whole world); on ranks outside it the gradients are applied unreduced. Sizes
+            (``Average``, predivide, local scaling) are the set's.
+        scale_local_gradients: divide local variables' gradients by the world (or set) size
+            (default True).
         world: the world to reduce over (default: the initialised one, looked up on first use).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
         DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
             ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
-            ``num_groups``/``groups``/``process_set`` other than the default.
+            ``num_groups``/``groups`` other than the default.
     """
 
     def __init__(  # noqa: PLR0913 - Horovod's signature, positionally
@@ -207,7 +210,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "optimizer is already a DistributedOptimizer; wrapping it twice would reduce "
                 "gradients twice. HINT: wrap the plain Keras optimizer once."
             )
-        _check_unsupported(num_groups, groups, process_set)
+        _check_unsupported(num_groups, groups)
         args = check_optimizer_args(
             op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
         )
@@ -224,6 +227,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "backward_passes_per_step": backward_passes_per_step,
             "average_aggregated_gradients": average_aggregated_gradients,
             "scale_local_gradients": bool(scale_local_gradients), "world": world,
+            "process_set": process_set,
         }
         self._op = args.op
         self._compression = compressor
@@ -233,6 +237,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._predivide = args.gradient_predivide_factor
         self._world = world
         self._scale_local = bool(scale_local_gradients)
+        self._process_set = process_set
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
         self._buffers = _bridge.FlatBuffers()
@@ -292,8 +297,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _local_mask(self, variables: Sequence[Any]) -> list[bool]:
         return [self._local.contains(v) for v in variables]
 
+    def _reduce_size(self) -> int:
+        """How many ranks a gradient is averaged over: the process set's size, else the world's."""
+        return self.world.size if self._process_set is None else self._process_set.size()
+
+    def _reduces(self) -> bool:
+        """Whether this rank takes part in gradient reductions (> 1 rank, member of the set)."""
+        if self._process_set is None:
+            return self.world.size > 1
+        return self._process_set.included() and self._process_set.size() > 1
+
     def _local_factor(self, passes: int = 1) -> float:
-        factor = 1.0 / self.world.size if self._scale_local else 1.0
+        factor = 1.0 / self._reduce_size() if self._scale_local else 1.0
         return factor / passes if passes > 1 and self._average_passes else factor
 
     # -- delegation -------------------------------------------------------------------------
@@ -345,7 +360,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._passes > 1:
             kind = _accumulate.TFAccumulation if self._tf else _accumulate.TorchAccumulation
             self._accum = kind(list(var_list), self._passes)
-        elif not self._tf and self.world.size > 1:
+        elif not self._tf and self._reduces():
             self._build_torch_reducer(var_list)
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
@@ -353,7 +368,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
         self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
-                                        prescale_factor=pre, postscale_factor=post)
+                                        prescale_factor=pre, postscale_factor=post,
+                                        process_set=self._process_set)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built and trainable_variables is not None:
@@ -363,7 +379,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._passes > 1:
             self._apply_accumulated(grads, trainable_variables)
             return
-        if self.world.size > 1:
+        if self._reduces():
             tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
             grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
         self.inner_optimizer.apply(grads, trainable_variables)
@@ -374,7 +390,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         counter = _accumulate.iteration_variable(self.inner_optimizer)
         if self._tf:
             def update(summed):
-                if self.world.size > 1:
+                if self._reduces():
                     summed = self._reduce_tf(summed, tvs, passes=self._passes)
                 elif self._average_passes:
                     summed = [None if g is None else g / self._passes for g in summed]
@@ -397,13 +413,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Reduce the accumulators in place (one grouped allreduce, local variables' sums only
         scaled); None where no rank had a gradient."""
         acc = self._accum
-        if self.world.size > 1:
+        if self._reduces():
             local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
             shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
             grouped_allreduce_([*shared, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
-                               compression=self._compression, world=self.world)
+                               compression=self._compression, process_set=self._process_set,
+                               world=self.world)
             factor = self._local_factor(self._passes)
             for s, is_local in zip(acc.sums, local, strict=True):
                 if is_local and factor != 1.0:
@@ -419,7 +436,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         ``average_aggregated_gradients`` folded into the factors."""
         op, pre, post = self._op, 1.0, 1.0
         if op is ReduceOp.AVERAGE and self._predivide != 1.0:
-            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
+            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self._reduce_size()
         if passes > 1 and self._average_passes:
             post /= passes
         return op, pre, post
@@ -468,24 +485,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         op, pre, post = self._scales(passes)
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
-            compression=self._compression, buffers=self._buffers,
+            compression=self._compression, buffers=self._buffers, process_set=self._process_set,
         )
 
     def _reduce_numpy_accumulated(self, *arrays):
         return self._reduce_numpy(*arrays, passes=self._passes)
 
 
-def _check_unsupported(num_groups: Any, groups: Any, process_set: Any) -> None:
+def _check_unsupported(num_groups: Any, groups: Any) -> None:
     if num_groups not in (0, None) or groups is not None:
         raise DistributedOptimizerError(
             f"num_groups={num_groups!r}, groups={groups!r}: the Keras DistributedOptimizer always "
             "fuses the gradients of one dtype into one allreduce. HINT: leave num_groups and "
             "groups at their defaults."
-        )
-    if process_set is not None:
-        raise DistributedOptimizerError(
-            f"process_set={process_set!r} is not supported by the Keras DistributedOptimizer. "
-            "HINT: pass world= (a World over the ranks that should reduce together)."
         )
 
 

@@ -137,6 +137,30 @@ def partial(rank: int, size: int) -> dict:
     return out
 
 
+def process_sets(rank: int) -> dict:
+    """process_set=: the set of both ranks averages; a set of rank 0 alone leaves every rank
+    with its own gradient (rank 0 is a one-member set, rank 1 is outside it)."""
+    import keras
+
+    import hvd_trainer.keras as hk
+    from hvd_trainer.comm import ProcessSet
+
+    both, only0 = ProcessSet([0, 1]), ProcessSet([0])
+    x, y = _data(seed=rank)
+    out = {}
+    for name, kwargs in (("default", {}), ("both", {"process_set": both}), ("only0", {"process_set": only0}),
+                         ("both_predivide", {"process_set": both, "gradient_predivide_factor": 2.0})):
+        model = _mlp(seed=3)
+        model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR), **kwargs), loss="mse")
+        model.train_on_batch(x, y)
+        out[name] = _w(model.get_weights())
+    ref = _mlp(seed=3)
+    ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
+    ref.train_on_batch(x, y)
+    out["alone"] = _w(ref.get_weights())
+    return out
+
+
 def sparse_as_dense(rank: int, size: int) -> dict:
     """Embedding model: size ranks x batch b equal one process x the global batch."""
     import keras
@@ -251,6 +275,7 @@ def suite(backend: str) -> dict:
         "from_config": from_config(rank),
         "partial": partial(rank, size),
         "sparse": sparse_as_dense(rank, size),
+        "psets": process_sets(rank),
         "sync": state_sync_unbuilt(rank),
         "elastic": elastic_callbacks(rank),
     }

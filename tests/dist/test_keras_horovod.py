@@ -1,7 +1,7 @@
 """Horovod's Keras API on 2 processes over gloo, once per backend (each worker runs
 tests/dist/_keras_horovod_suite.py::suite): BroadcastGlobalVariablesCallback(local_variables=),
 DistributedOptimizer.from_config and Horovod's argument order, PartialDistributedOptimizer /
-register_local_var, sparse_as_dense, KerasState.sync with an unbuilt optimizer and
+register_local_var, process_set=, sparse_as_dense, KerasState.sync with an unbuilt optimizer and
 hvd_trainer.keras.elastic's callbacks."""
 
 from __future__ import annotations
@@ -64,6 +64,16 @@ def test_partial_optimizer_keeps_local_gradients_local(results):
             assert _close(r["head"], r["ref_head"], tol=1e-6), name
         assert not _close(a["head"], b["head"], tol=1e-4)
     assert "keras.layers.Layer" in r0["partial"]["bad"]
+
+
+def test_process_set_reduces_over_its_members_only(results):
+    _, (r0, r1) = results
+    a, b = r0["psets"], r1["psets"]
+    assert _close(a["both"], a["default"], tol=1e-6) and _close(b["both"], a["default"], tol=1e-6)
+    assert _close(a["both_predivide"], a["default"], tol=1e-6)
+    assert not _close(a["default"], a["alone"], tol=1e-4)  # averaging changed the step
+    for r in (a, b):
+        assert _close(r["only0"], r["alone"], tol=1e-6)  # member of a 1-rank set, or outside it
 
 
 def test_sparse_as_dense_both_ways_match_one_process(results):
