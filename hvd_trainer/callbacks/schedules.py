@@ -6,7 +6,6 @@ epoch ``e + b / steps_per_epoch`` is batch ``b`` of epoch ``e``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -75,11 +74,17 @@ class LRWarmup:
 class LRSchedule:
     """``lr = initial_lr * factor(epoch)`` for epochs in ``[start_epoch, end_epoch)``.
 
-    ``multiplier`` is either a float ``m``, compounded once per epoch starting at
-    ``start_epoch`` (``factor(e) = m ** (floor(e) - start_epoch + 1)``, always staircase), or a
-    function ``f(epoch) -> factor`` of the (fractional, unless ``staircase``) epoch. Because the
-    value is a closed form of the epoch, it is the same after resuming at any ``initial_epoch``.
-    Outside ``[start_epoch, end_epoch)`` :meth:`lr_at` returns ``None`` (leave the LR alone).
+    ``multiplier`` is either a float ``m``, Horovod's exponential decay
+    ``factor(e) = m ** (e - start_epoch)`` (factor 1 at ``start_epoch``, ``m`` one epoch later),
+    or a function ``f(epoch) -> factor``. With ``staircase`` (the default) the factor is taken at
+    the integer epoch on its first batch; without it at the fractional epoch
+    ``e + batch / steps_per_epoch`` on every batch (for a float ``m`` too, a smooth decay).
+    Because the value is a closed form of the epoch, it is the same after resuming at any
+    ``initial_epoch``. Outside ``[start_epoch, end_epoch)`` :meth:`lr_at` returns ``None``
+    (leave the LR alone: it keeps the value of the last epoch inside the range).
+
+    Example (Horovod's table): ``LRSchedule(initial_lr=1.0, multiplier=0.1, start_epoch=2,
+    end_epoch=4)`` gives ``None, None, 1.0, 0.1, None, ...`` for epochs 0, 1, 2, 3, 4.
     """
 
     initial_lr: float
@@ -100,7 +105,6 @@ class LRSchedule:
                 )
             if not self.multiplier > 0:
                 raise ScheduleError(f"multiplier={self.multiplier!r} must be > 0.")
-            self.staircase = True
         if self.start_epoch < 0:
             raise ScheduleError(f"start_epoch={self.start_epoch!r} must be >= 0.")
         if self.end_epoch is not None and self.end_epoch <= self.start_epoch:
@@ -117,7 +121,7 @@ class LRSchedule:
         """The multiplier of ``initial_lr`` at ``epoch`` (see the class docstring)."""
         if callable(self.multiplier):
             return float(self.multiplier(epoch))
-        return float(self.multiplier) ** (math.floor(epoch) - self.start_epoch + 1)
+        return float(self.multiplier) ** (epoch - self.start_epoch)
 
     def lr_at(self, epoch: int, batch: int = 0, steps_per_epoch: int | None = None) -> float | None:
         """Learning rate for ``batch`` of ``epoch``; ``None`` when the LR must not change.

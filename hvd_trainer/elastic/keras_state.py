@@ -20,9 +20,15 @@ __all__ = ["KerasState"]
 class KerasState(State):
     """Commit/restore/sync a Keras model's weights and its optimizer's variables as numpy arrays.
 
+    The optimizer is built (for ``model.trainable_variables``) before a snapshot is taken or
+    applied, so ``sync()`` works when some ranks have trained and others start with a fresh,
+    unbuilt optimizer (a restarted worker).
+
     Args:
         model: a built ``keras.Model``.
         optimizer: defaults to ``model.optimizer``; ``None`` when the model is not compiled.
+        backend: accepted for Horovod's signature (``KerasState(model, optimizer, backend)``)
+            and unused: Keras 3 variables are read and assigned through their own API.
         **extra: further named values (epoch, batch, ...).
 
     Raises:
@@ -30,7 +36,7 @@ class KerasState(State):
         ValueError: a snapshot's variable count does not match (different model/optimizer).
     """
 
-    def __init__(self, model: Any, optimizer: Any | None = None, **extra: Any) -> None:
+    def __init__(self, model: Any, optimizer: Any | None = None, backend: Any = None, **extra: Any) -> None:
         if not all(callable(getattr(model, name, None)) for name in ("get_weights", "set_weights")):
             raise TypeError(
                 f"KerasState needs a keras.Model (get_weights/set_weights), got {type(model).__name__}. "
@@ -40,9 +46,21 @@ class KerasState(State):
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         super().__init__(**extra)
 
+    def _ensure_optimizer_built(self) -> None:
+        """Build the optimizer for the model's trainable variables if it is not built yet.
+
+        An unbuilt Keras optimizer has only ``iterations`` and ``learning_rate``; building it
+        first makes every snapshot (and every rank's, for ``sync()``) hold the full set, so a
+        fresh rank can receive a trained rank's state.
+        """
+        opt = self.optimizer
+        if opt is not None and not opt.built and self.model.trainable_variables:
+            opt.build(self.model.trainable_variables)
+
     def _optimizer_values(self) -> list[np.ndarray]:
         if self.optimizer is None:
             return []
+        self._ensure_optimizer_built()
         return [np.array(v.numpy(), copy=True) for v in self.optimizer.variables]
 
     def _capture(self) -> dict[str, Any]:
@@ -57,8 +75,7 @@ class KerasState(State):
         values = snapshot["__optimizer__"]
         if self.optimizer is None or not values:
             return
-        if not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)
+        self._ensure_optimizer_built()
         variables = self.optimizer.variables
         if len(variables) != len(values):
             raise ValueError(

@@ -14,7 +14,8 @@
 ``import hvd_trainer.keras as hvd`` also gives Horovod's module-level names: ``hvd.init()``,
 ``hvd.size()``, ``hvd.rank()``, ``hvd.local_rank()``, ``hvd.allreduce(value)``,
 ``hvd.allgather(value)``, ``hvd.broadcast(value, root_rank)``, ``hvd.broadcast_variables(vars,
-root_rank)`` and ``hvd.load_model(path)``.
+root_rank)``, ``hvd.load_model(path)``, ``hvd.PartialDistributedOptimizer(opt, local_layers=...)``
+and ``hvd.elastic`` (``KerasState``, ``run`` and the elastic callbacks).
 
 Importing this module imports Keras, so ``KERAS_BACKEND`` must be set first.
 """
@@ -25,8 +26,10 @@ from hvd_trainer.comm import (
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     Sum,
+    add_process_set,
     allgather_object,
     broadcast_object,
     cross_rank,
@@ -39,18 +42,20 @@ from hvd_trainer.comm import (
     shutdown,
     size,
 )
-from hvd_trainer.keras import callbacks
+from hvd_trainer.keras import callbacks, elastic
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 from hvd_trainer.keras.collectives import KerasCollectiveError, allgather, allreduce, broadcast
 from hvd_trainer.keras.compression import Compression
 from hvd_trainer.keras.load import load_model
 from hvd_trainer.keras.optimizer import DistributedOptimizer, DistributedOptimizerError
+from hvd_trainer.keras.partial import PartialDistributedOptimizer
 
 __all__ = [
-    "DistributedOptimizer", "DistributedOptimizerError", "Compression", "callbacks", "load_model",
+    "DistributedOptimizer", "DistributedOptimizerError", "PartialDistributedOptimizer", "Compression",
+    "callbacks", "elastic", "load_model",
     "Average", "Sum", "Min", "Max", "Product",
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank",
+    "cross_size", "cross_rank", "ProcessSet", "add_process_set",
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",
     "allgather_object", "KerasCollectiveError",
 ]

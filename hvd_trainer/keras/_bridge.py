@@ -73,6 +73,7 @@ def allreduce_arrays(
     postscale_factor: float = 1.0,
     compression: Compressor = Compression.none,
     buffers: FlatBuffers | None = None,
+    process_set: Any = None,
 ) -> list[np.ndarray]:
     """Reduce every array over ranks: one fused allreduce per dtype, arrays in rank-equal order.
 
@@ -83,13 +84,16 @@ def allreduce_arrays(
         compression: the comm compressor for the wire (``Compression.fp16`` scales before
             the cast; see :mod:`hvd_trainer.comm.compression`).
         buffers: reuse these flat buffers (the result then aliases them; see FlatBuffers).
+        process_set: reduce over this :class:`~hvd_trainer.comm.ProcessSet` only (this rank
+            must be a member); ``None``: the whole world.
 
     Returns:
         New arrays, same shapes and dtypes as ``arrays``.
     """
     def reduce(flat: torch.Tensor) -> None:
         allreduce_(flat, op=op, name="keras.gradients", prescale_factor=prescale_factor,
-                   postscale_factor=postscale_factor, compression=compression, world=world)
+                   postscale_factor=postscale_factor, compression=compression,
+                   process_set=process_set, world=world)
 
     return _arrays_collective(arrays, reduce, buffers, "Keras gradient allreduce")
 

@@ -34,6 +34,51 @@ class DistributedOptimizerError(OptimizerArgumentError):
     """Invalid ``DistributedOptimizer`` arguments or an unsupported setup (a ``ValueError``)."""
 
 
+class _LocalVariables:
+    """Variables registered as local, in order (a plain object, so Keras does not track them)."""
+
+    def __init__(self) -> None:
+        self.variables: list[Any] = []
+        self._ids: set[int] = set()
+
+    def add(self, var: Any) -> bool:
+        """Register ``var``; False if it already was."""
+        if id(var) in self._ids:
+            return False
+        self.variables.append(var)
+        self._ids.add(id(var))
+        return True
+
+    def contains(self, var: Any) -> bool:
+        return id(var) in self._ids
+
+
+class _FromConfig:
+    """``from_config`` for both call forms Keras code uses.
+
+    On an instance (``opt.from_config(cfg)``, Horovod's round trip): a new wrapper with the same
+    options around ``type(inner).from_config(cfg)``. On the class: ``cfg`` must be a serialized
+    optimizer (``keras.optimizers.serialize(opt)``: ``class_name`` + ``config``), since the inner
+    config alone does not name its class.
+    """
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is not None:
+            return instance._rebuild
+        return _class_from_config
+
+
+def _class_from_config(config: dict[str, Any], custom_objects: dict[str, Any] | None = None):
+    if not (isinstance(config, dict) and "class_name" in config and "config" in config):
+        raise DistributedOptimizerError(
+            "DistributedOptimizer.from_config(config) on the class needs a serialized optimizer "
+            "({'class_name': ..., 'config': ...}); a bare optimizer config does not say which "
+            "optimizer to build. HINT: opt.from_config(opt.get_config()) on an instance, or "
+            "DistributedOptimizer.from_config(keras.optimizers.serialize(inner))."
+        )
+    return DistributedOptimizer(keras.optimizers.deserialize(config, custom_objects=custom_objects))
+
+
 class DistributedOptimizer(keras.optimizers.Optimizer):
     """Wrap ``optimizer`` so that it applies the gradient averaged over all ranks.
 
@@ -84,37 +129,68 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         >>> model.compile(optimizer=opt, loss="mse")
         >>> model.fit(x, y, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
 
-    Args:
+    Local variables (Horovod's ``register_local_var`` and
+    :func:`~hvd_trainer.keras.PartialDistributedOptimizer`): their gradients are not reduced;
+    each rank applies its own, divided by the world size when ``scale_local_gradients`` (as
+    Horovod does, so they have the scale of an averaged gradient).
+
+    Sparse gradients (``tf.IndexedSlices`` of an ``Embedding`` on TensorFlow) are always
+    reduced as dense tensors, whatever ``sparse_as_dense`` says: the applied update is the same
+    as Horovod's allgather of the slices, at the cost of sending the whole table.
+
+    ``opt.from_config(opt.get_config())`` returns a new ``DistributedOptimizer`` with the same
+    options around a fresh inner optimizer (``get_config()`` is the inner optimizer's config);
+    ``DistributedOptimizer.from_config`` on the class takes ``keras.optimizers.serialize(inner)``.
+
+    Args (Horovod's order; ``world`` is keyword-only):
         optimizer: the Keras optimizer to wrap (not modified, except that a
             ``LossScaleOptimizer`` owns it under ``mixed_float16``).
         name: optional name (default ``"distributed_<inner name>"``).
+        device_dense, device_sparse: accepted for Horovod's signature; unused (the reduction
+            runs where the comm layer's backend puts it).
         compression: wire format of floating gradients: ``None``/``Compression.none``,
             ``Compression.fp16`` or ``Compression.bf16`` (a compressor instance or class from
             :mod:`hvd_trainer.keras.compression`, or the strings ``"none"``/``"fp16"``/``"bf16"``;
             see :meth:`~hvd_trainer.comm.compression.Compression.resolve`); both backends.
+        sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
+        gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
+            ``f/size`` after it (same result, different rounding). Must be > 0.
+        op: ``Average`` (default) or ``Sum``.
         backward_passes_per_step: N >= 1, ``apply()`` calls per update (see above).
         average_aggregated_gradients: with N > 1, divide the accumulated sum by N (default
             False, as in Horovod).
-        op: ``Average`` (default) or ``Sum``.
-        gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
-            ``f/size`` after it (same result, different rounding). Must be > 0.
+        num_groups, groups: only the defaults (0, None): gradients of one dtype always go in
+            one fused allreduce.
+        process_set: average over this :class:`~hvd_trainer.comm.ProcessSet` only (``None``:
+            the whole world); on ranks outside it the gradients are applied unreduced. Sizes
+            (``Average``, predivide, local scaling) are the set's.
+        scale_local_gradients: divide local variables' gradients by the world (or set) size
+            (default True).
         world: the world to reduce over (default: the initialised one, looked up on first use).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
-        DistributedOptimizerError: unsupported ``op``, ``compression`` or factor, or
-            ``backward_passes_per_step`` not an int >= 1 (``True`` included).
+        DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
+            ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
+            ``num_groups``/``groups`` other than the default.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - Horovod's signature, positionally
         self,
         optimizer: keras.optimizers.Optimizer,
         name: str | None = None,
+        device_dense: str = "",
+        device_sparse: str = "",
         compression: Compressor | type[Compressor] | str | None = None,
-        backward_passes_per_step: int = 1,
-        op: ReduceOp | str | None = None,
+        sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
+        op: ReduceOp | str | None = None,
+        backward_passes_per_step: int = 1,
         average_aggregated_gradients: bool = False,
+        num_groups: int = 0,
+        groups: Any = None,
+        process_set: Any = None,
+        scale_local_gradients: bool = True,
         *,
         world: World | None = None,
         **kwargs: Any,
@@ -134,6 +210,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "optimizer is already a DistributedOptimizer; wrapping it twice would reduce "
                 "gradients twice. HINT: wrap the plain Keras optimizer once."
             )
+        _check_unsupported(num_groups, groups)
         args = check_optimizer_args(
             op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
         )
@@ -144,6 +221,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             optimizer = _LSO(optimizer)
         super().__init__(learning_rate=0.0, name=name or f"distributed_{optimizer.name}")
         self.inner_optimizer = optimizer
+        self._options: dict[str, Any] = {
+            "name": name, "compression": compression, "sparse_as_dense": bool(sparse_as_dense),
+            "gradient_predivide_factor": gradient_predivide_factor, "op": op,
+            "backward_passes_per_step": backward_passes_per_step,
+            "average_aggregated_gradients": average_aggregated_gradients,
+            "scale_local_gradients": bool(scale_local_gradients), "world": world,
+            "process_set": process_set,
+        }
         self._op = args.op
         self._compression = compressor
         self._passes = args.backward_passes_per_step
@@ -151,6 +236,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._accum: Any = None  # _accumulate.TFAccumulation / TorchAccumulation when N > 1
         self._predivide = args.gradient_predivide_factor
         self._world = world
+        self._scale_local = bool(scale_local_gradients)
+        self._process_set = process_set
+        self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
         self._buffers = _bridge.FlatBuffers()
         self._tf = keras.backend.backend() == "tensorflow"
@@ -168,6 +256,60 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def get_config(self) -> dict[str, Any]:
         return self.inner_optimizer.get_config()
+
+    from_config = _FromConfig()
+
+    def _rebuild(self, config: dict[str, Any], custom_objects: dict[str, Any] | None = None):
+        """``opt.from_config(config)``: the same options around ``type(inner).from_config``."""
+        inner = type(self.inner_optimizer).from_config(config, custom_objects=custom_objects)
+        options = dict(self._options)
+        if options["name"] is None:
+            options.pop("name")
+        clone = DistributedOptimizer(inner, **options)
+        for var in self._local.variables:
+            clone.register_local_var(var)
+        return clone
+
+    # -- local variables --------------------------------------------------------------------
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local: not reduced, divided by the world size when
+        ``scale_local_gradients`` (Horovod's ``register_local_var``).
+
+        Raises:
+            TypeError: ``var`` is not a ``keras.Variable``.
+        """
+        if not isinstance(var, keras.Variable):
+            raise TypeError(
+                f"register_local_var expects a keras.Variable, got {type(var).__name__} ({var!r}). "
+                "HINT: register each of layer.trainable_weights."
+            )
+        if not self._local.add(var):
+            return
+        if self._reducer is not None:  # torch: the hook reducer must skip it from now on
+            self._reducer.remove()
+            self._build_torch_reducer(built_trainable_variables(self))
+
+    @property
+    def local_variables(self) -> list[Any]:
+        """The variables registered with :meth:`register_local_var` (in registration order)."""
+        return list(self._local.variables)
+
+    def _local_mask(self, variables: Sequence[Any]) -> list[bool]:
+        return [self._local.contains(v) for v in variables]
+
+    def _reduce_size(self) -> int:
+        """How many ranks a gradient is averaged over: the process set's size, else the world's."""
+        return self.world.size if self._process_set is None else self._process_set.size()
+
+    def _reduces(self) -> bool:
+        """Whether this rank takes part in gradient reductions (> 1 rank, member of the set)."""
+        if self._process_set is None:
+            return self.world.size > 1
+        return self._process_set.included() and self._process_set.size() > 1
+
+    def _local_factor(self, passes: int = 1) -> float:
+        factor = 1.0 / self._reduce_size() if self._scale_local else 1.0
+        return factor / passes if passes > 1 and self._average_passes else factor
 
     # -- delegation -------------------------------------------------------------------------
     @property
@@ -218,14 +360,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._passes > 1:
             kind = _accumulate.TFAccumulation if self._tf else _accumulate.TorchAccumulation
             self._accum = kind(list(var_list), self._passes)
-        elif not self._tf and self.world.size > 1:
+        elif not self._tf and self._reduces():
             self._build_torch_reducer(var_list)
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
-        named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable]
+        local = self._local_mask(var_list)
+        named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
         self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
-                                        prescale_factor=pre, postscale_factor=post)
+                                        prescale_factor=pre, postscale_factor=post,
+                                        process_set=self._process_set)
 
     def apply(self, grads, trainable_variables=None):
         if not self.built and trainable_variables is not None:
@@ -235,8 +379,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._passes > 1:
             self._apply_accumulated(grads, trainable_variables)
             return
-        if self.world.size > 1:
-            grads = self._reduce_tf(grads) if self._tf else self._reduce_torch(grads, trainable_variables)
+        if self._reduces():
+            tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
+            grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
         self.inner_optimizer.apply(grads, trainable_variables)
 
     def _apply_accumulated(self, grads, trainable_variables) -> None:
@@ -245,8 +390,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         counter = _accumulate.iteration_variable(self.inner_optimizer)
         if self._tf:
             def update(summed):
-                if self.world.size > 1:
-                    summed = self._reduce_tf(summed, passes=self._passes)
+                if self._reduces():
+                    summed = self._reduce_tf(summed, tvs, passes=self._passes)
                 elif self._average_passes:
                     summed = [None if g is None else g / self._passes for g in summed]
                 self.inner_optimizer.apply(summed, tvs)
@@ -260,18 +405,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             counter.assign_add(1)
             return
         try:
-            self.inner_optimizer.apply(self._reduce_torch_sums(), tvs)
+            self.inner_optimizer.apply(self._reduce_torch_sums(tvs), tvs)
         finally:
             self._accum.reset()
 
-    def _reduce_torch_sums(self) -> list[Any]:
-        """Reduce the accumulators in place (one grouped allreduce); None where no rank had a gradient."""
+    def _reduce_torch_sums(self, tvs: Sequence[Any]) -> list[Any]:
+        """Reduce the accumulators in place (one grouped allreduce, local variables' sums only
+        scaled); None where no rank had a gradient."""
         acc = self._accum
-        if self.world.size > 1:
+        if self._reduces():
+            local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
-            grouped_allreduce_([*acc.sums, acc.used], op=op, name="keras.accumulated_gradients",
+            shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
+            grouped_allreduce_([*shared, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
-                               compression=self._compression, world=self.world)
+                               compression=self._compression, process_set=self._process_set,
+                               world=self.world)
+            factor = self._local_factor(self._passes)
+            for s, is_local in zip(acc.sums, local, strict=True):
+                if is_local and factor != 1.0:
+                    s.mul_(factor)
         elif self._average_passes:
             for s in acc.sums:
                 s.div_(self._passes)
@@ -283,19 +436,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         ``average_aggregated_gradients`` folded into the factors."""
         op, pre, post = self._op, 1.0, 1.0
         if op is ReduceOp.AVERAGE and self._predivide != 1.0:
-            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self.world.size
+            op, pre, post = ReduceOp.SUM, 1.0 / self._predivide, self._predivide / self._reduce_size()
         if passes > 1 and self._average_passes:
             post /= passes
         return op, pre, post
 
-    def _reduce_torch(self, grads, trainable_variables):
+    def _reduce_torch(self, grads, tvs):
         assert self._reducer is not None
         self._reducer.wait()
-        tvs = trainable_variables if trainable_variables is not None else built_trainable_variables(self)
+        local, factor = self._local_mask(tvs), self._local_factor()
         # wait() may have given an unused parameter a (zero, then averaged) gradient.
-        return [v.value.grad if v.trainable else g for g, v in zip(grads, tvs, strict=True)]
+        return [
+            (None if g is None else g * factor) if is_local else (v.value.grad if v.trainable else g)
+            for g, v, is_local in zip(grads, tvs, local, strict=True)
+        ]
 
-    def _reduce_tf(self, grads, passes: int = 1):
+    def _reduce_tf(self, grads, tvs, passes: int = 1):
         import tensorflow as tf
 
         if in_xla_context():
@@ -305,16 +461,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "model.compile(..., jit_compile=False), or add "
                 "BroadcastGlobalVariablesCallback, which switches it off with a warning."
             )
-        idx = [i for i, g in enumerate(grads) if g is not None]
+        local = self._local_mask(tvs)
+        out = list(grads)
+        factor = self._local_factor(passes)
+        for i, g in enumerate(grads):
+            if local[i] and g is not None:
+                out[i] = tf.convert_to_tensor(g) * tf.cast(factor, g.dtype)
+        idx = [i for i, g in enumerate(grads) if g is not None and not local[i]]
+        # IndexedSlices (sparse Embedding gradients) become dense here: see the class docstring
         dense = [tf.convert_to_tensor(grads[i]) for i in idx]
         if not dense:
-            return grads
+            return out
         reduce = self._reduce_numpy if passes == 1 else self._reduce_numpy_accumulated
         reduced = tf.numpy_function(
             reduce, dense, Tout=[g.dtype for g in dense], stateful=True,
             name="hvd_allreduce",
         )
-        out = list(grads)
         for i, g, r in zip(idx, dense, reduced, strict=True):
             out[i] = tf.ensure_shape(r, g.shape)
         return out
@@ -323,11 +485,20 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         op, pre, post = self._scales(passes)
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
-            compression=self._compression, buffers=self._buffers,
+            compression=self._compression, buffers=self._buffers, process_set=self._process_set,
         )
 
     def _reduce_numpy_accumulated(self, *arrays):
         return self._reduce_numpy(*arrays, passes=self._passes)
+
+
+def _check_unsupported(num_groups: Any, groups: Any) -> None:
+    if num_groups not in (0, None) or groups is not None:
+        raise DistributedOptimizerError(
+            f"num_groups={num_groups!r}, groups={groups!r}: the Keras DistributedOptimizer always "
+            "fuses the gradients of one dtype into one allreduce. HINT: leave num_groups and "
+            "groups at their defaults."
+        )
 
 
 def _global_policy_is_mixed_float16() -> bool:

@@ -103,7 +103,7 @@ class LearningRateSchedule(pl.Callback):
 
     Args:
         initial_lr: the LR the factor multiplies.
-        multiplier: float ``m`` (factor ``m ** (epoch - start_epoch + 1)``) or ``f(epoch)``.
+        multiplier: float ``m`` (factor ``m ** (epoch - start_epoch)``, 1 at ``start_epoch``) or ``f(epoch)``.
         start_epoch, end_epoch: the epochs this callback owns.
         staircase: function multiplier evaluated once per epoch (True) or per batch (False).
         steps_per_epoch: batches per epoch for ``staircase=False`` (default from the trainer).

@@ -127,11 +127,13 @@ def lr_callbacks(rank: int) -> dict:
     p = fit(hk.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2), epochs=3)
     out["warmup"] = p.lrs
     out["warmup_logs_lr"] = [lg.get("learning_rate") for lg in p.logs]
-    out["float"] = fit(hk.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=1, end_epoch=3),
-                       epochs=4).lrs
+    out["float"] = fit(hk.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=1, end_epoch=4),
+                       epochs=5).lrs
     out["float_resumed"] = fit(
-        hk.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=1, end_epoch=3),
-        epochs=4, initial_epoch=2).lrs
+        hk.callbacks.LearningRateScheduleCallback(0.2, 0.5, start_epoch=1, end_epoch=4),
+        epochs=5, initial_epoch=2).lrs
+    out["float_smooth"] = fit(hk.callbacks.LearningRateScheduleCallback(
+        0.2, 0.5, staircase=False, momentum_correction=False), epochs=2).lrs
     out["func"] = fit(hk.callbacks.LearningRateScheduleCallback(
         0.2, multiplier=_inverse, staircase=False), epochs=2).lrs
     return out

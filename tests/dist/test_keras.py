@@ -68,10 +68,14 @@ def test_lr_callbacks_closed_form(results):
         _check_table(lr["warmup"], _expected_warmup())
         # end of epoch 0: the value of its last batch, 0.2 * (0.75 / 2 + 1); then 0.4 exactly
         np.testing.assert_allclose(lr["warmup_logs_lr"], [0.275, 0.4, 0.4], rtol=1e-6)
-        # float multiplier 0.5 over epochs [1, 3): 0.2 (untouched), 0.1, 0.05, then left at 0.05
-        per_epoch = {0: 0.2, 1: 0.1, 2: 0.05, 3: 0.05}
-        _check_table(lr["float"], [(e, b, per_epoch[e]) for e in range(4) for b in range(suite.STEPS)])
-        _check_table(lr["float_resumed"], [(e, b, per_epoch[e]) for e in (2, 3) for b in range(suite.STEPS)])
+        # float multiplier 0.5 over epochs [1, 4), Horovod's lr = 0.2 * 0.5 ** (epoch - 1):
+        # 0.2 (untouched), 0.2 (factor 1 at start_epoch), 0.1, 0.05, then left at 0.05
+        per_epoch = {0: 0.2, 1: 0.2, 2: 0.1, 3: 0.05, 4: 0.05}
+        _check_table(lr["float"], [(e, b, per_epoch[e]) for e in range(5) for b in range(suite.STEPS)])
+        _check_table(lr["float_resumed"], [(e, b, per_epoch[e]) for e in (2, 3, 4) for b in range(suite.STEPS)])
+        # staircase=False: the float decays every batch at the fractional epoch
+        _check_table(lr["float_smooth"], [(e, b, 0.2 * 0.5 ** (e + b / suite.STEPS))
+                                          for e in range(2) for b in range(suite.STEPS)])
         _check_table(lr["func"], [(e, b, 0.2 / (1 + e + b / suite.STEPS))
                                   for e in range(2) for b in range(suite.STEPS)])
 

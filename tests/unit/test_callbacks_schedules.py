@@ -21,10 +21,20 @@ def test_warmup_table_goyal():
 
 
 def test_schedule_float_compounds_from_start_epoch():
+    # Horovod's table: lr = initial_lr * m ** (epoch - start_epoch), factor 1 at start_epoch
     s = LRSchedule(initial_lr=1.0, multiplier=0.1, start_epoch=2, end_epoch=4)
-    assert [s.lr_at(e) for e in range(6)] == [None, None, pytest.approx(0.1), pytest.approx(0.01), None, None]
-    assert s.lr_at(2, batch=1) is None  # float multiplier: staircase, first batch only
+    assert [s.lr_at(e) for e in range(6)] == [None, None, pytest.approx(1.0), pytest.approx(0.1), None, None]
+    assert s.lr_at(2, batch=1) is None  # staircase (the default): first batch only
     assert s.staircase
+    assert LRSchedule(initial_lr=0.5, multiplier=0.5).lr_at(0) == pytest.approx(0.5)
+
+
+def test_schedule_float_without_staircase_decays_per_batch():
+    s = LRSchedule(initial_lr=1.0, multiplier=0.25, start_epoch=1, staircase=False)
+    assert s.lr_at(0, batch=3, steps_per_epoch=4) is None
+    assert s.lr_at(1, batch=0, steps_per_epoch=4) == pytest.approx(1.0)
+    assert s.lr_at(1, batch=2, steps_per_epoch=4) == pytest.approx(0.5)  # 0.25 ** 0.5
+    assert s.lr_at(3, batch=0, steps_per_epoch=4) == pytest.approx(0.0625)
 
 
 def test_schedule_function_per_batch():

@@ -38,24 +38,54 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     subclassed model is built only when the first step is traced; then the broadcast happens
     after batch 0 instead (Horovod's behaviour), and from there on all ranks are identical.
 
+    ``local_variables`` (Horovod's argument) are left out of the broadcast: each rank keeps its
+    own value (model-parallel or per-rank state, e.g. the layers given to
+    :func:`~hvd_trainer.keras.PartialDistributedOptimizer`). More can be added with
+    :meth:`register_local_var` before ``fit``.
+
     It also switches ``jit_compile`` off (with a warning) on TensorFlow when the model's
     optimizer is a :class:`DistributedOptimizer`, because XLA cannot run the allreduce bridge,
     and it rejects a ``LossScaleOptimizer`` *around* a ``DistributedOptimizer`` (hang hazard).
 
     Example:
         >>> model.fit(x, y, callbacks=[BroadcastGlobalVariablesCallback(root_rank=0)])
+        >>> BroadcastGlobalVariablesCallback(0, local_variables=model.layers[-1].weights)
 
     Args:
         root_rank: the rank whose values everyone receives.
+        device: accepted for Horovod's signature; unused (the broadcast goes through the comm
+            layer's host path, whatever device the variables live on).
+        local_variables: one ``keras.Variable`` or an iterable of them, not broadcast.
 
     Raises:
+        TypeError: an entry of ``local_variables`` is not a ``keras.Variable``.
         DistributedOptimizerError: ``LossScaleOptimizer(DistributedOptimizer(...))``.
     """
 
-    def __init__(self, root_rank: int = 0) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables=None) -> None:
         super().__init__()
         self.root_rank = root_rank
+        self.device = device
         self.broadcast_done = False
+        self.local_variables: list = []
+        if isinstance(local_variables, keras.Variable):
+            local_variables = [local_variables]
+        for var in local_variables or ():
+            self.register_local_var(var)
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var`` (a ``keras.Variable``) out of the broadcast.
+
+        Raises:
+            TypeError: ``var`` is not a ``keras.Variable``.
+        """
+        if not isinstance(var, keras.Variable):
+            raise TypeError(
+                f"local_variables must be keras.Variable instances, got {type(var).__name__} "
+                f"({var!r}). HINT: pass layer.weights (or layer.trainable_weights)."
+            )
+        if not any(var is v for v in self.local_variables):
+            self.local_variables.append(var)
 
     def on_train_begin(self, logs=None) -> None:
         _check_optimizer_nesting(self.model.optimizer)
@@ -76,7 +106,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = list(self.model.weights)
         if opt is not None and opt.built:
             variables += list(opt.variables)
-        broadcast_variables(variables, self.root_rank)
+        local = {id(v) for v in self.local_variables}
+        broadcast_variables([v for v in variables if id(v) not in local], self.root_rank)
         self.broadcast_done = True
 
 

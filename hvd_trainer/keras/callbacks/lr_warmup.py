@@ -26,6 +26,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     Args:
         initial_lr: the LR after warmup (usually the single-process LR times the world size).
         warmup_epochs: length of the ramp, epochs.
+        momentum_correction: accepted for Horovod's signature (same position); no effect, see
+            :class:`LearningRateScheduleCallback`.
         steps_per_epoch: batches per epoch; default: what ``fit`` reports.
         verbose: 1 prints one line on rank 0 when the warmup ends.
 
@@ -34,9 +36,10 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         LearningRateCallbackError: the number of steps per epoch is unknown.
     """
 
-    def __init__(self, initial_lr: float, warmup_epochs: float = 5, steps_per_epoch: int | None = None,
-                 verbose: int = 0) -> None:
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
         super().__init__()
+        self.momentum_correction = bool(momentum_correction)
         self.initial_lr = float(initial_lr)
         self.warmup_epochs = warmup_epochs
         self.steps_per_epoch = steps_per_epoch
