@@ -102,7 +102,7 @@ def bench_state(reps: int, directory: Path) -> tuple[float, float, int]:
     for rep in range(reps):
         state.batch = rep
         commits.append(_ms(state.commit))
-        copies.append(_ms(lambda: copy.deepcopy(
+        copies.append(_ms(lambda rep=rep: copy.deepcopy(
             {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 0, "batch": rep})))
     state.flush()
     return statistics.median(commits), statistics.median(copies), state._persist.writes
@@ -142,7 +142,8 @@ def bench_lightning(reps: int, directory: Path) -> tuple[float, float]:
                        "TORCHELASTIC_RUN_ID": "bench-elastic-commit"})
     lightning_elastic.ElasticFit.commit = timed  # type: ignore[method-assign]
     try:
-        data = TensorDataset(torch.randn(2 * (reps + 1), 3, 32, 32), torch.randint(0, 1000, (2 * (reps + 1),)))
+        n = 2 * (reps + 1)
+        data = TensorDataset(torch.randn(n, 3, 32, 32), torch.randint(0, 1000, (n,)))
         trainer = pl.Trainer(
             strategy=HorovodStrategy(elastic_checkpoint_dir=directory, elastic_commit_every_n_steps=1),
             accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
