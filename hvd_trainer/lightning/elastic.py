@@ -66,7 +66,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 import hvd_trainer.comm as comm
 from hvd_trainer.checkpoint import load_checkpoint
 from hvd_trainer.comm.launch_env import torchelastic_env
-from hvd_trainer.elastic.persist import BackgroundWriter, snapshot_to_cpu
+from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot_to_cpu
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 from hvd_trainer.elastic.run import default_checkpoint_dir
@@ -323,3 +323,11 @@ class _ElasticCommit(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.elastic.finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """A failed ``fit`` still leaves its last commit on disk before the error propagates."""
+        try:
+            self.elastic.flush()
+        except PersistError as error:  # never hide the fit's own error behind the write's
+            log.error("hvd_trainer elastic: %s", error)
