@@ -7,11 +7,12 @@ failure; :func:`run` reloads the last commit and syncs it from the new rank 0.
 from __future__ import annotations
 
 from hvd_trainer.elastic.keras_state import KerasState
+from hvd_trainer.elastic.persist import PersistError
 from hvd_trainer.elastic.run import default_checkpoint_dir, run
 from hvd_trainer.elastic.sampler import ElasticSampler
 from hvd_trainer.elastic.state import STATE_FILENAME, ObjectState, State, TorchState
 
 __all__ = [
     "State", "ObjectState", "TorchState", "KerasState", "ElasticSampler", "run",
-    "default_checkpoint_dir", "STATE_FILENAME",
+    "default_checkpoint_dir", "STATE_FILENAME", "PersistError",
 ]

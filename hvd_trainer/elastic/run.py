@@ -6,13 +6,16 @@ processes): when a worker dies, torchrun's elastic agent (``hvdrun --min-np/--ma
 ``--max-restarts`` times. In each new process the decorated function
 
 1. joins the (new) world with :func:`hvd_trainer.init`,
-2. loads the last commit from ``<checkpoint_dir>/elastic_state.pt`` if it exists
-   (written atomically by each node's local rank 0 at every ``state.commit()``),
-3. broadcasts the state from the new rank 0 (``state.sync()``), runs the reset callbacks
-   when it resumed, and
+2. loads the last commit from ``<checkpoint_dir>/elastic_state.pt`` on each node's local
+   rank 0 if it exists (written there at every ``state.commit()``, atomically and in the
+   background, so the file is always a complete commit: the newest one whose write finished),
+3. broadcasts the newest of those commits to every rank (``state.sync(root_rank=...)``), runs
+   the reset callbacks when it resumed, and
 4. calls the function, which continues from ``state.epoch``/``state.step``/the sampler.
 
-Steps after the last commit are redone; committed steps are never lost. With the default
+Steps after the last persisted commit are redone (a worker killed while its last commit was
+still being written resumes from the one before). When the function returns normally it waits
+for the last commit to reach the file (``state.flush()``). With the default
 directory (the system temp dir keyed by torchrun's run id) the file is removed when the
 function returns normally on every rank; an explicit ``checkpoint_dir`` keeps it.
 
@@ -40,7 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hvd_trainer.comm import World, barrier, init
+from hvd_trainer.comm import World, allgather_object, barrier, init
 from hvd_trainer.comm.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
 
@@ -70,9 +73,11 @@ def _resume(state: State, directory: Path | None) -> World:
     world = init()
     path = None if directory is None else directory / STATE_FILENAME
     state.attach_file(path, writer=world.local_rank == 0)
-    if world.rank == 0:
-        state.load_committed()
-    state.sync(world=world)  # carries rank 0's commit count, so every rank knows whether it resumed
+    loaded = world.local_rank == 0 and state.load_committed()
+    counts = allgather_object(state.commit_count if loaded else None, name="elastic.run.commits", world=world)
+    found = [(count, -rank) for rank, count in enumerate(counts) if count is not None]
+    root = -max(found)[1] if found else 0  # the newest commit; the lowest such rank on a tie
+    state.sync(world=world, root_rank=root)  # carries the commit count: every rank knows whether it resumed
     if state.commit_count > 0:
         state.on_reset()
     return world
@@ -107,6 +112,7 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
                 )
             world = _resume(state, directory)
             result = fn(state, *args, **kwargs)
+            state.flush()  # the file holds the last commit before the function counts as done
             if not explicit and directory is not None:
                 _cleanup(directory, world)
             return result

@@ -1,16 +1,24 @@
 """Elastic training state: ``commit()`` a snapshot, ``restore()`` it, ``sync()`` it from rank 0.
 
 With torchrun's elastic agent a lost worker means *all* workers are restarted as new
-processes, so a commit is also written to a file (atomically, by each node's local rank 0)
-and :func:`hvd_trainer.elastic.run` reads it back at start-up, before ``sync()`` makes every
-rank equal to the new rank 0.
+processes, so a commit is also written to a file by each node's local rank 0, and
+:func:`hvd_trainer.elastic.run` reads the newest one back at start-up, before ``sync()`` makes
+every rank equal to it.
+
+What a commit costs: ``commit()`` returns once the state is snapshotted in memory (every
+tensor copied to CPU: about the cost of a deep copy, so committing every batch as Horovod's
+examples do stays cheap); the file is written atomically on a background thread
+(:mod:`hvd_trainer.elastic.persist`). The file is always one complete commit: a process killed
+during a write leaves the previous one, and a burst of commits writes only the newest.
+Later in-place updates of the parameters never reach a commit that already returned.
 
 Example::
 
     state = TorchState(model, optimizer, epoch=0, step=0, sampler=sampler)
     state.step += 1
-    state.commit()          # snapshot in memory + <checkpoint_dir>/elastic_state.pt
+    state.commit()          # snapshot in memory; <checkpoint_dir>/elastic_state.pt in the background
     state.restore()         # back to the last commit
+    state.flush()           # wait until the file holds the last commit
 """
 
 from __future__ import annotations
@@ -20,27 +28,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from hvd_trainer.checkpoint import atomic_save, load_checkpoint
+from hvd_trainer.checkpoint import load_checkpoint
 from hvd_trainer.comm import World, broadcast_object, get_world
+from hvd_trainer.elastic.persist import BackgroundWriter, snapshot_to_cpu
 
 __all__ = ["State", "ObjectState", "TorchState", "STATE_FILENAME"]
 
 STATE_FILENAME = "elastic_state.pt"
 
-_RESERVED = frozenset({"commit", "restore", "sync", "save", "load", "register_reset_callbacks"})
-
-
-def _to_cpu(value: Any) -> Any:
-    """A deep copy with every tensor detached and moved to CPU (safe to pickle and broadcast)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_cpu(v) for v in value)
-    return copy.deepcopy(value)
+_RESERVED = frozenset({"commit", "restore", "sync", "save", "load", "flush", "register_reset_callbacks"})
 
 
 def _has_state_dict(value: Any) -> bool:
@@ -67,6 +63,7 @@ class State:
         self._commit_count = 0
         self._path: Path | None = None
         self._writer = True
+        self._persist = BackgroundWriter()
         self._reset_callbacks: list[Callable[[], None]] = []
         for name, value in extra.items():
             setattr(self, name, value)
@@ -76,7 +73,7 @@ class State:
         out = {}
         for name in self._names:
             value = getattr(self, name)
-            out[name] = _to_cpu(value.state_dict()) if _has_state_dict(value) else _to_cpu(value)
+            out[name] = snapshot_to_cpu(value.state_dict() if _has_state_dict(value) else value)
         return out
 
     def _apply(self, snapshot: dict[str, Any]) -> None:
@@ -94,33 +91,50 @@ class State:
         return self._commit_count
 
     def commit(self) -> None:
-        """Snapshot the state in memory and, when a file is attached, write it atomically."""
+        """Snapshot the state in memory; when a file is attached, write it in the background.
+
+        Returns once the snapshot is taken (later in-place changes do not reach it); the file
+        follows atomically (:meth:`flush` waits for it).
+
+        Raises:
+            PersistError: the previous background write failed.
+        """
         self._saved = self._capture()
         self._commit_count += 1
         if self._path is not None and self._writer:
-            atomic_save({"commit_count": self._commit_count, "state": self._saved}, self._path)
+            self._persist.submit({"commit_count": self._commit_count, "state": self._saved}, self._path)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the attached file holds the last commit; ``False`` if ``timeout`` (s) ran out.
+
+        Raises:
+            PersistError: a background write failed.
+        """
+        return self._persist.flush(timeout)
 
     def restore(self) -> None:
         """Return to the last commit (no-op before the first commit)."""
         if self._saved is not None:
             self._apply(self._saved)
 
-    def sync(self, world: World | None = None) -> None:
-        """Make every rank's state equal to rank 0's (broadcast over ``hvd_trainer.comm``).
+    def sync(self, world: World | None = None, *, root_rank: int = 0) -> None:
+        """Make every rank's state equal to ``root_rank``'s (broadcast over ``hvd_trainer.comm``).
 
         The synced state also becomes the committed snapshot, so ``restore()`` after
         ``sync()`` returns to it.
 
         Args:
             world: the world to sync over (default: the initialised one).
+            root_rank: the rank whose state wins (0, as in Horovod; ``elastic.run`` passes the
+                rank that read the newest commit).
 
         Raises:
             NotInitializedError: no ``world`` and :func:`hvd_trainer.init` has not run.
         """
         world = get_world() if world is None else world
-        payload = (self._commit_count, self._capture()) if world.rank == 0 else None
+        payload = (self._commit_count, self._capture()) if world.rank == root_rank else None
         self._commit_count, snapshot = broadcast_object(
-            payload, root_rank=0, name="elastic.State.sync", world=world
+            payload, root_rank=root_rank, name="elastic.State.sync", world=world
         )
         self._apply(snapshot)
         self._saved = snapshot
@@ -136,7 +150,10 @@ class State:
         self._writer = writer
 
     def load_committed(self) -> bool:
-        """Load the attached file into the state if it exists; return whether it did."""
+        """Load the attached file into the state if it exists; return whether it did.
+
+        The file is always a complete commit (see :mod:`hvd_trainer.elastic.persist`).
+        """
         if self._path is None or not self._path.is_file():
             return False
         data = load_checkpoint(self._path)
@@ -159,15 +176,21 @@ class TorchState(State):
     """Elastic state of a torch ``model`` and ``optimizer`` plus any extra values.
 
     ``commit()`` copies ``model.state_dict()`` and ``optimizer.state_dict()`` to CPU;
-    ``restore()``/``sync()`` load them back in place (parameters keep their device).
+    ``restore()``/``sync()`` load them back in place (parameters keep their device). As in
+    Horovod both are optional: ``TorchState(sampler=sampler, epoch=0)`` tracks only a sampler
+    and values. Further models, optimizers, schedulers and samplers may be passed by keyword;
+    anything with ``state_dict()``/``load_state_dict()`` is restored in place.
 
     Args:
-        model: a ``torch.nn.Module`` (or anything with ``state_dict``/``load_state_dict``).
+        model: a ``torch.nn.Module`` (or anything with ``state_dict``/``load_state_dict``), or ``None``.
         optimizer: a ``torch.optim.Optimizer`` or ``None``.
         **extra: further named values (epoch, step, samplers, schedulers, ...).
+
+    Raises:
+        TypeError: ``model``/``optimizer`` lacks ``state_dict()``/``load_state_dict()``.
     """
 
-    def __init__(self, model: Any, optimizer: Any | None = None, **extra: Any) -> None:
+    def __init__(self, model: Any | None = None, optimizer: Any | None = None, **extra: Any) -> None:
         for name, obj in (("model", model), ("optimizer", optimizer)):
             if obj is not None and not _has_state_dict(obj):
                 raise TypeError(
@@ -180,13 +203,15 @@ class TorchState(State):
 
     def _capture(self) -> dict[str, Any]:
         out = super()._capture()
-        out["__model__"] = _to_cpu(self.model.state_dict())
+        if self.model is not None:
+            out["__model__"] = snapshot_to_cpu(self.model.state_dict())
         if self.optimizer is not None:
-            out["__optimizer__"] = _to_cpu(self.optimizer.state_dict())
+            out["__optimizer__"] = snapshot_to_cpu(self.optimizer.state_dict())
         return out
 
     def _apply(self, snapshot: dict[str, Any]) -> None:
         super()._apply(snapshot)
-        self.model.load_state_dict(snapshot["__model__"])
+        if self.model is not None:
+            self.model.load_state_dict(snapshot["__model__"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(snapshot["__optimizer__"]))

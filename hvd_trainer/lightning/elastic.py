@@ -7,10 +7,12 @@ where the job was instead of starting over:
 
 1. **Commit**: every ``commit_every_n_steps`` optimizer steps and at each epoch end, a full
    Lightning checkpoint (model, optimizers, LR schedulers, loops, callbacks, precision plugin,
-   training-loader position) is written atomically (:func:`hvd_trainer.checkpoint.atomic_save`)
-   by each node's local rank 0 to ``<dir>/lightning_fit<k>.ckpt`` (``k``: the process's
-   ``k``-th elastic ``fit`` call), followed by a barrier: once ``commit`` returns on any
-   rank, the commit is on disk.
+   training-loader position) is snapshotted in memory by each node's local rank 0 (every
+   tensor copied to CPU before training goes on) and written atomically to
+   ``<dir>/lightning_fit<k>.ckpt`` (``k``: the process's ``k``-th elastic ``fit`` call) on a
+   background thread (:mod:`hvd_trainer.elastic.persist`), so a commit costs about an
+   in-memory copy. The file is always one complete commit (a kill during a write leaves the
+   previous one); ``fit`` waits for the last write before it ends.
 2. **Resume**: in a restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``), if ``fit`` got no
    ``ckpt_path`` and a commit of this run exists, the newest commit found on any node is
    broadcast from its node and restored before the strategy's setup, exactly as
@@ -62,8 +64,9 @@ from pytorch_lightning.trainer.states import RunningStage
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hvd_trainer.comm as comm
-from hvd_trainer.checkpoint import atomic_save, load_checkpoint
+from hvd_trainer.checkpoint import load_checkpoint
 from hvd_trainer.comm.launch_env import torchelastic_env
+from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot_to_cpu
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 from hvd_trainer.elastic.run import default_checkpoint_dir
@@ -82,6 +85,9 @@ COMMIT_KEY = "hvd_trainer_elastic"
 ``batch`` (batches of ``epoch`` done), ``world_size``, ``rng`` (every rank's RNG states, a list
 indexed by global rank; see :mod:`hvd_trainer.elastic.rng_state`; plus ``sampler``: the
 :attr:`~hvd_trainer.elastic.resumable_loader.ResumableSampler.epoch_rng` of a random training sampler)."""
+
+_WRITER = BackgroundWriter()
+"""Writes every elastic fit's commits of this process (so a later fit can wait for an earlier one's)."""
 
 _FIT_CALLS = itertools.count()  # k in lightning_fit<k>.ckpt: the same k in every attempt
 
@@ -146,6 +152,7 @@ class ElasticFit:
         """
         trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, _ElasticCommit)]
         trainer.callbacks.append(_ElasticCommit(self))
+        _WRITER.flush()  # an earlier fit of this process that raised may still be writing its commit
         world = self.world
         if self.attempt == 0:
             if world.local_rank == 0:
@@ -239,25 +246,29 @@ class ElasticFit:
         return resumable
 
     def commit(self, trainer: pl.Trainer) -> None:
-        """Write the full checkpoint atomically on each node's local rank 0, then barrier.
+        """Snapshot the full checkpoint on each node's local rank 0; write it in the background.
 
-        Every rank's RNG states (about 12 KB each) are allgathered first, so each writer
-        stores all of them.
+        Every rank's RNG states (about 12 KB each) are allgathered first (this also keeps the
+        ranks in step), so each writer stores all of them. Returns once the snapshot is taken;
+        :meth:`flush` waits for the file.
+
+        Raises:
+            PersistError: the previous background write failed.
         """
         world = self.world
         mine = capture_rng_states()
         mine["sampler"] = None if self._sampler is None else self._sampler.epoch_rng
         rng = comm.allgather_object(mine, name="elastic.rng", world=world)
-        checkpoint = dump_checkpoint(trainer, weights_only=False)
+        checkpoint = dump_checkpoint(trainer, weights_only=False)  # every rank: it runs the user's hooks
         epoch, batch = _position(trainer)
         self.commits += 1
-        checkpoint[COMMIT_KEY] = {
-            "commit": self.commits, "run_id": self.run_id, "global_step": trainer.global_step,
-            "epoch": epoch, "batch": batch, "world_size": trainer.world_size, "rng": rng,
-        }
         if world.local_rank == 0:
-            atomic_save(checkpoint, self.path)
-        comm.barrier(world=world)
+            checkpoint = snapshot_to_cpu(checkpoint)  # no tensor shared with the live model/optimizers
+            checkpoint[COMMIT_KEY] = {
+                "commit": self.commits, "run_id": self.run_id, "global_step": trainer.global_step,
+                "epoch": epoch, "batch": batch, "world_size": trainer.world_size, "rng": rng,
+            }
+            _WRITER.submit(checkpoint, self.path)
         self._last_step = trainer.global_step
         log.debug("hvd_trainer elastic: commit %d at global step %d", self.commits, trainer.global_step)
 
@@ -266,8 +277,13 @@ class ElasticFit:
         if self.mid_epoch and step > 0 and step % self.every == 0 and step != self._last_step:
             self.commit(trainer)
 
+    def flush(self) -> None:
+        """Wait until the last commit is on disk (raises :class:`PersistError` if a write failed)."""
+        _WRITER.flush()
+
     def finish(self) -> None:
-        """After a normal end of ``fit``: drop the commit of an automatic directory."""
+        """After a normal end of ``fit``: wait for the last write; drop an automatic directory's commit."""
+        self.flush()
         if not self.automatic:
             return
         world = self.world
@@ -307,3 +323,11 @@ class _ElasticCommit(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.elastic.finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        """A failed ``fit`` still leaves its last commit on disk before the error propagates."""
+        try:
+            self.elastic.flush()
+        except PersistError as error:  # never hide the fit's own error behind the write's
+            log.error("hvd_trainer elastic: %s", error)

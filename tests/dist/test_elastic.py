@@ -99,3 +99,90 @@ def test_elastic_state_sampler_and_run() -> None:
     assert t0 == order[0:12:2] and t1 == order[1:12:2]  # round-robin deal of the order
     assert rest0 == order[12::2] and rest1 == order[13::2] and n0 == n1 == 4
     assert sorted(t0 + t1 + rest0 + rest1) == list(range(20))  # nothing repeated or skipped
+
+
+def _horovod_sampler_flow() -> dict:
+    """Horovod's own ElasticSampler flow (its test_elastic_sampler), on every rank."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    import hvd_trainer as hvd
+    from hvd_trainer import elastic
+
+    size, batch = hvd.size(), 2
+    data = list(range(8 * size))
+    sampler = elastic.ElasticSampler(data, shuffle=True)
+    loader = DataLoader(data, batch_size=batch, sampler=sampler)
+    state = elastic.TorchState(sampler=sampler)  # no model, no optimizer
+    state.sync()
+    out: dict = {"start": (state.sampler.epoch, state.sampler.processed_num)}
+    counts, batches = [], 0
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for batch_idx, _ in enumerate(loader):
+            sampler.record_batch(batch_idx, batch)
+            counts.append(sampler.processed_num)
+            batches += 1
+    out["counts"], out["batches"] = counts, batches
+    sampler.set_epoch(2)
+    sampler.record_batch(0, batch)
+    sampler.record_batch(1, batch)
+    state.commit()
+    sampler.record_batch(2, batch)
+    sampler.record_batch(3, batch)
+    state.restore()
+    out["restored"] = sampler.processed_num
+    sampler.record_batch(2, batch)
+    state.commit()
+    state.sync()
+    out["synced"] = (sampler.processed_num, len(sampler))
+    out["rest"] = [int(i) for b in loader for i in b]
+    out["rest_all"] = sorted(hvd.allgather(torch.tensor(out["rest"])).tolist())
+    out["order"] = sampler._order()
+    sampler.set_epoch(3)
+    out["next_epoch"] = (sampler.processed_num, len(sampler))
+    return out
+
+
+def test_horovod_sampler_flow_with_a_model_free_state() -> None:
+    results = run_workers(_horovod_sampler_flow, 2, timeout_seconds=120)
+    for r in results:
+        assert r["start"] == (0, 0)
+        assert r["counts"] == [4, 8, 12, 16] * 2  # batch_size * size per recorded batch
+        assert r["batches"] == 8
+        assert r["restored"] == 8  # back to the commit (2 batches x 2 x 2 ranks)
+        assert r["synced"] == (12, 2)  # 3 batches x 2 x 2 ranks done; 4 left, 2 per rank
+        assert r["next_epoch"] == (0, 8)
+    assert results[0]["rest_all"] == sorted(results[0]["order"][12:])  # the rest, once each
+    assert set(results[0]["rest"]).isdisjoint(results[1]["rest"])
+
+
+def _newest_node_commit(tmp: str) -> tuple:
+    import torch
+
+    import hvd_trainer as hvd
+    from hvd_trainer import elastic
+
+    rank = hvd.rank()
+    node_dir = Path(tmp) / f"node{rank}"  # every rank is its node's local rank 0 here
+    seed = elastic.TorchState(torch.nn.Linear(2, 1), None, step=0)
+    seed.attach_file(node_dir / elastic.STATE_FILENAME, writer=True)
+    for step in range(1, 3 + 2 * rank):  # node 0 commits up to step 2, node 1 up to step 4
+        with torch.no_grad():
+            seed.model.weight.fill_(float(step))
+        seed.step = step
+        seed.commit()
+    seed.flush()
+
+    @elastic.run(checkpoint_dir=node_dir)
+    def resumed(st):
+        return st.step, st.commit_count, st.model.weight.flatten().tolist()
+
+    return resumed(elastic.TorchState(torch.nn.Linear(2, 1), None, step=0))
+
+
+def test_run_resumes_from_the_newest_commit_of_any_node() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_workers(_newest_node_commit, 2, args=(tmp,), timeout_seconds=120,
+                              env={"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert results == [(4, 4, [4.0, 4.0])] * 2  # node 1's commit is newer than node 0's (step 2)
