@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+
 import torch
 
 from hvd_trainer.comm.build_info import gloo_built, mpi4py_installed, nccl_version

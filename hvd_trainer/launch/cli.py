@@ -30,7 +30,7 @@ from importlib.metadata import version
 
 from hvd_trainer.comm.launch_env import worker_launcher
 from hvd_trainer.launch.check_build import check_build_report
-from hvd_trainer.launch.commands import mpirun_command, pick_port, torchrun_args, worker_env
+from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, torchrun_args, worker_env
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import HvdrunOptions, build_parser, parse_options
 from hvd_trainer.launch.runner import run_mpirun, run_torchrun
@@ -97,7 +97,7 @@ def _launch(opts: HvdrunOptions) -> int:
     if opts.use_mpi:
         return run_mpirun(cmd)
     return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
-                        verbose=opts.verbose)
+                        verbose=opts.verbose, max_restarts=restarts(opts))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,8 @@ from hvd_trainer.comm.world import free_port
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
 
-__all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args", "mpirun_command", "pick_port", "find_mpirun"]
+__all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args",
+           "mpirun_command", "pick_port", "find_mpirun", "restarts"]
 
 MIB = 1024 * 1024
 WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
@@ -43,7 +44,7 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HVDRUN_OUTPUT_DIR"] = os.path.abspath(opts.output_filename)
     if opts.prefix_timestamp:
         env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
-    if _restarts(opts) > 0:
+    if restarts(opts) > 0:
         # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
         # restarted rank can read a dead rank's gloo address left by the previous attempt
         # ("Gloo connectFullMesh failed ... Connection refused"). A fresh store per attempt
@@ -52,7 +53,8 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
     return env
 
 
-def _restarts(opts: HvdrunOptions) -> int:
+def restarts(opts: HvdrunOptions) -> int:
+    """How many times torchrun may restart the workers: ``--max-restarts``, else 3 when elastic."""
     if opts.max_restarts is not None:
         return opts.max_restarts
     return 3 if opts.elastic else 0
@@ -135,8 +137,8 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
         wait = opts.elastic_timeout_seconds
     timeout = max(1, round(wait))
     args = [f"--nproc-per-node={opts.procs_per_host}", f"--nnodes={_nodes(opts)}"]
-    restarts = _restarts(opts)
-    if opts.multi_host or restarts > 0:
+    max_restarts = restarts(opts)
+    if opts.multi_host or max_restarts > 0:
         host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",
                  f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf=join_timeout={timeout}"]
@@ -144,7 +146,7 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
             args.append("--local-addr=127.0.0.1")
     else:
         args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
-    args.append(f"--max-restarts={restarts}")
+    args.append(f"--max-restarts={max_restarts}")
     # --output-filename: the worker entry writes <dir>/rank.<N>/{stdout,stderr} (HVDRUN_OUTPUT_DIR).
     return [*args, "--no-python", *worker_command(opts.command)]
 

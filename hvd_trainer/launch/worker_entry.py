@@ -24,6 +24,7 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -98,10 +99,8 @@ class _Pump(threading.Thread):
 
 def _die_with_parent() -> None:
     """In the child, before exec: receive SIGKILL when the entry dies (Linux only)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _open_logs(directory: str, rank: str) -> tuple[BinaryIO, BinaryIO]:
@@ -117,8 +116,13 @@ def _open_logs(directory: str, rank: str) -> tuple[BinaryIO, BinaryIO]:
 
 def _exit_like(returncode: int) -> None:
     if returncode < 0:
-        signal.signal(-returncode, signal.SIG_DFL)
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled anyway
+            signal.signal(-returncode, signal.SIG_DFL)
+        sys.stdout.flush()
+        sys.stderr.flush()
         os.kill(os.getpid(), -returncode)
+        time.sleep(5.0)  # the signal ends us; this only covers a signal that does not kill
+        os._exit(128 - returncode)
     sys.exit(returncode)
 
 
