@@ -32,14 +32,16 @@ def test_lines_are_prefixed_by_rank_and_never_merged() -> None:
         lines = [ln for ln in res.output.splitlines() if ln.startswith(f"[{rank}]<stdout>:")]
         assert lines == [f"[{rank}]<stdout>:line {i} of rank {rank}" for i in range(200)], res.explain()
         assert f"[{rank}]<stderr>:to stderr {rank}" in res.output, res.explain()
-    stray = [ln for ln in res.output.splitlines() if "of rank" in ln and not re.match(r"^\[\d\]<stdout>:", ln)]
+    stray = [ln for ln in res.output.splitlines()
+             if "of rank" in ln and not re.match(r"^\[\d\]<stdout>:", ln)]
     assert stray == [], stray
 
 
 def test_prefix_with_timestamp() -> None:
     res = hvdrun(["-np", "2", "--prefix-output-with-timestamp", "python", "-c", "print('hi')"], timeout=90)
     assert res.returncode == 0, res.explain()
-    assert re.search(r"(?m)^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4} \[1\]<stdout>:hi$", res.output), res.explain()
+    stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    assert re.search(rf"(?m)^{stamp} \[1\]<stdout>:hi$", res.output), res.explain()
 
 
 def test_user_exception_under_elastic_fails_at_once(tmp_path: Path) -> None:
