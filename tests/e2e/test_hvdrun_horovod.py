@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.e2e.hvdrun_helpers import SCRIPTS, hvdrun, last_line
+import pytest
+
+from hvd_trainer.launch.commands import find_mpirun
+from tests.e2e.hvdrun_helpers import SCRIPTS, clean_env, hvdrun, last_line
 
 ELASTIC = ["--min-np", "2", "--max-np", "2", "--max-restarts", "2"]
 
@@ -76,3 +79,12 @@ def test_lightning_callback_error_fails_the_job_without_restart(tmp_path: Path) 
                            "failed: no such bucket"), line
     assert "0 of 1 restarts used" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["attempt.0.0", "attempt.0.1"]
+
+
+@pytest.mark.skipif(find_mpirun() is None, reason="needs Open MPI's mpirun (PATH or the venv)")
+def test_mpirun_workers_get_horovod_variables_and_prefixes() -> None:
+    code = "import os; print('VARS', os.environ['HOROVOD_RANK'], os.environ['HOROVOD_SIZE'])"
+    env = clean_env(OMPI_MCA_rmaps_base_oversubscribe="1")
+    res = hvdrun(["--mpi", "-np", "2", "python", "-c", code], env=env, timeout=120)
+    assert res.returncode == 0, res.explain()
+    assert "[0]<stdout>:VARS 0 2" in res.output and "[1]<stdout>:VARS 1 2" in res.output, res.explain()
