@@ -88,3 +88,12 @@ def test_mpirun_workers_get_horovod_variables_and_prefixes() -> None:
     res = hvdrun(["--mpi", "-np", "2", "python", "-c", code], env=env, timeout=120)
     assert res.returncode == 0, res.explain()
     assert "[0]<stdout>:VARS 0 2" in res.output and "[1]<stdout>:VARS 1 2" in res.output, res.explain()
+
+
+def test_lightning_restart_is_announced_and_counted(tmp_path: Path) -> None:
+    res = hvdrun(["--max-restarts", "1", "-np", "2", "python", str(SCRIPTS / "lightning_elastic.py"),
+                  str(tmp_path / "run.pt"), "4"], timeout=240)
+    assert res.returncode == 0, res.explain()
+    assert re.search(r"hvdrun: rank 1 \(local rank 1, pid \d+\) failed with signal SIGKILL; "
+                     r"restarting all workers \(attempt 1 of 1\)", res.output), res.explain()
+    assert last_line(res.output) == "hvdrun: 1 of 1 restarts used.", res.explain()
