@@ -86,8 +86,10 @@ def run_torchrun(
     with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:
         os.environ[JOB_DIR_ENV] = job_dir
         watch = AgentWatch(Path(job_dir), max_restarts)
-        status = _run_watched(args, watch, start_timeout_seconds)
-    return status
+        try:
+            return _run_watched(args, watch, start_timeout_seconds)
+        finally:
+            os.environ.pop(JOB_DIR_ENV, None)
 
 
 def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: float) -> int:
