@@ -106,8 +106,9 @@ def _run_backend(backend: str, argv: list[str]) -> dict:
     cmd = [str(bin_dir / "hvdrun"), "-np", "2", sys.executable, __file__, "--worker", *argv]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     for line in proc.stdout.splitlines():
-        if line.startswith("BENCH "):
-            return json.loads(line[6:])
+        _, mark, payload = line.partition("BENCH ")  # behind hvdrun's "[0]<stdout>:" prefix
+        if mark:
+            return json.loads(payload)
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 

@@ -15,7 +15,10 @@ processes): when a worker dies, torchrun's elastic agent (``hvdrun --min-np/--ma
 
 Steps after the last persisted commit are redone (a worker killed while its last commit was
 still being written resumes from the one before). When the function returns normally it waits
-for the last commit to reach the file (``state.flush()``). With the default
+for the last commit to reach the file (``state.flush()``). Only failures a restart can cure are
+retried: an exception of the function itself (not a peer's failure, see
+:func:`hvd_trainer.elastic.user_error.is_peer_failure`) is recorded for hvdrun, which then
+fails the job at once with that exception's text instead of restarting it. With the default
 directory (the system temp dir keyed by torchrun's run id) the file is removed when the
 function returns normally on every rank; an explicit ``checkpoint_dir`` keeps it.
 
@@ -46,6 +49,7 @@ from typing import Any, TypeVar
 from hvd_trainer.comm import World, allgather_object, barrier, init
 from hvd_trainer.comm.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
+from hvd_trainer.elastic.user_error import record_user_error
 
 __all__ = ["run", "default_checkpoint_dir"]
 
@@ -111,7 +115,11 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
                     stacklevel=2,
                 )
             world = _resume(state, directory)
-            result = fn(state, *args, **kwargs)
+            try:
+                result = fn(state, *args, **kwargs)
+            except Exception as exc:
+                record_user_error(exc, rank=world.rank)  # a peer's failure is not recorded
+                raise
             state.flush()  # the file holds the last commit before the function counts as done
             if not explicit and directory is not None:
                 _cleanup(directory, world)

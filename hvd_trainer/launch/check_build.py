@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import shutil
 
 import torch
 
 from hvd_trainer.comm.build_info import gloo_built, mpi4py_installed, nccl_version
+from hvd_trainer.launch.commands import find_mpirun
 
 __all__ = ["check_build_report"]
 
@@ -44,7 +44,7 @@ def check_build_report() -> str:
     count = torch.cuda.device_count() if cuda else 0
     keras_version = _version("keras")
     backends = _keras_backends()
-    mpirun = shutil.which("mpirun")
+    mpirun = find_mpirun()  # what hvdrun --mpi runs: PATH, then next to this Python
     lines = [
         "hvd_trainer build check",
         "",
@@ -59,7 +59,8 @@ def check_build_report() -> str:
         "Transports:",
         f"    {_mark(gloo_built())} gloo",
         f"    {_nccl_line()}",
-        f"    {_mark(mpirun is not None)} MPI launcher (mpirun{': ' + mpirun if mpirun else ' not on PATH'})",
+        f"    {_mark(mpirun is not None)} MPI launcher (mpirun"
+        + (f": {mpirun})" if mpirun else " neither on PATH nor next to this Python)"),
         f"    {_mark(mpi4py_installed())} mpi4py",
     ]
     return "\n".join(lines)

@@ -26,10 +26,11 @@ import os
 import shlex
 import sys
 from collections.abc import Sequence
+from importlib.metadata import version
 
 from hvd_trainer.comm.launch_env import worker_launcher
 from hvd_trainer.launch.check_build import check_build_report
-from hvd_trainer.launch.commands import mpirun_command, pick_port, torchrun_args, worker_env
+from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, torchrun_args, worker_env
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import HvdrunOptions, build_parser, parse_options
 from hvd_trainer.launch.runner import run_mpirun, run_torchrun
@@ -79,6 +80,8 @@ def _env_prefix(env: dict[str, str]) -> str:
 def _launch(opts: HvdrunOptions) -> int:
     _check_not_in_worker()
     _check_devices(opts)
+    for note in opts.notes:
+        print(note, file=sys.stderr, flush=True)
     port = pick_port(opts)
     env = worker_env(opts)
     if opts.use_mpi:
@@ -94,15 +97,15 @@ def _launch(opts: HvdrunOptions) -> int:
     if opts.use_mpi:
         return run_mpirun(cmd)
     return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
-                        verbose=opts.verbose)
+                        verbose=opts.verbose, max_restarts=restarts(opts))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hvdrun``; returns the exit status (0, 2 for usage errors, else failure)."""
     try:
-        opts, _ = parse_options(sys.argv[1:] if argv is None else argv)
+        opts, ns = parse_options(sys.argv[1:] if argv is None else argv)
         if opts is None:
-            print(check_build_report())
+            print(f"hvdrun (hvd_trainer) {version('hvd_trainer')}" if ns.version else check_build_report())
             return 0
         return _launch(opts)
     except HvdrunError as exc:

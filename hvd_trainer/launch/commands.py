@@ -18,14 +18,17 @@ from hvd_trainer.comm.world import free_port
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
 
-__all__ = ["worker_env", "resolve_command", "torchrun_args", "mpirun_command", "pick_port", "find_mpirun"]
+__all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args",
+           "mpirun_command", "pick_port", "find_mpirun", "restarts"]
 
 MIB = 1024 * 1024
+WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
+"""The per-worker step (Horovod's variables, prefixed lines, per-rank files), run as a script."""
 
 
 def worker_env(opts: HvdrunOptions) -> dict[str, str]:
     """Variables hvdrun adds to every worker's environment (units: bytes, milliseconds)."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = dict(opts.extra_env)
     if opts.fusion_threshold_mb is not None:
         env["HOROVOD_FUSION_THRESHOLD"] = str(int(opts.fusion_threshold_mb * MIB))
     if opts.cycle_time_ms is not None:
@@ -37,7 +40,11 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["NCCL_SOCKET_IFNAME"] = opts.network_interface
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    if _restarts(opts) > 0:
+    if opts.output_filename is not None:
+        env["HVDRUN_OUTPUT_DIR"] = os.path.abspath(opts.output_filename)
+    if opts.prefix_timestamp:
+        env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
+    if restarts(opts) > 0:
         # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
         # restarted rank can read a dead rank's gloo address left by the previous attempt
         # ("Gloo connectFullMesh failed ... Connection refused"). A fresh store per attempt
@@ -46,7 +53,8 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
     return env
 
 
-def _restarts(opts: HvdrunOptions) -> int:
+def restarts(opts: HvdrunOptions) -> int:
+    """How many times torchrun may restart the workers: ``--max-restarts``, else 3 when elastic."""
     if opts.max_restarts is not None:
         return opts.max_restarts
     return 3 if opts.elastic else 0
@@ -59,6 +67,11 @@ def resolve_command(command: list[str]) -> list[str]:
     if command[0] in ("python", "python3"):
         return [sys.executable, *command[1:]]
     return list(command)
+
+
+def worker_command(command: list[str]) -> list[str]:
+    """``command`` run through :data:`WORKER_ENTRY` with this interpreter (see its docstring)."""
+    return [sys.executable, WORKER_ENTRY, *resolve_command(command)]
 
 
 def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -119,10 +132,13 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
     hosts: c10d rendezvous at ``<first host>:port`` (loopback on a single host) with
     ``--nnodes=MIN:MAX`` counted in hosts. ``--start-timeout`` becomes the rendezvous timeout.
     """
-    timeout = max(1, round(opts.start_timeout_seconds))
+    wait = opts.start_timeout_seconds
+    if opts.elastic and opts.elastic_timeout_seconds is not None:
+        wait = opts.elastic_timeout_seconds
+    timeout = max(1, round(wait))
     args = [f"--nproc-per-node={opts.procs_per_host}", f"--nnodes={_nodes(opts)}"]
-    restarts = _restarts(opts)
-    if opts.multi_host or restarts > 0:
+    max_restarts = restarts(opts)
+    if opts.multi_host or max_restarts > 0:
         host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",
                  f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf=join_timeout={timeout}"]
@@ -130,11 +146,9 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
             args.append("--local-addr=127.0.0.1")
     else:
         args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
-    args.append(f"--max-restarts={restarts}")
-    if opts.output_filename is not None:
-        # <dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log, and still on the console.
-        args += [f"--log-dir={os.path.abspath(opts.output_filename)}", "--tee=3"]
-    return [*args, "--no-python", *resolve_command(opts.command)]
+    args.append(f"--max-restarts={max_restarts}")
+    # --output-filename: the worker entry writes <dir>/rank.<N>/{stdout,stderr} (HVDRUN_OUTPUT_DIR).
+    return [*args, "--no-python", *worker_command(opts.command)]
 
 
 def find_mpirun() -> str | None:
@@ -160,7 +174,7 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
         )
     master = "127.0.0.1" if not opts.multi_host else opts.hosts[0].host
     cmd = [mpirun or "mpirun", "-np", str(opts.num_proc), "-H", opts.hosts_spec,
-           "--bind-to", "none", "--map-by", "slot",
+           *(opts.mpi_binding if opts.mpi_binding is not None else ["--bind-to", "none", "--map-by", "slot"]),
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
     for key, value in sorted(worker_env(opts).items()):
         cmd += ["-x", f"{key}={value}"]
@@ -173,6 +187,4 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
     if opts.network_interface is not None:
         cmd += ["--mca", "btl_tcp_if_include", opts.network_interface,
                 "--mca", "oob_tcp_if_include", opts.network_interface]
-    if opts.output_filename is not None:
-        cmd += ["--output-filename", os.path.abspath(opts.output_filename)]
-    return [*cmd, *resolve_command(opts.command)]
+    return [*cmd, *opts.mpi_extra, *worker_command(opts.command)]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hvd_trainer.launch.errors import HvdrunError
+from hvd_trainer.launch.horovod_flags import add_horovod_flags, flag_env, mpirun_extra_args, notes_for
 from hvd_trainer.launch.hosts import HostSlots, assign_processes, parse_hosts, read_hostfile
 
 __all__ = ["HvdrunOptions", "build_parser", "parse_options"]
@@ -54,6 +55,18 @@ class HvdrunOptions:
     device: str = "auto"
     """``auto`` (CUDA when available), ``cuda`` or ``cpu`` (workers see no GPU)."""
     dry_run: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Worker variables from horovodrun's flags (``--log-level``, the stall-check flags)."""
+    mpi_binding: list[str] | None = None
+    """``--binding-args`` for mpirun (``None``: ``--bind-to none --map-by slot``)."""
+    mpi_extra: list[str] = field(default_factory=list)
+    """mpirun arguments from ``-p``/``-i``/``--tcp``/``--mpi-args``."""
+    elastic_timeout_seconds: float | None = None
+    """``--elastic-timeout``: the rendezvous wait of an elastic job (else ``--start-timeout``)."""
+    prefix_timestamp: bool = False
+    """``--prefix-output-with-timestamp``: every output line's prefix has a UTC time."""
+    notes: list[str] = field(default_factory=list)
+    """``hvdrun: note: ...`` lines for given flags that do not apply (printed at launch)."""
 
     def __post_init__(self) -> None:
         if self.num_proc < 1:
@@ -145,20 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="print the available frameworks and transports, then exit")
     p.add_argument("--dry-run", action="store_true", help="print the underlying command and exit")
+    add_horovod_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
 
 
 def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.Namespace]:
-    """Parse ``argv``; the options are ``None`` for ``--check-build``.
+    """Parse ``argv``; the options are ``None`` for ``--check-build`` and ``--version``.
 
     Raises:
         HvdrunError: unknown flags, missing ``-np``, both ``-H`` and ``--hostfile``, or
             impossible values (see :class:`HvdrunOptions`).
     """
     ns = build_parser().parse_args(list(argv))
-    if ns.check_build:
+    if ns.check_build or ns.version:
         return None, ns
+    if ns.mpi and (ns.gloo or ns.jsrun):
+        raise HvdrunError("--mpi, --gloo and --jsrun choose the controller; give one of them.")
     if ns.num_proc is None:
         raise HvdrunError("-np/--num-proc is required. HINT: hvdrun -np 2 python train.py")
     if ns.hosts and ns.hostfile:
@@ -167,6 +183,7 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
     command = list(ns.command)
     if command and command[0] == "--":
         command = command[1:]
+    binding, extra = mpirun_extra_args(ns)
     opts = HvdrunOptions(
         num_proc=ns.num_proc, command=command, hosts=hosts, use_mpi=ns.mpi,
         start_timeout_seconds=ns.start_timeout, network_interface=ns.network_interface,
@@ -174,6 +191,8 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
         fusion_threshold_mb=ns.fusion_threshold_mb, cycle_time_ms=ns.cycle_time_ms,
         timeline_filename=ns.timeline_filename, min_np=ns.min_np, max_np=ns.max_np,
         max_restarts=ns.max_restarts, port=ns.port, rdzv_id=ns.rdzv_id, device=ns.device,
-        dry_run=ns.dry_run,
+        dry_run=ns.dry_run, extra_env=flag_env(ns), mpi_binding=binding, mpi_extra=extra,
+        elastic_timeout_seconds=ns.elastic_timeout, prefix_timestamp=ns.prefix_timestamp,
+        notes=notes_for(ns),
     )
     return opts, ns

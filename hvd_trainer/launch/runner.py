@@ -13,42 +13,23 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.launch.agent_watch import AgentWatch
+from hvd_trainer.launch.failures import describe_exit, exit_status, root_failure
 from hvd_trainer.launch.loopback import use_loopback_store
 
 __all__ = ["run_torchrun", "run_mpirun", "describe_exit"]
 
-
-def describe_exit(exitcode: int) -> str:
-    """``"exit code 3"`` or ``"signal SIGKILL"`` (negative codes are signals, as in Popen)."""
-    if exitcode < 0:
-        try:
-            return f"signal {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"signal {-exitcode}"
-    if exitcode == PEER_FAILED_EXIT_CODE:
-        return f"exit code {exitcode} (stopped because another rank failed)"
-    return f"exit code {exitcode}"
-
-
-def _status(exitcode: int) -> int:
-    """Shell-style status for hvdrun: the exit code, or 128 + signal number."""
-    return 128 - exitcode if exitcode < 0 else max(exitcode, 1)
+JOB_DIR_ENV = "HVDRUN_JOB_DIR"
+"""The job directory exported to workers (read by :mod:`hvd_trainer.elastic.user_error`)."""
 
 
 def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
-    # The root cause is the failure the agent did not cause itself: it stops the surviving
-    # workers with SIGTERM, which then show up as failures too (timestamps are whole seconds),
-    # and a rank that stopped because a peer failed exits with PEER_FAILED_EXIT_CODE.
-    ordered = sorted(
-        failures.items(),
-        key=lambda item: (
-            item[1].exitcode in (-signal.SIGTERM, PEER_FAILED_EXIT_CODE), item[1].timestamp, item[0]
-        ),
-    )
+    ordered = root_failure(failures)
     rank, first = ordered[0]
     detail = ""
     if os.path.isfile(first.error_file) and first.message:
@@ -61,29 +42,69 @@ def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return _status(first.exitcode)
+    return exit_status(first.exitcode)
+
+
+def _report_user_error(record: dict[str, Any], failures: dict[int, Any], watch: AgentWatch) -> int:
+    rank = int(record.get("rank", 0))
+    failure = failures.get(rank)
+    code = failure.exitcode if failure is not None else int(record.get("exit_code", 1))
+    message = " ".join(str(record.get("message", "")).split())[:500]
+    print(
+        f"hvdrun: error: rank {rank} failed with {describe_exit(code)}: {record.get('type')}: {message} "
+        f"(an exception of the program, not a peer's failure: not retried; "
+        f"{watch.restarts_used} of {watch.max_restarts} restarts used)",
+        file=sys.stderr, flush=True,
+    )
+    return exit_status(code)
+
+
+def _run_agent(args: list[str], watch: AgentWatch) -> None:
+    from torch.distributed.run import parse_args, run
+
+    parsed = parse_args(args)
+    use_loopback_store(parsed)
+    with watch.installed():
+        run(parsed)
 
 
 def run_torchrun(
-    args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False
+    args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False,
+    max_restarts: int = 0,
 ) -> int:
-    """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success)."""
-    import logging
+    """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success).
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
-    from torch.distributed.run import parse_args, run
+    The workers get ``HVDRUN_JOB_DIR`` (a fresh temporary directory, removed at the end) for
+    their user-error records; restarts are announced and counted (:class:`AgentWatch`), and
+    with restarts allowed the last lines say how many were used.
+    """
+    import logging
 
     os.environ.update(env)
     if verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO)
+    with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:
+        os.environ[JOB_DIR_ENV] = job_dir
+        watch = AgentWatch(Path(job_dir), max_restarts)
+        try:
+            return _run_watched(args, watch, start_timeout_seconds)
+        finally:
+            os.environ.pop(JOB_DIR_ENV, None)
+
+
+def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: float) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+
     start = time.monotonic()
     try:
-        parsed = parse_args(args)
-        use_loopback_store(parsed)
-        run(parsed)
+        _run_agent(args, watch)
     except ChildFailedError as exc:
+        if watch.user_error is not None:
+            return _report_user_error(watch.user_error, exc.failures, watch)
+        if watch.max_restarts > 0:
+            print(watch.summary(), file=sys.stderr, flush=True)
         return _report_failures(exc.failures, time.monotonic() - start)
     except SignalException as exc:
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
@@ -99,6 +120,8 @@ def run_torchrun(
         print(f"hvdrun: error: the job could not start or finish: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
         return 1
+    if watch.max_restarts > 0:
+        print(watch.summary(), file=sys.stderr, flush=True)
     return 0
 
 
@@ -110,4 +133,4 @@ def run_mpirun(cmd: list[str]) -> int:
         print(f"hvdrun: error: mpirun ended with {describe_exit(code)} after "
               f"{time.monotonic() - start:.1f} s; its report above names the failed rank.",
               file=sys.stderr, flush=True)
-    return _status(code) if code else 0
+    return exit_status(code) if code else 0

@@ -16,7 +16,9 @@ where the job was instead of starting over:
 2. **Resume**: in a restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``), if ``fit`` got no
    ``ckpt_path`` and a commit of this run exists, the newest commit found on any node is
    broadcast from its node and restored before the strategy's setup, exactly as
-   ``fit(ckpt_path=...)`` would; rank 0 logs which file and step it resumed from.
+   ``fit(ckpt_path=...)`` would; rank 0 logs which file and step it resumed from. An
+   exception of the user's code during ``fit`` (not a peer's failure) is recorded for hvdrun
+   (:mod:`hvd_trainer.elastic.user_error`), which fails the job instead of restarting it.
 3. **Mid-epoch**: the training DataLoader becomes a
    :class:`~hvd_trainer.elastic.resumable_loader.ResumableDataLoader`, so a resumed epoch
    continues at the next batch and no sample is seen twice or skipped. For a loader that
@@ -70,6 +72,7 @@ from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 from hvd_trainer.elastic.run import default_checkpoint_dir
+from hvd_trainer.elastic.user_error import record_user_error
 from hvd_trainer.lightning._compat import (
     dump_checkpoint,
     has_loaded_checkpoint,
@@ -326,7 +329,10 @@ class _ElasticCommit(pl.Callback):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                      exception: BaseException) -> None:
-        """A failed ``fit`` still leaves its last commit on disk before the error propagates."""
+        """An exception of the user's code (not a peer's failure) tells hvdrun not to restart; a
+        failed ``fit`` still leaves its last commit on disk before the error propagates."""
+        if isinstance(exception, Exception):
+            record_user_error(exception, rank=self.elastic.world.rank)
         try:
             self.elastic.flush()
         except PersistError as error:  # never hide the fit's own error behind the write's

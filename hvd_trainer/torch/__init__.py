@@ -83,12 +83,14 @@ from hvd_trainer.comm import (
     stop_timeline,
     synchronize,
 )
+from hvd_trainer.launch.run_fn import run  # horovod.run: fn on N local processes
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
 from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
 __all__ = [
+    "run",
     "init", "shutdown", "is_initialized", "get_world", "World",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize", "Handle",

@@ -56,8 +56,13 @@ def hvdrun(args: list[str], *, timeout: float = 120.0, env: dict[str, str] | Non
 
 
 def pids_from(output: str) -> list[int]:
-    """PIDs printed by workers as ``PID <rank> <pid>`` lines (maybe behind a ``[default0]:`` prefix)."""
-    return [int(m.group(1)) for m in re.finditer(r"(?m)^(?:\[\w+\]:)?PID \d+ (\d+)$", output)]
+    """PIDs printed by workers as ``PID <rank> <pid>`` lines (behind hvdrun's ``[0]<stdout>:`` prefix)."""
+    return [int(m.group(1)) for m in re.finditer(r"(?m)^(?:\[\w+\](?:<std\w+>)?:)?PID \d+ (\d+)$", output)]
+
+
+def last_line(output: str) -> str:
+    """The last non-empty line of ``output``."""
+    return [line for line in output.splitlines() if line.strip()][-1]
 
 
 def fail_time(output: str) -> float:

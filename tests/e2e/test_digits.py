@@ -13,7 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 RESULT = re.compile(
-    r"^RESULT world_size=(\d+) val_acc=(\d\.\d\d) epochs=(\d+) samples_per_s=(\d+\.\d) wall_s=(\d+\.\d)$"
+    r"^(?:\[0\]<stdout>:)?"  # hvdrun's rank prefix: rank 0 prints it
+    r"RESULT world_size=(\d+) val_acc=(\d\.\d\d) epochs=(\d+) samples_per_s=(\d+\.\d) wall_s=(\d+\.\d)$"
 )
 
 # name, command, expected world size, expected epochs

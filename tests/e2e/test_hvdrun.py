@@ -44,8 +44,10 @@ def test_hvdrun_scenario(worker_args: list[str], status: int, expected: list[str
     pids = pids_from(res.output)
     assert len(pids) == 2, res.explain()
     assert alive(pids) == [], f"workers left behind: {alive(pids)}\n{res.explain()}"
-    logged = sorted(p.relative_to(logs).parts[-2:] for p in logs.rglob("stdout.log"))
-    assert logged == [("0", "stdout.log"), ("1", "stdout.log")], logged
+    logged = sorted(str(p.relative_to(logs)) for p in logs.rglob("*") if p.is_file())
+    assert logged == ["rank.0/stderr", "rank.0/stdout", "rank.1/stderr", "rank.1/stdout"], logged
+    for rank in (0, 1):  # the raw lines, without the console's rank prefix
+        assert f"PID {rank} " in (logs / f"rank.{rank}" / "stdout").read_text()
     if status != 0:
         seconds = res.ended_at - fail_time(res.output)
         print(f"SCENARIO {worker_args[0]}: hvdrun exited {seconds:.1f} s after the failure")

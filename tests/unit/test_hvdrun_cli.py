@@ -9,23 +9,26 @@ from pathlib import Path
 import pytest
 
 from hvd_trainer.launch import cli
+from hvd_trainer.launch.commands import WORKER_ENTRY
 from hvd_trainer.launch.hosts import HostSlots, parse_hosts, read_hostfile
 
 PY = sys.executable
+RUN = f"{PY} {WORKER_ENTRY} {PY}"
+"""Every rank's command starts with the worker entry (HOROVOD_* variables, prefixed lines)."""
 
 # name, argv, substrings that must appear in the printed command (stdout)
 DRY_RUNS = [
     ("single-host", ["-np", "2", "train.py", "--lr", "1"],
      ["-m torch.distributed.run", "--nproc-per-node=2", "--nnodes=1", "--master-addr=127.0.0.1",
-      "--rdzv-conf=timeout=30", "--max-restarts=0", f"--no-python {PY} train.py --lr 1"]),
+      "--rdzv-conf=timeout=30", "--max-restarts=0", f"--no-python {RUN} train.py --lr 1"]),
     ("python-word-uses-our-interpreter", ["-np", "1", "--", "python", "-c", "pass"],
-     [f"--no-python {PY} -c pass"]),
+     [f"--no-python {RUN} -c pass"]),
     ("worker-env", ["-np", "1", "--fusion-threshold-mb", "1.5", "--cycle-time-ms", "5",
                     "--timeline-filename", "/tmp/t.json", "--network-interface", "eth1", "x.py"],
      ["HOROVOD_FUSION_THRESHOLD=1572864", "HOROVOD_CYCLE_TIME=5", "HOROVOD_TIMELINE=/tmp/t.json",
       "GLOO_SOCKET_IFNAME=eth1", "NCCL_SOCKET_IFNAME=eth1"]),
     ("start-timeout-and-logs", ["-np", "2", "--start-timeout", "7", "--output-filename", "/tmp/o", "x.py"],
-     ["--rdzv-conf=timeout=7", "--log-dir=/tmp/o", "--tee=3"]),
+     ["--rdzv-conf=timeout=7", "HVDRUN_OUTPUT_DIR=/tmp/o"]),
     ("multi-host-c10d", ["-np", "4", "-H", "h1:2,h2:2", "--port", "1234", "--rdzv-id", "job7", "x.py"],
      ["--nproc-per-node=2", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h1:1234",
       "--rdzv-id=job7", "--rdzv-conf=join_timeout=30"]),
@@ -38,7 +41,7 @@ DRY_RUNS = [
      ["--nnodes=1:3", "--max-restarts=5"]),
     ("mpirun", ["--mpi", "-np", "4", "-H", "h1:2,h2:2", "--fusion-threshold-mb", "1", "x.py"],
      ["-np 4 -H h1:2,h2:2 --bind-to none --map-by slot", "-x MASTER_ADDR=h1",
-      "-x MASTER_PORT=29400", "-x HOROVOD_FUSION_THRESHOLD=1048576", f"{PY} x.py"]),
+      "-x MASTER_PORT=29400", "-x HOROVOD_FUSION_THRESHOLD=1048576", f"{RUN} x.py"]),
     ("cpu-hides-gpus", ["-np", "1", "--device", "cpu", "x.py"], ["CUDA_VISIBLE_DEVICES=''"]),
 ]
 

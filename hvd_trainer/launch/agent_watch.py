@@ -1,0 +1,111 @@
+"""Watch torchrun's elastic agent: announce restarts, and stop instead of retrying a user error.
+
+torchrun's agent restarts all workers after any failure, silently. hvdrun runs the agent in
+its own process and wraps the agent's monitor step (``LocalElasticAgent._monitor_workers``,
+torch's private API, checked by :func:`watch_supported`) while the job runs. When a check
+finds failed workers:
+
+* a worker recorded a user error (``<job dir>/user_error.<rank>.json``, written by
+  :mod:`hvd_trainer.elastic.user_error`; the job dir is ``HVDRUN_JOB_DIR``): the agent's
+  remaining restarts are set to 0, so it stops the workers and reports the failure, and hvdrun
+  ends with that worker's status and the exception's text;
+* otherwise, with restarts left: one line ``hvdrun: rank R (...) failed with ...; restarting
+  all workers (attempt k of n)``.
+
+:meth:`AgentWatch.summary` is the closing line about the restarts used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from hvd_trainer.launch.failures import describe_exit, root_failure
+
+__all__ = ["AgentWatch", "read_user_errors", "watch_supported"]
+
+
+def read_user_errors(job_dir: Path) -> list[dict[str, Any]]:
+    """The user-error records in ``job_dir``, lowest rank first (see the module docstring)."""
+    records = []
+    for path in sorted(job_dir.glob("user_error.*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    return sorted(records, key=lambda r: int(r.get("rank", 0)))
+
+
+def _agent_class() -> Any:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return LocalElasticAgent
+
+
+def watch_supported() -> bool:
+    """Whether this torch's agent has the monitor step and restart counter the watch uses."""
+    agent = _agent_class()
+    codes = [getattr(vars(cls).get("__init__"), "__code__", None) for cls in agent.__mro__]
+    sets_counter = any(code is not None and "_remaining_restarts" in code.co_names for code in codes)
+    return hasattr(agent, "_monitor_workers") and sets_counter
+
+
+class AgentWatch:
+    """Restart bookkeeping of one hvdrun job.
+
+    Args:
+        job_dir: the directory exported to workers as ``HVDRUN_JOB_DIR``.
+        max_restarts: ``--max-restarts`` of the job (the ``n`` of "attempt k of n").
+        out: where announcements go (hvdrun's stderr).
+    """
+
+    def __init__(self, job_dir: Path, max_restarts: int, out: TextIO | None = None) -> None:
+        self.job_dir, self.max_restarts = job_dir, max_restarts
+        self.out = out or sys.stderr
+        self.restarts_used = 0
+        self.user_error: dict[str, Any] | None = None
+
+    def on_failure(self, agent: Any, failures: dict[int, Any]) -> None:
+        """Called by the wrapped monitor step when it found failed workers."""
+        records = read_user_errors(self.job_dir)
+        if records:
+            self.user_error = records[0]
+            agent._remaining_restarts = 0  # torch's agent then stops the workers and reports
+            return
+        if agent._remaining_restarts <= 0 or not failures:
+            return
+        self.restarts_used += 1
+        rank, first = root_failure(failures)[0]
+        print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
+              f"{describe_exit(first.exitcode)}; restarting all workers "
+              f"(attempt {self.restarts_used} of {self.max_restarts})", file=self.out, flush=True)
+
+    def summary(self) -> str:
+        """``hvdrun: 1 of 3 restarts used.``"""
+        return f"hvdrun: {self.restarts_used} of {self.max_restarts} restarts used."
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Wrap the agent's monitor step while the ``with`` block runs (a no-op if unsupported)."""
+        if not watch_supported():
+            yield
+            return
+        from torch.distributed.elastic.agent.server.api import WorkerState
+
+        agent_cls = _agent_class()
+        original = agent_cls._monitor_workers
+        watch = self
+
+        def monitor(agent: Any, worker_group: Any) -> Any:
+            result = original(agent, worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                watch.on_failure(agent, result.failures)
+            return result
+
+        agent_cls._monitor_workers = monitor
+        try:
+            yield
+        finally:
+            agent_cls._monitor_workers = original

@@ -1,0 +1,157 @@
+"""The per-worker step of hvdrun: Horovod's variables, rank-prefixed output, per-rank log files.
+
+hvdrun's launcher (torchrun or mpirun) starts ``python worker_entry.py COMMAND ...`` for every
+rank instead of ``COMMAND`` itself. This file imports only the standard library (it runs as a
+script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays the start). It
+
+1. exports what ``horovodrun`` gives every worker: ``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+   ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
+   ``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``, derived from torchrun's ``RANK``,
+   ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``
+   or from Open MPI / PMI variables (cross rank = the host's index, cross size = the host count,
+   as Horovod computes them when every host runs the same number of processes);
+2. runs ``COMMAND`` as a child with its stdout/stderr on pipes and writes every line, whole, as
+   ``[<rank>]<stdout>:<line>`` (``<stderr>`` for stderr; ``HVDRUN_PREFIX_TIMESTAMP=1`` puts a UTC
+   time first), so two ranks' prints never merge into one line; Python children get
+   ``PYTHONUNBUFFERED=1`` so their lines appear as they are printed;
+3. with ``HVDRUN_OUTPUT_DIR`` set (``--output-filename DIR``), also appends the raw lines to
+   ``DIR/rank.<rank>/stdout`` and ``DIR/rank.<rank>/stderr`` (Horovod's layout; a restarted
+   attempt appends after a ``=== attempt <k> ===`` line);
+4. forwards SIGTERM/SIGINT to the child, dies with the child (``PR_SET_PDEATHSIG``: a
+   SIGKILLed entry takes its child along) and ends with the child's status (the same signal
+   when the child was killed), so the launcher sees what the command did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import BinaryIO
+
+__all__ = ["horovod_env", "prefix", "main"]
+
+_RANK_SOURCES = (
+    # rank, size, local rank, local size, cross rank, cross size (None: derived)
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", None, None),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None, None),
+)
+
+
+def horovod_env(env: Mapping[str, str], hostname: str | None = None) -> dict[str, str]:
+    """``HOROVOD_*`` variables for this worker from the launcher's variables in ``env``.
+
+    Returns an empty dict when no launcher variables are there. Missing local values mean one
+    process per host; cross rank/size default to ``rank // local_size`` and
+    ``size // local_size``.
+    """
+    for names in _RANK_SOURCES:
+        if names[0] in env and names[1] in env:
+            break
+    else:
+        return {}
+    rank, size = int(env[names[0]]), int(env[names[1]])
+    local_rank = int(env.get(names[2], "0"))
+    local_size = max(1, int(env.get(names[3], "1")))
+    cross_rank = int(env[names[4]]) if names[4] and names[4] in env else rank // local_size
+    cross_size = int(env[names[5]]) if names[5] and names[5] in env else max(1, size // local_size)
+    values = {"RANK": rank, "SIZE": size, "LOCAL_RANK": local_rank, "LOCAL_SIZE": local_size,
+              "CROSS_RANK": cross_rank, "CROSS_SIZE": cross_size}
+    out = {f"HOROVOD_{key}": str(value) for key, value in values.items()}
+    out["HOROVOD_HOSTNAME"] = hostname or socket.gethostname()
+    return out
+
+
+def prefix(rank: str, stream: str, timestamp: bool) -> bytes:
+    """``[1]<stdout>:`` (with a leading ``Tue Dec  1 10:00:00 2026 `` UTC time if ``timestamp``)."""
+    when = time.asctime(time.gmtime()) + " " if timestamp else ""
+    return f"{when}[{rank}]<{stream}>:".encode()
+
+
+class _Pump(threading.Thread):
+    """Copies one pipe of the child line by line to our stream (prefixed) and a log file."""
+
+    def __init__(self, source: BinaryIO, sink: BinaryIO, rank: str, stream: str,
+                 log: BinaryIO | None, timestamp: bool) -> None:
+        super().__init__(daemon=True, name=f"hvdrun-{stream}")
+        self.source, self.sink, self.rank, self.stream = source, sink, rank, stream
+        self.log, self.timestamp = log, timestamp
+
+    def run(self) -> None:
+        for line in iter(self.source.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            self.sink.write(prefix(self.rank, self.stream, self.timestamp) + line)
+            self.sink.flush()
+            if self.log is not None:
+                self.log.write(line)
+                self.log.flush()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: receive SIGKILL when the entry dies (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _open_logs(directory: str, rank: str) -> tuple[BinaryIO, BinaryIO]:
+    folder = os.path.join(directory, f"rank.{rank}")
+    os.makedirs(folder, exist_ok=True)
+    logs = tuple(open(os.path.join(folder, name), "ab") for name in ("stdout", "stderr"))  # noqa: SIM115
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt != "0":
+        for log in logs:
+            log.write(f"=== attempt {attempt} ===\n".encode())
+    return logs  # type: ignore[return-value]
+
+
+def _exit_like(returncode: int) -> None:
+    if returncode < 0:
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled anyway
+            signal.signal(-returncode, signal.SIG_DFL)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), -returncode)
+        time.sleep(5.0)  # the signal ends us; this only covers a signal that does not kill
+        os._exit(128 - returncode)
+    sys.exit(returncode)
+
+
+def main(argv: list[str]) -> None:
+    """Run ``argv`` (the user's command) as described in the module docstring; never returns."""
+    if not argv:
+        sys.exit("worker_entry.py: no command given")
+    env = dict(os.environ)
+    env.update(horovod_env(env))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    rank = env.get("HOROVOD_RANK", "?")
+    timestamp = env.get("HVDRUN_PREFIX_TIMESTAMP") == "1"
+    logs = _open_logs(env["HVDRUN_OUTPUT_DIR"], rank) if env.get("HVDRUN_OUTPUT_DIR") else (None, None)
+    try:
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
+    except OSError as exc:
+        sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+    pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp),  # type: ignore[arg-type]
+             _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp)]  # type: ignore[arg-type]
+    for pump in pumps:
+        pump.start()
+    returncode = child.wait()
+    for pump in pumps:
+        pump.join(timeout=5.0)  # a grandchild may keep a pipe open; do not wait for it forever
+    _exit_like(returncode)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

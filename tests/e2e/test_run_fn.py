@@ -1,0 +1,58 @@
+"""``hvd_trainer.run(fn, args, kwargs, np)``: horovod.run's results by rank, errors with the rank."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import hvd_trainer as hvd
+from hvd_trainer.launch.run_fn import RunError
+from tests.e2e.hvdrun_helpers import ROOT, clean_env
+
+
+@pytest.fixture(autouse=True)
+def _plain_env(monkeypatch) -> None:
+    for key in list(os.environ):
+        monkeypatch.delenv(key)
+    for key, value in clean_env().items():
+        monkeypatch.setenv(key, value)
+
+
+def _sum_and_rank(x: float, scale: int = 1) -> tuple[int, float, str]:
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([x * (hvd.rank() + 1)]), op=hvd.Sum).item()
+    return hvd.rank() * scale, total, os.environ["HOROVOD_RANK"]
+
+
+def test_results_in_rank_order() -> None:
+    got = hvd.run(_sum_and_rank, args=(2.0,), kwargs={"scale": 10}, np=3, timeout_seconds=120)
+    assert got == [(0, 12.0, "0"), (10, 12.0, "1"), (20, 12.0, "2")]
+
+
+def test_a_closure_from_the_caller_runs_too() -> None:
+    offset = 7
+    assert hvd.run(lambda: offset + int(os.environ["RANK"]), np=2, timeout_seconds=120) == [7, 8]
+
+
+def _fails_on_rank_1() -> None:
+    hvd.init()
+    if hvd.rank() == 1:
+        raise KeyError("missing column 'label'")
+    hvd.allreduce(torch.ones(1))  # rank 0 waits for rank 1, which never comes
+
+
+def test_error_names_the_rank_and_keeps_its_traceback() -> None:
+    with pytest.raises(RunError, match=r"rank 1 raised KeyError: \"missing column 'label'\"") as info:
+        hvd.run(_fails_on_rank_1, np=2, timeout_seconds=120)
+    assert info.value.rank == 1
+    assert "_fails_on_rank_1" in str(info.value)  # rank 1's traceback
+
+
+def test_unsupported_arguments_say_what_to_use() -> None:
+    with pytest.raises(ValueError, match="HINT: for several hosts use the hvdrun command"):
+        hvd.run(print, np=2, hosts="node1:2,node2:2")
+    with pytest.raises(ValueError, match="hvdrun --min-np/--max-np"):
+        hvd.run(print, np=2, min_np=1)
+    assert str(ROOT) in os.environ["PYTHONPATH"]
