@@ -47,12 +47,16 @@ def register_lightning_pytorch() -> None:
     """Register ``"horovod"`` in ``lightning.pytorch.strategies.StrategyRegistry``."""
     if _strategy_module_importing():
         return
+    from lightning.pytorch.accelerators import AcceleratorRegistry
     from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
     strategy = importlib.import_module("hvd_trainer.strategy")
+    porting = importlib.import_module("hvd_trainer.lightning.porting")
 
     if "horovod" not in LightningRegistry:
         strategy.lightning_pytorch_strategy_class().register_strategies(LightningRegistry)
+    porting.install(_AcceleratorConnector, AcceleratorRegistry)
 
 
 _TARGETS: dict[str, Callable[[], None]] = {

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_utilities.core.rank_zero import rank_zero_only
+from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.plugins import TorchSyncBatchNorm
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
@@ -51,10 +52,16 @@ from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.launch_env import torchelastic_env
 from hvd_trainer.comm.world import World
-from hvd_trainer.lightning._compat import SubprocessScriptLauncher, attached_trainer, optimizers_to_device
+from hvd_trainer.lightning._compat import (
+    AcceleratorConnector,
+    SubprocessScriptLauncher,
+    attached_trainer,
+    optimizers_to_device,
+)
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
 from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
+from hvd_trainer.lightning.porting import install as install_porting_habits
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -131,7 +138,12 @@ class _HorovodStrategyLogic:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"horovod"`` in ``strategy_registry`` (Lightning's ``_StrategyRegistry``)."""
+        """Register ``"horovod"`` in ``strategy_registry`` (Lightning's ``_StrategyRegistry``).
+
+        The Lightning 1.x habits (:mod:`hvd_trainer.lightning.porting`: ``Trainer()`` under
+        hvdrun picks ``"horovod"``, ``accelerator="horovod"`` gets a HINT) are installed with it,
+        by :func:`~hvd_trainer.lightning.porting.install` with the package's connector and registry.
+        """
         strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION)
 
     def __init__(
@@ -600,3 +612,4 @@ def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: in
 # pytorch_lightning while this class does not exist yet; so the strategy registers itself here.
 if "horovod" not in StrategyRegistry:
     HorovodStrategy.register_strategies(StrategyRegistry)
+install_porting_habits(AcceleratorConnector, AcceleratorRegistry)

@@ -23,6 +23,9 @@ num_processes, num_nodes)``                                  N-1 processes (stra
 ``.dump_checkpoint(weights_only)``                           ``fit(ckpt_path=...)`` would, and
                                                              write a full checkpoint dict
                                                              (lightning/elastic.py)
+``pytorch_lightning.trainer.connectors.accelerator_connector  ``Trainer()`` under hvdrun picks
+._AcceleratorConnector._choose_strategy(self)``              ``"horovod"`` (lightning/porting.py
+                                                             wraps it)
 ==========================================================  ==================================
 
 Replaced by public API: ``lightning_fabric.utilities.distributed._all_gather_ddp_if_available``
@@ -41,8 +44,12 @@ from typing import Any
 import pytorch_lightning as pl
 from lightning_fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from pytorch_lightning.trainer.connectors.accelerator_connector import (
+    _AcceleratorConnector as AcceleratorConnector,
+)
 
 __all__ = [
+    "AcceleratorConnector",
     "SubprocessScriptLauncher",
     "attached_trainer",
     "dump_checkpoint",

@@ -240,6 +240,17 @@ def test_lightning_subprocess_script_launcher(no_launcher: None) -> None:
     assert _trainer(strategy=HorovodStrategy()).strategy.launcher is None
 
 
+def test_lightning_accelerator_connector_choose_strategy(no_launcher: None) -> None:
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    from hvd_trainer.lightning._compat import AcceleratorConnector
+
+    # lightning/porting.py wraps _choose_strategy(self); the Trainer calls it for strategy="auto"
+    assert _params(AcceleratorConnector._choose_strategy) == ["self"]
+    assert AcceleratorConnector._choose_strategy._hvd_trainer_auto_horovod is True
+    assert isinstance(_trainer().strategy, SingleDeviceStrategy)
+
+
 def test_lightning_parallel_strategy_layer_sync(no_launcher: None) -> None:
     from pytorch_lightning.plugins import TorchSyncBatchNorm
 
