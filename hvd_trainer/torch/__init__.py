@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-from hvd_trainer import elastic
 from hvd_trainer.comm import (
     Adasum,
     Average,
@@ -84,11 +83,15 @@ from hvd_trainer.comm import (
     stop_timeline,
     synchronize,
 )
+from hvd_trainer.torch import compression, elastic, functions, mpi_ops
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
 from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
+# ``elastic`` (hvd_trainer.torch.elastic, Horovod's module path) is an attribute but not in
+# __all__: ``import hvd_trainer as hvd`` keeps ``hvd.elastic`` = the hvd_trainer.elastic package
+# (the same names), instead of a star import rebinding it.
 __all__ = [
     "init", "shutdown", "is_initialized", "get_world", "World",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -106,7 +109,7 @@ __all__ = [
     "broadcast_async_", "alltoall_async", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "Adasum", "UnsupportedOpError",
     "add_process_set", "remove_process_set", "global_process_set",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "elastic",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "mpi_ops", "compression", "functions",
     "RankFailedError",
     # the torch API: optimizer wrapper, state broadcast, sparse reduce, SyncBatchNorm
     "DistributedOptimizer", "GradientSyncError", "OptimizerConfigError",
