@@ -83,7 +83,8 @@ from hvd_trainer.comm import (
     stop_timeline,
     synchronize,
 )
-from hvd_trainer.torch import compression, elastic, functions, mpi_ops
+from hvd_trainer.torch import compression, functions, mpi_ops
+from hvd_trainer.torch import elastic as elastic  # an attribute, not in __all__ (below)
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
