@@ -84,15 +84,18 @@ from hvd_trainer.comm import (
     synchronize,
 )
 from hvd_trainer.torch import compression, functions, mpi_ops
-from hvd_trainer.torch import elastic as elastic  # an attribute, not in __all__ (below)
+from hvd_trainer.torch import elastic as _elastic_module_path  # noqa: F401 - Horovod's path
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
 from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
 
-# ``elastic`` (hvd_trainer.torch.elastic, Horovod's module path) is an attribute but not in
-# __all__: ``import hvd_trainer as hvd`` keeps ``hvd.elastic`` = the hvd_trainer.elastic package
-# (the same names), instead of a star import rebinding it.
+# ``hvd.elastic`` is the hvd_trainer.elastic package (so ``import hvd_trainer as hvd``, which
+# star-imports this module, keeps it); ``import hvd_trainer.torch.elastic`` gives the module
+# of Horovod's path, which re-exports the same names.
+# isort: split
+from hvd_trainer import elastic
+
 __all__ = [
     "init", "shutdown", "is_initialized", "get_world", "World",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -110,7 +113,7 @@ __all__ = [
     "broadcast_async_", "alltoall_async", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "Adasum", "UnsupportedOpError",
     "add_process_set", "remove_process_set", "global_process_set",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "mpi_ops", "compression", "functions",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "elastic", "mpi_ops", "compression", "functions",
     "RankFailedError",
     # the torch API: optimizer wrapper, state broadcast, sparse reduce, SyncBatchNorm
     "DistributedOptimizer", "GradientSyncError", "OptimizerConfigError",
