@@ -94,22 +94,22 @@ def _spec(value: Any) -> tuple[str, Any]:
 def _initialise_empty_state(optimizer: torch.optim.Optimizer) -> None:
     """Horovod's first step: an optimizer without state takes one step on zero gradients, so
     its state (e.g. Adam's ``exp_avg``, ``step``) exists before it is broadcast. The step runs
-    on the wrapped optimizer (a DistributedOptimizer would allreduce); parameter values and
-    ``.grad`` are put back afterwards, so e.g. weight decay does not move the parameters."""
+    on the wrapped optimizer (a DistributedOptimizer would allreduce). As in Horovod, every
+    trainable parameter keeps the zero ``.grad`` (frozen ones keep ``None``); unlike Horovod,
+    the parameter values are put back, so e.g. weight decay does not move them."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if optimizer.state_dict()["state"] or isinstance(inner, torch.optim.LBFGS):  # LBFGS: closure
         return
     params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-    saved = [(p, p.detach().clone(), p.grad) for p in params]
+    saved = [(p, p.detach().clone()) for p in params]
     with torch.no_grad():
         for p in params:
             p.grad = torch.zeros_like(p)
         try:
             inner.step()
         finally:
-            for p, value, grad in saved:
+            for p, value in saved:
                 p.copy_(value)
-                p.grad = grad
 
 
 def broadcast_optimizer_state(
@@ -120,11 +120,12 @@ def broadcast_optimizer_state(
 
     Works for any ``torch.optim`` optimizer (and :class:`~hvd_trainer.DistributedOptimizer`),
     stateless ones included, and for parameters that are frozen or have no state yet. As in
-    Horovod, an optimizer whose state is empty first takes one step on zero gradients (its
-    parameters and ``.grad`` restored afterwards), so e.g. Adam's ``step`` and moments exist
-    on every rank after the broadcast. The root's state is then sent; the others load the
-    root's ``state_dict``. ``model`` is Horovod's argument for sparse embeddings; it is
-    accepted and not needed here (sparse state travels like any other tensor).
+    Horovod, an optimizer whose state is empty first takes one step on zero gradients (the
+    trainable parameters keep those zero ``.grad``, as in Horovod; their values are restored),
+    so e.g. Adam's ``step`` and moments exist on every rank after the broadcast. The root's
+    state is then sent; the others load the root's ``state_dict``. ``model`` is Horovod's
+    argument for sparse embeddings; it is accepted and not needed here (sparse state travels
+    like any other tensor).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.

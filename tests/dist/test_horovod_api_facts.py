@@ -1,7 +1,8 @@
 """Small Horovod API facts on 2 gloo ranks (issue 11, classes 3 and 9):
 ``DistributedOptimizer(groups=..., num_groups=...)`` reduces each group as one grouped
 allreduce and still averages every gradient; ``broadcast_optimizer_state`` initialises an
-empty optimizer state with a zero-gradient step (parameters and ``.grad`` untouched);
+empty optimizer state with a zero-gradient step (parameters unmoved, ``.grad`` zeros as in
+Horovod);
 ``ProcessSet.ranks`` is a list; ``join(device)`` takes Horovod's device argument."""
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _run() -> dict:
     out["adam_state"] = sorted((float(s["step"]), s["exp_avg"].abs().sum().item(),
                                 tuple(s["exp_avg_sq"].shape)) for s in opt.state.values())
     out["params_after"] = [m.weight.tolist(), m.bias.tolist()]
-    out["grads_after"] = [p.grad is None for p in m.parameters()]
+    out["grads_after"] = [p.grad.abs().sum().item() for p in m.parameters()]  # Horovod: zeros
     wrapped = hvd.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.1),
                                        named_parameters=m.named_parameters())
     hvd.broadcast_optimizer_state(wrapped, 0)  # no allreduce is started by the zero step
@@ -98,7 +99,7 @@ def test_groups_optimizer_state_and_process_set_ranks() -> None:
         assert res["twice"] is not None and "two groups" in res["twice"] and "HINT" in res["twice"]
         assert res["adam_state"] == [(1.0, 0.0, (2,)), (1.0, 0.0, (2, 2))]
         assert res["params_after"] == [[[2.0, 2.0], [2.0, 2.0]], [-1.0, -1.0]]  # rank 1's, unmoved
-        assert res["grads_after"] == [True, True]
+        assert res["grads_after"] == [0.0, 0.0]
         assert res["wrapped_state"] == 2
         assert res["after"] == [2.0]
         assert res["ranks"] == (True, "list")
