@@ -443,7 +443,7 @@ class _HorovodStrategyLogic:
         world = self._require_world()
         if op is comm.Average and not (tensor.is_floating_point() or tensor.is_complex()):
             tensor = tensor.to(torch.get_default_dtype())
-        return comm.allreduce_(tensor, op, world=world)
+        return comm.allreduce_(tensor, op=op, world=world)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:

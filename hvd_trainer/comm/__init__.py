@@ -96,6 +96,7 @@ from hvd_trainer.comm.reductions_async import (
     allreduce_async,
     allreduce_async_,
     grouped_allreduce_async,
+    grouped_allreduce_async_,
     grouped_reducescatter_async,
     reducescatter_async,
 )
@@ -122,7 +123,7 @@ __all__ = [
     "get_world", "free_port", "CommConfig",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "Handle", "poll", "synchronize",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",
     "broadcast_object", "allgather_object",
     "ProcessSet", "Compression", "Compressor", "Timeline",

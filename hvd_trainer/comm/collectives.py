@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -26,11 +25,17 @@ from hvd_trainer.comm.arguments import require_tensor
 from hvd_trainer.comm.autograd import (
     allgather_with_grad,
     allreduce_with_grad,
+    alltoall_with_grad,
+    any_needs_autograd,
     broadcast_with_grad,
+    grouped_allgather_with_grad,
+    grouped_allreduce_with_grad,
+    grouped_reducescatter_with_grad,
     needs_autograd,
+    reducescatter_with_grad,
 )
 from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.errors import StallError
+from hvd_trainer.comm.errors import CommTypeError, StallError
 from hvd_trainer.comm.fatal import exit_hard_at_exit
 from hvd_trainer.comm.movement_async import (
     allgather_async,
@@ -39,7 +44,7 @@ from hvd_trainer.comm.movement_async import (
     broadcast_async_,
     grouped_allgather_async,
 )
-from hvd_trainer.comm.ops import ReduceOp, op_or_average
+from hvd_trainer.comm.ops import Average, ReduceOp, op_or_average
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import run_identity_allreduce
 from hvd_trainer.comm.reductions_async import (
@@ -70,37 +75,39 @@ __all__ = [
 
 def allreduce_(
     tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
+    average: bool | None = None,
     name: str | None = None,
+    op: ReduceOp | str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
     process_set: ProcessSet | None = None,
     *,
+    compression: Compressor = Compression.none,
     world: World | None = None,
-    average: bool | None = None,
 ) -> torch.Tensor:
-    """Reduce ``tensor`` over the set, in place, and return it. See
-    :func:`~hvd_trainer.comm.reductions_async.allreduce_async_`."""
-    op = op_or_average(op, average)
-    return allreduce_async_(
-        tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
-    ).wait()
+    """Reduce ``tensor`` over the set, in place, and return it. Horovod's positional order;
+    see :func:`~hvd_trainer.comm.reductions_async.allreduce_async_`."""
+    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
+                            process_set, compression=compression, world=world).wait()
 
 
 def allreduce(
     tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
+    average: bool | None = None,
     name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
     process_set: ProcessSet | None = None,
     *,
     world: World | None = None,
-    average: bool | None = None,
 ) -> torch.Tensor:
     """Return the reduction of ``tensor`` over the set; ``tensor`` is unchanged.
+
+    Horovod's positional order: ``(tensor, average, name, compression, op, prescale_factor,
+    postscale_factor, process_set)``; arguments as
+    :func:`~hvd_trainer.comm.reductions_async.allreduce_async_`.
 
     Example:
         >>> hvd.allreduce(torch.tensor([float(hvd.rank())]))   # mean of the ranks
@@ -111,20 +118,55 @@ def allreduce(
     op = op_or_average(op, average)
     if isinstance(tensor, torch.Tensor) and needs_autograd(tensor):
         return allreduce_with_grad(tensor, op, prescale_factor, postscale_factor, process_set, world)
-    return allreduce_async(
-        tensor, op, name, prescale_factor, postscale_factor, compression, process_set, world=world
-    ).wait()
+    return allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor, process_set,
+                           compression=compression, world=world).wait()
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """Out-of-place grouped allreduce; same arguments as
-    :func:`~hvd_trainer.comm.reductions_async.grouped_allreduce_async`."""
-    return grouped_allreduce_async(tensors, *args, **kwargs).wait()
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    *,
+    world: World | None = None,
+) -> list[torch.Tensor]:
+    """Out-of-place grouped allreduce (one fused collective per dtype); Horovod's positional
+    order, as :func:`allreduce`. Differentiable when a tensor requires grad (each gradient is
+    allreduced the same way; no compression on that path).
+
+    Raises:
+        CommValueError: an empty list or tensors on different devices.
+    """
+    op = op_or_average(op, average)
+    tensors = list(tensors)
+    if any_needs_autograd(tensors):
+        return grouped_allreduce_with_grad(tensors, op, prescale_factor, postscale_factor, name,
+                                           process_set, world)
+    return grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor,
+                                   process_set, compression=compression, world=world).wait()
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> list[torch.Tensor]:
-    """In-place grouped allreduce; returns ``tensors``."""
-    return grouped_allreduce_async(tensors, *args, inplace=True, **kwargs).wait()
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    *,
+    compression: Compressor = Compression.none,
+    world: World | None = None,
+) -> list[torch.Tensor]:
+    """In-place grouped allreduce; returns ``tensors``. Horovod's positional order, as
+    :func:`allreduce_`."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_set, compression=compression, inplace=True,
+                                   world=world).wait()
 
 
 def allgather(
@@ -154,7 +196,10 @@ def grouped_allgather(
     *, world: World | None = None,
 ) -> list[torch.Tensor]:
     """Blocking :func:`~hvd_trainer.comm.movement_async.grouped_allgather_async`: the list of
-    gathered tensors."""
+    gathered tensors. Differentiable when a tensor requires grad (as :func:`allgather`)."""
+    tensors = list(tensors)
+    if any_needs_autograd(tensors):
+        return grouped_allgather_with_grad(tensors, name, process_set, world)
     return grouped_allgather_async(tensors, name, process_set, world=world).wait()
 
 
@@ -196,42 +241,63 @@ def alltoall(
     Returns:
         ``output`` (rows from member 0, then member 1, ...) or, when ``splits`` is given,
         ``(output, received_splits)`` with ``received_splits`` an int32 tensor.
+        Differentiable when ``tensor`` requires grad: the gradient of ``output`` travels back
+        with the received splits, so each rank gets the gradient of the rows it sent.
 
     Raises:
         CommValueError: dim 0 not divisible by the set size (no splits), or bad splits.
         CollectiveMismatchError: trailing shape or dtype differ between ranks.
     """
-    out, received_splits = alltoall_async(tensor, splits, name, process_set, world=world).wait()
+    require_tensor(tensor, "alltoall")
+    if needs_autograd(tensor):
+        out, received_splits = alltoall_with_grad(tensor, splits, name, process_set, world)
+    else:
+        out, received_splits = alltoall_async(tensor, splits, name, process_set, world=world).wait()
     return out if splits is None else (out, received_splits)
 
 
 def reducescatter(
-    tensor: torch.Tensor, op: ReduceOp | str | None = None, name: str | None = None,
-    process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
+    tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
+    op: ReduceOp | str | None = Average, process_set: ProcessSet | None = None,
+    prescale_factor: float = 1.0, postscale_factor: float = 1.0, *, world: World | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` over the set, then give member ``i`` its block of dim 0.
 
-    Blocks are as even as possible, the first ``rows % n`` members getting one extra row
-    (Horovod's split). Implemented as an allreduce then a slice (correct on every backend; it
-    moves ``n/2`` times the bytes of a native reduce-scatter).
+    Horovod's positional order: ``(tensor, name, compression, op, process_set,
+    prescale_factor, postscale_factor)``. Blocks are as even as possible, the first
+    ``rows % n`` members getting one extra row (Horovod's split). Implemented as an allreduce
+    then a slice (correct on every backend; it moves ``n/2`` times the bytes of a native
+    reduce-scatter). Differentiable when ``tensor`` requires grad (backward: the allgather of
+    the blocks' gradients, see :mod:`hvd_trainer.comm.autograd`).
 
     Raises:
         CommValueError: a 0-d tensor. JoinedRankError: a rank has joined.
+
+    ``compression`` casts floating tensors for the wire as in :func:`allreduce` (not on the
+    differentiable path).
     """
-    return reducescatter_async(tensor, op, name, process_set, prescale_factor, postscale_factor,
-                               world=world).wait()
+    if isinstance(tensor, torch.Tensor) and needs_autograd(tensor):
+        return reducescatter_with_grad(tensor, op, prescale_factor, postscale_factor, name,
+                                       process_set, world)
+    return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                               compression=compression, world=world).wait()
 
 
 def grouped_reducescatter(
-    tensors: Sequence[torch.Tensor], op: ReduceOp | str | None = None, name: str | None = None,
+    tensors: Sequence[torch.Tensor], name: str | None = None,
+    compression: Compressor = Compression.none, op: ReduceOp | str | None = Average,
     process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
     postscale_factor: float = 1.0, *, world: World | None = None,
 ) -> list[torch.Tensor]:
     """Blocking :func:`~hvd_trainer.comm.reductions_async.grouped_reducescatter_async`: the
-    list of this member's blocks."""
-    return grouped_reducescatter_async(tensors, op, name, process_set, prescale_factor,
-                                       postscale_factor, world=world).wait()
+    list of this member's blocks. Horovod's positional order, as :func:`reducescatter`;
+    differentiable the same way."""
+    tensors = list(tensors)
+    if any_needs_autograd(tensors):
+        return grouped_reducescatter_with_grad(tensors, op, prescale_factor, postscale_factor, name,
+                                               process_set, world)
+    return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                       postscale_factor, compression=compression, world=world).wait()
 
 
 def barrier(process_set: ProcessSet | None = None, *, world: World | None = None) -> None:
@@ -239,8 +305,13 @@ def barrier(process_set: ProcessSet | None = None, *, world: World | None = None
     barrier_async(process_set, world=world).wait()
 
 
-def join(process_set: ProcessSet | None = None, *, world: World | None = None) -> int:
+def join(device: int | str | torch.device = -1, *, process_set: ProcessSet | None = None,
+         world: World | None = None) -> int:
     """Declare that this rank has no more data; return the rank that joined last.
+
+    ``device`` is Horovod's: the GPU its zero tensors would live on (``-1``: the current
+    device). It is accepted and checked for type only; here each stand-in allreduce uses the
+    device the active ranks announced (CPU tensors over gloo, CUDA ones on this rank's GPU).
 
     Until every member has joined, this rank takes part in the others' allreduces with zeros
     (identity elements for Min/Max/Product); ``Average`` still divides by the full set size.
@@ -251,6 +322,11 @@ def join(process_set: ProcessSet | None = None, *, world: World | None = None) -
         JoinedRankError: an active rank ran a non-allreduce collective.
         StallError: ``stall_shutdown_seconds`` passed with ranks neither active nor joined.
     """
+    if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
+        raise CommTypeError(
+            f"join(device={device!r}): device must be a GPU index, a device string or a "
+            "torch.device. HINT: join() or join(hvd.local_rank()); a process set goes as process_set=."
+        )
     pset = resolve_set(process_set, world, "join")
     coord = pset.coordinator
     for pending in sorted(coord.outstanding.values(), key=lambda o: o.seq):

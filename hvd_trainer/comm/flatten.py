@@ -9,11 +9,15 @@ send a list of tensors as a few flat buffers instead of one collective per tenso
 4. the buffer is split back into views shaped like the inputs (:meth:`FlatGroup.views`), which
    are returned or copied into the inputs (:func:`flat_collective_`).
 
-One set of dtypes can travel, :data:`SUPPORTED_DTYPES`: the dtypes every transport carries
-(gloo on the CPU has no int16, unsigned 16/32/64-bit or float8 collectives; NCCL carries all of
-these). Any other dtype is a :class:`~hvd_trainer.comm.errors.CommTypeError` before anything is
-sent. numpy arrays (the Keras bridge) travel as themselves when their dtype has a twin in that
-set, else as float32 (e.g. ``ml_dtypes.bfloat16``, ``int16``): see :func:`numpy_wire_dtype`.
+One set of dtypes can travel, :data:`SUPPORTED_DTYPES`: every numeric dtype but float8, and
+bool. Most travel as themselves; the few that gloo (or NCCL) has no collectives for travel in a
+wider wire dtype, exactly (:data:`WIRE_DTYPES`, :func:`to_wire` / :func:`from_wire`): int16 and
+uint16 as int32, uint32 as int64 (values converted, so sums of a few ranks cannot overflow the
+wire), uint64 as int64 (the same 64 bits; for Min/Max the top bit is flipped so signed order is
+unsigned order). Any other dtype (float8) is a :class:`~hvd_trainer.comm.errors.CommTypeError`
+before anything is sent. numpy arrays (the Keras bridge) travel as themselves when their dtype
+has a twin among the dtypes that travel as themselves, else as float32 (e.g.
+``ml_dtypes.bfloat16``, ``int16``): see :func:`numpy_wire_dtype`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from hvd_trainer.comm.errors import CommTypeError
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "WIRE_DTYPES",
+    "wire_dtype",
+    "to_wire",
+    "from_wire",
     "FlatGroup",
     "check_dtype",
     "flatten",
@@ -39,11 +47,58 @@ __all__ = [
     "wire_to_numpy",
 ]
 
-SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset({
+_NATIVE: frozenset[torch.dtype] = frozenset({
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
     torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool,
 })
-"""The dtypes a flattened group may have (the ones every transport of hvd_trainer carries)."""
+"""The dtypes every transport (gloo, NCCL) carries as themselves."""
+
+WIRE_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.int16: torch.int32,
+    torch.uint16: torch.int32,
+    torch.uint32: torch.int64,
+    torch.uint64: torch.int64,
+}
+"""dtype -> the dtype it travels as (exactly; see the module docstring), for the dtypes that
+gloo or NCCL cannot carry."""
+
+_BIT_VIEWS = frozenset({torch.uint64})  # same width as the wire: reinterpreted, not converted
+_TOP_BIT = -(2**63)  # int64 with only the sign bit set
+
+SUPPORTED_DTYPES: frozenset[torch.dtype] = _NATIVE | frozenset(WIRE_DTYPES)
+"""The dtypes the collectives and a flattened group may have."""
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels as (itself unless it is in :data:`WIRE_DTYPES`)."""
+    return WIRE_DTYPES.get(dtype, dtype)
+
+
+def to_wire(tensor: torch.Tensor, op: str | None = None) -> torch.Tensor:
+    """``tensor`` in its wire dtype: itself when it travels as itself, else a new contiguous
+    tensor of the same shape (int16/uint16 -> int32, uint32 -> int64 by value; uint64 -> int64
+    by bits, the top bit flipped when ``op`` is ``"min"`` or ``"max"``, so the signed order of
+    the wire is the unsigned order of the values)."""
+    if tensor.dtype not in WIRE_DTYPES:
+        return tensor
+    if tensor.dtype in _BIT_VIEWS:
+        bits = tensor.contiguous().view(torch.int64).clone()
+        return bits.bitwise_xor_(_TOP_BIT) if op in ("min", "max") else bits
+    return tensor.to(WIRE_DTYPES[tensor.dtype], memory_format=torch.contiguous_format)
+
+
+def from_wire(wire: torch.Tensor, dtype: torch.dtype, op: str | None = None) -> torch.Tensor:
+    """Undo :func:`to_wire`: ``wire`` as a tensor of ``dtype`` (the same shape). Values out of
+    ``dtype``'s range wrap (two's complement), as the native collective's sum would."""
+    if wire.dtype == dtype:
+        return wire
+    if dtype in _BIT_VIEWS:
+        bits = wire.bitwise_xor(_TOP_BIT) if op in ("min", "max") else wire
+        return bits.contiguous().view(dtype)
+    if dtype in (torch.uint16, torch.uint32):  # wrap as unsigned arithmetic does
+        width = 16 if dtype == torch.uint16 else 32
+        return torch.remainder(wire.to(torch.int64), 2**width).to(dtype)
+    return wire.to(dtype)
 
 Buffer = Callable[[torch.dtype, torch.device, int], torch.Tensor]
 """``buffer(dtype, device, numel)``: a 1-D tensor to flatten into (reused memory)."""
@@ -59,7 +114,7 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
         names = sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise CommTypeError(
             f"{what}: dtype {dtype} cannot travel (the transports carry {names}). HINT: convert "
-            "the tensor first, e.g. tensor.to(torch.int32) for int16/uint16, tensor.float() for float8."
+            "the tensor first, e.g. tensor.float() for float8."
         )
 
 
@@ -160,12 +215,12 @@ def _numpy_twin(dtype: torch.dtype) -> np.dtype | None:
         return None
 
 
-_NUMPY_WIRE = frozenset(twin for d in SUPPORTED_DTYPES if (twin := _numpy_twin(d)) is not None)
+_NUMPY_WIRE = frozenset(twin for d in _NATIVE if (twin := _numpy_twin(d)) is not None)
 
 
 def numpy_wire_dtype(dtype: Any) -> np.dtype:
-    """The numpy dtype an array of ``dtype`` travels as: itself when its torch twin is in
-    :data:`SUPPORTED_DTYPES`, else float32 (e.g. ``ml_dtypes.bfloat16``, int16, uint32)."""
+    """The numpy dtype an array of ``dtype`` travels as: itself when its torch twin travels as
+    itself (not widened), else float32 (e.g. ``ml_dtypes.bfloat16``, int16, uint32)."""
     dtype = np.dtype(dtype)
     return dtype if dtype in _NUMPY_WIRE else np.dtype("float32")
 

@@ -11,7 +11,9 @@ Not differentiable (use the blocking forms for autograd), as in Horovod. The blo
 :mod:`hvd_trainer.comm.collectives` are these plus ``wait()``, so both run the same code.
 
 Every function takes ``process_set=`` (``None``: the whole job; this rank must be a member) and
-``world=``; ``root_rank`` is always a global rank.
+``world=``; ``root_rank`` is always a global rank. Every dtype of
+:data:`~hvd_trainer.comm.flatten.SUPPORTED_DTYPES` travels, the ones the transports lack
+(int16, unsigned 16/32/64-bit) widened for the wire and returned in their own dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from hvd_trainer.comm.arguments import require_tensor
 from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.errors import CommValueError
+from hvd_trainer.comm.flatten import check_dtype, from_wire, to_wire
 from hvd_trainer.comm.handle import Handle, Launched
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.world import World
@@ -38,6 +41,7 @@ __all__ = [
 def _begin(pset: ProcessSet, kind: str, name: str | None, t: torch.Tensor | None, **fields: Any) -> Op:
     base: dict[str, Any] = {}
     if t is not None:
+        check_dtype(t.dtype, kind)
         base = {"dtype": str(t.dtype), "device": t.device.type}
     sig = Signature(kind, name, tuple({**fields, **base}.items()))
     nbytes = 0 if t is None else t.numel() * t.element_size()
@@ -67,6 +71,7 @@ def allgather_async(
     t = tensor.detach()
     t = (t.reshape(1) if t.dim() == 0 else t).contiguous()
     op = _begin(pset, "allgather", name, t, ndim=t.dim(), trailing_shape=list(t.shape[1:]))
+    dtype, t = t.dtype, to_wire(t)
     group = pset.group_for(t)
     rows = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     all_rows = [torch.zeros_like(rows) for _ in range(pset.size())]
@@ -82,8 +87,8 @@ def allgather_async(
 
     def finish() -> torch.Tensor:
         if not max_rows:
-            return t.new_empty((0, *t.shape[1:]))
-        return torch.cat([o[:c] for o, c in zip(out, counts, strict=True)], dim=0)
+            return t.new_empty((0, *t.shape[1:]), dtype=dtype)
+        return from_wire(torch.cat([o[:c] for o, c in zip(out, counts, strict=True)], dim=0), dtype)
 
     return Handle([launched], finish)
 
@@ -107,13 +112,13 @@ def broadcast_async_(
             "HINT: root_rank is a global rank and must be a member of the set."
         )
     op = _begin(pset, "broadcast", name, tensor, shape=list(tensor.shape), root_rank=root_rank)
-    buf = tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous()
+    buf = to_wire(tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous())
     work = dist.broadcast(buf, src=root_rank, group=pset.group_for(buf), async_op=True)
 
     @torch.no_grad()
     def finish() -> torch.Tensor:
         if buf.data_ptr() != tensor.data_ptr():
-            tensor.copy_(buf)
+            tensor.copy_(from_wire(buf, tensor.dtype))
         return tensor
 
     return Handle([Launched(pset, op, work)], finish)
@@ -171,6 +176,7 @@ def alltoall_async(
     send = _splits(t, splits, pset.size())
     op = _begin(pset, "alltoall", name, t, ndim=t.dim(), trailing_shape=list(t.shape[1:]),
                 splits_given=splits is not None)
+    dtype, t = t.dtype, to_wire(t)
     group = pset.group_for(t)
     send_t = torch.tensor(send, dtype=torch.int64, device=t.device)
     recv_t = torch.empty_like(send_t)
@@ -179,7 +185,7 @@ def alltoall_async(
     out = t.new_empty((sum(recv), *t.shape[1:]))
     work = dist.all_to_all_single(out, t, output_split_sizes=recv, input_split_sizes=send,
                                   group=group, async_op=True)
-    return Handle([Launched(pset, op, work)], lambda: (out, recv_t.to(torch.int32)))
+    return Handle([Launched(pset, op, work)], lambda: (from_wire(out, dtype), recv_t.to(torch.int32)))
 
 
 def grouped_allgather_async(

@@ -65,7 +65,7 @@ class ProcessSet:
         CollectiveMismatchError: ranks created different sets at this point.
     """
 
-    ranks: tuple[int, ...]
+    ranks: list[int]
     set_id: int | None
     global_rank: int | None
     device: torch.device | None
@@ -74,7 +74,7 @@ class ProcessSet:
     def __init__(self, ranks: Sequence[int] | range, *, world: World | None = None) -> None:
         if world is None and not is_initialized():
             self.set_id, self.global_rank, self.device, self.coordinator = None, None, None, None
-            self.ranks = _validate(ranks, None)
+            self.ranks = list(_validate(ranks, None))  # a list, as Horovod's (== [0, 1] holds)
             return
         w = get_world() if world is None else world
         self._create(w, _validate(ranks, w.size))
@@ -101,7 +101,7 @@ class ProcessSet:
     def _setup(self, world: World, members: tuple[int, ...], group, cpu_group, set_id: int) -> None:
         self.global_rank = world.rank
         self.device = world.device
-        self.ranks = members
+        self.ranks = list(members)  # a list, as Horovod's (== [0, 1] holds)
         self.set_id = set_id
         self._group = group
         self._cpu_group = cpu_group

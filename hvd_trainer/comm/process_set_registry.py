@@ -32,7 +32,7 @@ def _agree(world: World, kind: str, ranks: tuple[int, ...]) -> None:
 
 def _duplicate_of(world: World, ranks: tuple[int, ...]) -> ProcessSet | None:
     for pset in list(world.runtime.sets.values()):
-        if pset.ranks == ranks and pset.set_id is not None:
+        if tuple(pset.ranks) == tuple(ranks) and pset.set_id is not None:
             return pset
     return None
 
@@ -67,7 +67,7 @@ def add_process_set(
         if process_set.removed:
             raise CommValueError(f"add_process_set({process_set!r}): this set was removed. "
                                  "HINT: build a new one with hvd.add_process_set(ranks).")
-        target, ranks = process_set, process_set.ranks
+        target, ranks = process_set, tuple(process_set.ranks)
     else:
         target, ranks = None, _validate(process_set, None)
     ranks = _validate(ranks, w.size)

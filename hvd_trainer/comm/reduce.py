@@ -14,6 +14,13 @@ Steps for a contiguous ``tensor`` reduced in place over a process set of ``N`` r
 Integer ``Average`` is the exact integer sum divided by ``N`` rounded toward zero, in the input
 dtype (``[1, 2] -> 1``, ``[-1, -2] -> -1``); integer scale factors are applied in float64 and
 truncated toward zero. ``bool`` supports ``Sum`` (logical or), ``Min``, ``Max`` only.
+
+dtypes the transports lack (int16, uint16, uint32, uint64) travel widened
+(:data:`~hvd_trainer.comm.flatten.WIRE_DTYPES`); the division of ``Average`` and the
+``postscale_factor`` are applied in the wide dtype before narrowing back, so an int16 average
+of ``[30000, 30000]`` is ``30000`` (a sum that overflows the input dtype wraps, as natively).
+uint64 travels as its bits and supports ``Sum``, ``Min``, ``Max`` and ``Product`` only, without
+scale factors.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from hvd_trainer.comm.checks import Op, Signature
 from hvd_trainer.comm.compression import Compression, Compressor, fp16_scale_exponent
 from hvd_trainer.comm.errors import CommTypeError
+from hvd_trainer.comm.flatten import WIRE_DTYPES, check_dtype, from_wire, to_wire, wire_dtype
 from hvd_trainer.comm.join_board import Transport
 from hvd_trainer.comm.ops import ReduceOp
 from hvd_trainer.comm.process_set import ProcessSet
@@ -60,6 +68,7 @@ class Reduction:
     rop: ReduceOp
     post_factor: float
     wire_scale_exp: int
+    widened: bool = False
     finished: bool = False
 
     def poll(self) -> bool:
@@ -72,10 +81,13 @@ class Reduction:
             return self.tensor
         self.pset.coordinator.wait(self.op)
         t, wire = self.tensor, self.wire
-        if wire is not t:
-            out = self.pset_decompress()
-            t.copy_(out)
-        _postprocess(t, self.rop, self.post_factor, self.pset.size())
+        if self.widened:  # finish the integer numerics in the wide dtype, then narrow
+            _postprocess(wire, self.rop, self.post_factor, self.pset.size())
+            t.copy_(from_wire(wire, t.dtype, _TORCH_OP_NAMES[self.rop]))
+        else:
+            if wire is not t:
+                t.copy_(self.pset_decompress())
+            _postprocess(t, self.rop, self.post_factor, self.pset.size())
         self.finished = True
         return t
 
@@ -97,9 +109,15 @@ def _postprocess(t: torch.Tensor, rop: ReduceOp, post_factor: float, size: int) 
         t.copy_((t.double() * post_factor).to(t.dtype))
 
 
-def _validate(tensor: torch.Tensor, rop: ReduceOp) -> None:
+def _validate(tensor: torch.Tensor, rop: ReduceOp, scaled: bool) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise CommTypeError(f"allreduce expects a torch.Tensor, got {type(tensor).__name__}.")
+    check_dtype(tensor.dtype, "allreduce")
+    if tensor.dtype == torch.uint64 and (rop is ReduceOp.AVERAGE or scaled):
+        raise CommTypeError(
+            f"op={rop.name} (or a scale factor) of a uint64 tensor is not supported. HINT: use Sum, "
+            "Min, Max or Product without scale factors, or convert the tensor to int64."
+        )
     if tensor.dtype == torch.bool and rop in (ReduceOp.AVERAGE, ReduceOp.PRODUCT):
         raise CommTypeError(
             f"op={rop.name} of a bool tensor is undefined. HINT: use Sum (logical or), Min or Max, "
@@ -154,16 +172,17 @@ def start_allreduce(
         CollectiveMismatchError, JoinedRankError, StallError: from the cross-rank checks.
     """
     compression = Compression.resolve(compression, error=CommTypeError)
-    _validate(tensor, op)
+    _validate(tensor, op, prescale_factor != 1.0 or postscale_factor != 1.0)
     n = pset.size()
     compress = compression.applies_to(tensor) and op is not ReduceOp.PRODUCT
     global_scale = compress and getattr(compression, "needs_global_scale", False)
-    wire_dtype = compression.wire_dtype if compress else tensor.dtype
+    widen = not compress and tensor.dtype in WIRE_DTYPES
+    wire_dt = compression.wire_dtype if compress else wire_dtype(tensor.dtype)
     transports: list[Transport] = []
     dev = tensor.device.type
     if global_scale:
         transports.append((1, "torch.float32", "max", dev))
-    transports.append((tensor.numel(), str(wire_dtype), _TORCH_OP_NAMES[op], dev))
+    transports.append((tensor.numel(), str(wire_dt), _TORCH_OP_NAMES[op], dev))
     sig = sig or signature(kind, name, tensor, op, prescale_factor, postscale_factor, compression)
     rec = pset.coordinator.begin(sig, tensor.numel() * tensor.element_size(), transports)
     rec.extra["device"] = tensor.device.type
@@ -179,10 +198,12 @@ def start_allreduce(
     wire, ctx = tensor, None
     if compress:
         ctx = tensor.dtype
-        wire = _scaled_cast(tensor, exp, wire_dtype) if exp else tensor.to(wire_dtype)
+        wire = _scaled_cast(tensor, exp, wire_dt) if exp else tensor.to(wire_dt)
+    elif widen:
+        wire = to_wire(tensor, _TORCH_OP_NAMES[op])
     work = dist.all_reduce(wire, op=_NAME_TO_TORCH[_TORCH_OP_NAMES[op]], group=group, async_op=True)
     pset.coordinator.launched(rec, work)
-    return Reduction(tensor, wire, ctx, rec, pset, op, post, exp)
+    return Reduction(tensor, wire, ctx, rec, pset, op, post, exp, widened=widen)
 
 
 def _split_factors(

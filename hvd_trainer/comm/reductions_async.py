@@ -21,7 +21,7 @@ from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.flatten import flatten
 from hvd_trainer.comm.handle import Handle
-from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
+from hvd_trainer.comm.ops import Average, ReduceOp, op_or_average, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import signature, start_allreduce
 from hvd_trainer.comm.world import World
@@ -30,6 +30,7 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_",
     "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "reducescatter_async",
     "grouped_reducescatter_async",
 ]
@@ -37,15 +38,15 @@ __all__ = [
 
 def allreduce_async_(
     tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
+    average: bool | None = None,
     name: str | None = None,
+    op: ReduceOp | str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
     process_set: ProcessSet | None = None,
     *,
+    compression: Compressor = Compression.none,
     world: World | None = None,
-    average: bool | None = None,
 ) -> Handle:
     """Start reducing ``tensor`` in place; :func:`synchronize` returns ``tensor``.
 
@@ -55,11 +56,15 @@ def allreduce_async_(
             ``torch.distributed.ReduceOp``). Integer ``Average`` is the exact integer sum
             divided by the set size, rounded toward zero, in the input dtype
             (``[1, 2] -> 1``, ``[-1, -2] -> -1``).
+        average: Horovod's older flag (True: Average, False: Sum); not together with ``op``.
         name: label for error messages and the timeline.
         prescale_factor: multiply by this before the sum. postscale_factor: after it.
-        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only).
         process_set: the ranks to reduce over (this rank must be a member).
-        average: Horovod's older flag (True: Average, False: Sum); not together with ``op``.
+        compression: ``Compression.none`` / ``fp16`` / ``bf16`` (floating tensors only;
+            keyword-only: Horovod's in-place and async forms have no ``compression``).
+
+    The positional order is Horovod's: ``(tensor, average, name, op, prescale_factor,
+    postscale_factor, process_set)``.
 
     Raises:
         CommTypeError: not a tensor; bool Average/Product. CommValueError: not a member.
@@ -86,43 +91,44 @@ def allreduce_async_(
 
 def allreduce_async(
     tensor: torch.Tensor,
-    op: ReduceOp | str | None = None,
+    average: bool | None = None,
     name: str | None = None,
+    op: ReduceOp | str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
     process_set: ProcessSet | None = None,
     *,
+    compression: Compressor = Compression.none,
     world: World | None = None,
-    average: bool | None = None,
 ) -> Handle:
     """Out-of-place :func:`allreduce_async_`: ``tensor`` is unchanged; the result is new."""
     require_tensor(tensor, "allreduce")
     op = op_or_average(op, average)
     return allreduce_async_(
-        tensor.detach().clone(memory_format=torch.contiguous_format), op, name, prescale_factor,
-        postscale_factor, compression, process_set, world=world,
+        tensor.detach().clone(memory_format=torch.contiguous_format), None, name, op,
+        prescale_factor, postscale_factor, process_set, compression=compression, world=world,
     )
 
 
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
-    op: ReduceOp | str | None = None,
+    average: bool | None = None,
     name: str | None = None,
+    op: ReduceOp | str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    compression: Compressor = Compression.none,
     process_set: ProcessSet | None = None,
     *,
+    compression: Compressor = Compression.none,
     inplace: bool = False,
     world: World | None = None,
-    average: bool | None = None,
 ) -> Handle:
     """Reduce a list of tensors as one fused operation per dtype (one collective each).
 
     The tensors are packed into one flat buffer per dtype (in list order,
     :mod:`hvd_trainer.comm.flatten`), reduced, and unpacked. :func:`synchronize` returns the
-    list of results (the inputs when ``inplace``).
+    list of results (the inputs when ``inplace``). Arguments and their positional order as
+    :func:`allreduce_async_`.
 
     Raises:
         CommValueError: an empty list or tensors on different devices.
@@ -165,6 +171,23 @@ def grouped_allreduce_async(
     return Handle(reductions, finish)
 
 
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+    *,
+    compression: Compressor = Compression.none,
+    world: World | None = None,
+) -> Handle:
+    """In-place :func:`grouped_allreduce_async`: ``synchronize`` returns ``tensors``, reduced."""
+    return grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
+                                   process_set, compression=compression, inplace=True, world=world)
+
+
 def _block(full: torch.Tensor, n: int, me: int) -> torch.Tensor:
     """Member ``me``'s block of dim 0 out of ``n`` (the first ``rows % n`` get one extra row)."""
     base, extra = divmod(full.shape[0], n)
@@ -173,9 +196,10 @@ def _block(full: torch.Tensor, n: int, me: int) -> torch.Tensor:
 
 
 def reducescatter_async(
-    tensor: torch.Tensor, op: ReduceOp | str | None = None, name: str | None = None,
+    tensor: torch.Tensor, name: str | None = None, op: ReduceOp | str | None = Average,
     process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
+    postscale_factor: float = 1.0, *, compression: Compressor = Compression.none,
+    world: World | None = None,
 ) -> Handle:
     """Start :func:`~hvd_trainer.comm.collectives.reducescatter`; ``synchronize`` returns this
     member's block of dim 0 of the reduced tensor (blocks as even as possible, the first
@@ -193,14 +217,16 @@ def reducescatter_async(
     pset = resolve_set(process_set, world, "reducescatter")
     full = tensor.detach().clone(memory_format=torch.contiguous_format)
     red = start_allreduce(full, op=to_reduce_op(op), pset=pset, name=name, kind="reducescatter",
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                          compression=compression)
     return Handle([red], lambda: _block(full, pset.size(), pset.rank()))
 
 
 def grouped_reducescatter_async(
-    tensors: Sequence[torch.Tensor], op: ReduceOp | str | None = None, name: str | None = None,
+    tensors: Sequence[torch.Tensor], name: str | None = None, op: ReduceOp | str | None = Average,
     process_set: ProcessSet | None = None, prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0, *, world: World | None = None,
+    postscale_factor: float = 1.0, *, compression: Compressor = Compression.none,
+    world: World | None = None,
 ) -> Handle:
     """Reduce-scatter each tensor of the list, fused into one allreduce per dtype (as
     :func:`grouped_allreduce_async`); ``synchronize`` returns the list of this member's
@@ -216,6 +242,6 @@ def grouped_reducescatter_async(
         raise CommValueError("grouped_reducescatter needs tensors with at least one dimension, "
                              "got a scalar.")
     pset = resolve_set(process_set, world, "grouped_reducescatter")
-    inner = grouped_allreduce_async(tensors, op, name, prescale_factor, postscale_factor,
-                                    process_set=process_set, world=world)
+    inner = grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor,
+                                    process_set, compression=compression, world=world)
     return Handle([inner], lambda: [_block(r, pset.size(), pset.rank()) for r in inner.wait()])

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-from hvd_trainer import elastic
 from hvd_trainer.comm import (
     Adasum,
     Average,
@@ -59,6 +58,7 @@ from hvd_trainer.comm import (
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
+    grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
     init,
@@ -84,17 +84,25 @@ from hvd_trainer.comm import (
     synchronize,
 )
 from hvd_trainer.launch.run_fn import run  # horovod.run: fn on N local processes
+from hvd_trainer.torch import compression, functions, mpi_ops
+from hvd_trainer.torch import elastic as _elastic_module_path  # noqa: F401 - Horovod's path
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
 from hvd_trainer.torch.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+
+# ``hvd.elastic`` is the hvd_trainer.elastic package (so ``import hvd_trainer as hvd``, which
+# star-imports this module, keeps it); ``import hvd_trainer.torch.elastic`` gives the module
+# of Horovod's path, which re-exports the same names.
+# isort: split
+from hvd_trainer import elastic
 
 __all__ = [
     "run",
     "init", "shutdown", "is_initialized", "get_world", "World",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "poll", "synchronize", "Handle",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",
     "broadcast_object", "allgather_object", "ProcessSet", "Compression",
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
@@ -107,7 +115,7 @@ __all__ = [
     "broadcast_async_", "alltoall_async", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "Adasum", "UnsupportedOpError",
     "add_process_set", "remove_process_set", "global_process_set",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "elastic",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "elastic", "mpi_ops", "compression", "functions",
     "RankFailedError",
     # the torch API: optimizer wrapper, state broadcast, sparse reduce, SyncBatchNorm
     "DistributedOptimizer", "GradientSyncError", "OptimizerConfigError",

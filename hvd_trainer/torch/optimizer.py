@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +48,7 @@ from hvd_trainer.comm.optimizer_args import (
     check_backward_passes_per_step,
     check_optimizer_args,
 )
+from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError"]
@@ -142,6 +143,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         op: ``Average`` (default) or ``Sum``.
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it.
+        num_groups: Horovod's older spelling of ``groups=k`` (deprecated there too).
+        groups: an int ``k`` (the parameters split into ``k`` contiguous groups) or a list of
+            lists of parameters; each group's gradients are reduced together as one grouped
+            allreduce once all of them are ready (see :mod:`hvd_trainer.torch.groups`). The
+            parameters in no group are bucketed as without groups. ``None``/``0``: no groups.
         sparse_as_dense: reduce sparse gradients as dense tensors (allreduce) instead of by
             allgather of indices and values.
         process_set: the comm layer's process set to reduce over (``None`` = all ranks).
@@ -165,10 +171,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-        compression: Compressor | type[Compressor] | str | None = None,
+        compression: Compressor | type[Compressor] | str | None = Compression.none,
         backward_passes_per_step: int = 1,
         op: ReduceOp | str | None = Average,
         gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
         sparse_as_dense: bool = False,
         process_set: Any = None,
         *,
@@ -188,6 +196,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._compression = Compression.resolve(compression, error=OptimizerConfigError)
         self._inner = optimizer
         self._named = _resolve_named(optimizer, named_parameters)
+        self._groups = resolve_groups([(n, p) for n, p in self._named if p.requires_grad],
+                                      num_groups, groups, OptimizerConfigError)
         self._names = {id(p): n for n, p in self._named}
         self._bpps = args.backward_passes_per_step
         self._predivide = args.gradient_predivide_factor
@@ -199,7 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer bookkeeping (hook tables, profiled step); its __init__ is not
         # called because the parameters, state and defaults are the inner optimizer's.
         init_optimizer_bookkeeping(self)
-        self._reducer: GradientReducer | None = None
+        self._reducer: GradientReducer | ReducerSet | None = None
         self._reducer_ids: set[int] = set()
         self._sparse: list[tuple[str, torch.Tensor]] = []
         self._sparse_dims: dict[int, int] = {}
@@ -365,10 +375,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense, first step
                 p.grad = p.grad.to_dense()
         self._reducer_ids = {id(p) for _, p in dense}
-        self._reducer = GradientReducer(
-            dense, world=self._world, config=self._fusion_config, op=self._op,
-            **self._reducer_kwargs,
-        )
+        if not self._groups:
+            self._reducer = GradientReducer(
+                dense, world=self._world, config=self._fusion_config, op=self._op,
+                **self._reducer_kwargs,
+            )
+            return
+        grouped = [[(n, p) for n, p in g if id(p) in self._reducer_ids] for g in self._groups]
+        in_group = {id(p) for g in grouped for _, p in g}
+        rest = [(n, p) for n, p in dense if id(p) not in in_group]
+        parts = [(g, ONE_BUCKET) for g in grouped if g] + ([(rest, self._fusion_config)] if rest else [])
+        self._reducer = ReducerSet([
+            GradientReducer(named, world=self._world, config=config, op=self._op, **self._reducer_kwargs)
+            for named, config in parts
+        ])
 
     def _reduce_sparse(self) -> None:
         for _, p in self._sparse:

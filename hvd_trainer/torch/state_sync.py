@@ -91,14 +91,41 @@ def _spec(value: Any) -> tuple[str, Any]:
     return ("object", value)
 
 
+def _initialise_empty_state(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's first step: an optimizer without state takes one step on zero gradients, so
+    its state (e.g. Adam's ``exp_avg``, ``step``) exists before it is broadcast. The step runs
+    on the wrapped optimizer (a DistributedOptimizer would allreduce). As in Horovod, every
+    trainable parameter keeps the zero ``.grad`` (frozen ones keep ``None``); unlike Horovod,
+    the parameter values are put back, so e.g. weight decay does not move them."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if optimizer.state_dict()["state"] or isinstance(inner, torch.optim.LBFGS):  # LBFGS: closure
+        return
+    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
+    saved = [(p, p.detach().clone()) for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        try:
+            inner.step()
+        finally:
+            for p, value in saved:
+                p.copy_(value)
+
+
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int = 0, *, world: World | None = None
+    optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None, *,
+    world: World | None = None,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer hyperparameters and state buffers.
 
     Works for any ``torch.optim`` optimizer (and :class:`~hvd_trainer.DistributedOptimizer`),
-    stateless ones included, and for parameters that are frozen or have no state yet. The
-    root's optimizer is not modified; the others load the root's ``state_dict``.
+    stateless ones included, and for parameters that are frozen or have no state yet. As in
+    Horovod, an optimizer whose state is empty first takes one step on zero gradients (the
+    trainable parameters keep those zero ``.grad``, as in Horovod; their values are restored),
+    so e.g. Adam's ``step`` and moments exist on every rank after the broadcast. The root's
+    state is then sent; the others load the root's ``state_dict``. ``model`` is Horovod's
+    argument for sparse embeddings; it is accepted and not needed here (sparse state travels
+    like any other tensor).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -112,6 +139,8 @@ def broadcast_optimizer_state(
         )
     w = get_world() if world is None else world
     _check_root(root_rank, w)
+    del model  # accepted for Horovod's signature
+    _initialise_empty_state(optimizer)
     is_root = w.rank == root_rank
     meta = None
     if is_root:

@@ -9,11 +9,14 @@ import torch
 from hvd_trainer.comm.errors import CommTypeError
 from hvd_trainer.comm.flatten import (
     SUPPORTED_DTYPES,
+    WIRE_DTYPES,
     flat_collective,
     flat_collective_,
     flatten,
+    from_wire,
     numpy_to_wire,
     numpy_wire_dtype,
+    to_wire,
     wire_to_numpy,
 )
 
@@ -77,14 +80,32 @@ def test_flattening_into_a_given_buffer() -> None:
 
 def test_unsupported_dtype_is_a_clear_error_before_any_collective() -> None:
     calls = []
-    tensors = [torch.ones(2), torch.ones(2, dtype=torch.int16)]
-    with pytest.raises(CommTypeError, match=r"broadcast_parameters: dtype torch.int16 cannot travel.*HINT"):
+    tensors = [torch.ones(2), torch.ones(2).to(torch.float8_e4m3fn)]
+    with pytest.raises(CommTypeError, match=r"broadcast_parameters: dtype torch.float8_e4m3fn cannot .*HINT"):
         flat_collective_(tensors, calls.append, what="broadcast_parameters")
     assert calls == []  # the float32 group was not sent either
-    for dtype in (torch.uint16, torch.uint32, torch.float8_e4m3fn):
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         with pytest.raises(CommTypeError, match=str(dtype)):
             flatten([torch.zeros(1).to(dtype)], what="t")
-    assert torch.int16 not in SUPPORTED_DTYPES and torch.bfloat16 in SUPPORTED_DTYPES
+    assert torch.float8_e4m3fn not in SUPPORTED_DTYPES and torch.bfloat16 in SUPPORTED_DTYPES
+    # the dtypes gloo lacks travel widened (issue 11): one set, with a wire dtype for each
+    for dtype, wire in WIRE_DTYPES.items():
+        assert dtype in SUPPORTED_DTYPES and wire in SUPPORTED_DTYPES and wire not in WIRE_DTYPES
+        assert flatten([torch.zeros(3, dtype=dtype)], what="t")[0].flat.dtype == dtype
+
+
+def test_wire_round_trip_is_exact_at_the_range_ends() -> None:
+    for dtype in WIRE_DTYPES:
+        info = torch.iinfo(dtype)
+        t = torch.tensor([info.min, info.min + 1, 0, info.max - 1, info.max], dtype=dtype)
+        for op in (None, "sum", "min", "max"):
+            wire = to_wire(t, op)
+            assert wire.dtype == WIRE_DTYPES[dtype]
+            assert from_wire(wire, dtype, op).tolist() == t.tolist(), (dtype, op)
+    big = torch.tensor([2**64 - 1, 2**63, 1], dtype=torch.uint64)
+    flipped = to_wire(big, "max")  # signed order of the wire is the unsigned order
+    assert flipped.argmax().item() == 0 and flipped.argmin().item() == 2
+    assert from_wire(to_wire(torch.tensor([65535], dtype=torch.uint16)) + 1, torch.uint16).tolist() == [0]
 
 
 def test_numpy_arrays_use_the_same_dtype_set() -> None:

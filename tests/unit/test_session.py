@@ -52,7 +52,7 @@ def test_horovod_arguments_are_checked_and_sets_hold_rank_ranks_coordinator() ->
     try:
         pset = comm.ProcessSet([0])
         assert pset.process_set_id == 1
-        assert (pset.global_rank, pset.ranks, pset.rank()) == (0, (0,), 0)
+        assert (pset.global_rank, pset.ranks, pset.rank()) == (0, [0], 0)  # a list, as Horovod's
         assert pset.device == world.device and pset.coordinator.rank == 0
         assert not hasattr(pset, "world")  # the set holds what it needs, not the World
         assert comm.allreduce(torch.ones(1), op=comm.Sum, process_set=pset).tolist() == [1.0]
