@@ -36,12 +36,26 @@ _PEER_ERRORS: tuple[type[BaseException], ...] = (
 """A peer died or stalled, or the transport failed: restarting can help."""
 
 
+_TRANSPORT_MESSAGES = (
+    "connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator",
+    "connection refused", "socket timeout", "gloo/transport",
+)
+"""Text of the ``RuntimeError`` gloo/NCCL raise when a peer's process is gone (a collective that
+did not go through hvd_trainer's comm layer, e.g. one of Lightning's or torch's own)."""
+
+
+def _transport_failure(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(m in text for m in _TRANSPORT_MESSAGES)
+
+
 def is_peer_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an exception it was raised from) is one a restart can cure."""
+    """Whether ``exc`` (or an exception it was raised from) is one a restart can cure: one of
+    Horovod's peer errors, torch's ``DistError``, or a gloo/NCCL transport ``RuntimeError``."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, _PEER_ERRORS):
+        if isinstance(current, _PEER_ERRORS) or _transport_failure(current):
             return True
         seen.add(id(current))
         current = current.__cause__ or current.__context__

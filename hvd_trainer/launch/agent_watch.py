@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +37,22 @@ def read_user_errors(job_dir: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
     return sorted(records, key=lambda r: int(r.get("rank", 0)))
+
+
+def _own_errors(records: list[dict[str, Any]], failures: dict[int, Any]) -> list[dict[str, Any]]:
+    """The records that explain this failure: none when a worker was killed by a signal other
+    than the agent's own SIGTERM (SIGKILL, SIGSEGV, OOM...). Its peers then fail in whatever
+    call they were in, and may record that as their own error; the job is restarted, as Horovod
+    restarts after a lost rank. (torchrun's timestamps are whole seconds, so order alone cannot
+    tell which came first.)"""
+    killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    return [] if killed else records
+
+
+def _forget(job_dir: Path) -> None:
+    for path in job_dir.glob("user_error.*.json"):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _agent_class() -> Any:
@@ -69,11 +86,12 @@ class AgentWatch:
 
     def on_failure(self, agent: Any, failures: dict[int, Any]) -> None:
         """Called by the wrapped monitor step when it found failed workers."""
-        records = read_user_errors(self.job_dir)
+        records = _own_errors(read_user_errors(self.job_dir), failures)
         if records:
             self.user_error = records[0]
             agent._remaining_restarts = 0  # torch's agent then stops the workers and reports
             return
+        _forget(self.job_dir)  # a record written because a peer died must not stop the next attempt
         if agent._remaining_restarts <= 0 or not failures:
             return
         self.restarts_used += 1

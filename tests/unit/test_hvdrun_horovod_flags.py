@@ -178,3 +178,21 @@ def test_user_error_classification_and_record(tmp_path, monkeypatch) -> None:
 
 def test_agent_watch_supports_this_torch() -> None:
     assert watch_supported(), "torch's LocalElasticAgent changed: update hvd_trainer/launch/agent_watch.py"
+
+
+def test_a_killed_peer_is_never_taken_for_a_user_error() -> None:
+    # A rank SIGKILLed mid-collective: its peer fails with gloo's RuntimeError (a collective that
+    # did not go through comm) and would record it; the job must still be restarted.
+    from types import SimpleNamespace
+
+    from hvd_trainer.elastic.user_error import is_peer_failure
+    from hvd_trainer.launch.agent_watch import _own_errors
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:33184.")
+    assert is_peer_failure(gloo)
+    assert is_peer_failure(ValueError("wrapped")) is False
+    records = [{"rank": 0, "type": "RuntimeError", "message": "x", "exit_code": 1}]
+    killed = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=-9)}
+    own = {0: SimpleNamespace(exitcode=1), 1: SimpleNamespace(exitcode=-15)}
+    assert _own_errors(records, killed) == []
+    assert _own_errors(records, own) == records
