@@ -43,7 +43,13 @@ from typing import Any
 import torch.distributed as dist
 
 from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.errors import CollectiveMismatchError, JoinedRankError, RankFailedError, StallError
+from hvd_trainer.comm.errors import (
+    CollectiveMismatchError,
+    CommValueError,
+    JoinedRankError,
+    RankFailedError,
+    StallError,
+)
 from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, exit_hard_at_exit
 from hvd_trainer.comm.join_board import JoinBoard, Transport
 from hvd_trainer.comm.liveness import (
@@ -54,9 +60,9 @@ from hvd_trainer.comm.liveness import (
     wait_until_ended,
 )
 from hvd_trainer.comm.store import try_get
-from hvd_trainer.comm.timeline import Timeline
+from hvd_trainer.comm.timeline import Timeline, activity_name
 
-__all__ = ["Signature", "Op", "Coordinator", "REDUCING_KINDS"]
+__all__ = ["Signature", "Op", "Coordinator", "DuplicateNameError", "REDUCING_KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +74,11 @@ _RECEIVE_FROM_ALL = REDUCING_KINDS | {"allgather", "alltoall", "reducescatter", 
 
 CACHE_CAPACITY = 4096
 """Signature pairs remembered per process set (Horovod's response cache holds 1024)."""
+
+
+class DuplicateNameError(CommValueError):
+    """A named collective was started while one of the same kind and name is still in flight
+    on this rank (a ``ValueError``, as Horovod's duplicate-name error)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +178,8 @@ class Coordinator:
         self._prev: Signature | None = None
         self._cache: set[tuple[Signature | None, Signature]] = set()
         self.outstanding: dict[int, Op] = {}
+        self._in_flight: dict[str, int] = {}
+        """``"<kind>.<name>"`` of each named collective in flight on this rank -> its ``seq``."""
         self._checked_seqs: list[int] = []
         self.board = JoinBoard(store, prefix, rank, ranks)
         self.multi = len(self.ranks) > 1 and store is not None
@@ -177,18 +190,45 @@ class Coordinator:
     def begin(self, sig: Signature, nbytes: int, transports: list[Transport] | None = None) -> Op:
         """Assign the next ``seq`` to a collective and check it (if new) before it is launched.
 
+        A named collective stays *in flight* on this rank from this call until it is waited for
+        (:meth:`wait`, i.e. ``synchronize``/the blocking form) or settled; starting a second one
+        of the same kind and name meanwhile raises before anything is communicated or numbered,
+        so every rank that makes the same calls raises at the same point (Horovod's duplicate
+        name error).
+
         Raises:
+            DuplicateNameError: ``sig`` names a collective still in flight on this rank.
             CollectiveMismatchError: ranks disagree; JoinedRankError: a non-reducing collective
             while a rank is joined.
         """
+        flight = _flight_key(sig)
+        if flight is not None and flight in self._in_flight:
+            raise DuplicateNameError(
+                f"{sig.label()}: a collective named {sig.name!r} ({flight}, collective "
+                f"#{self._in_flight[flight]}) is still in flight on rank {self.rank}. HINT: "
+                "synchronize() the first handle before starting another with the same name, or "
+                "give each concurrent collective its own name."
+            )
         now_us = self.timeline.now_us() if self.timeline else 0.0
         op = Op(self.seq, sig, nbytes, transports, now_us, time.monotonic())
         if self.timeline:  # start_timeline() may swap timelines while ops are in flight
             op.extra["timeline"] = self.timeline
         self.seq += 1
-        if not self.multi:
-            return op
-        self.outstanding[op.seq] = op
+        if self.multi:
+            self.outstanding[op.seq] = op
+            try:
+                self._check_new(op)
+            except BaseException:
+                self.outstanding.pop(op.seq, None)  # it never runs: nothing to wait for
+                raise
+        if flight is not None:
+            self._in_flight[flight] = op.seq
+            op.extra["flight"] = flight
+        return op
+
+    def _check_new(self, op: Op) -> None:
+        """Announce ``op`` to joined ranks and compare its signature across ranks if new."""
+        sig = op.sig
         if self.board.active:
             self._announce(op)
         key = (self._prev, sig)
@@ -199,7 +239,6 @@ class Coordinator:
             if len(self._cache) >= CACHE_CAPACITY:
                 self._cache.clear()
             self._cache.add(key)
-        return op
 
     def launched(self, op: Op, work: Any) -> None:
         """Record that ``op``'s transport call was issued and returned ``work``."""
@@ -213,11 +252,14 @@ class Coordinator:
             return
         t_wait_us = self.timeline.now_us() if self.timeline else 0.0
         work = op.work
-        if work is not None:
-            if self.multi and _is_cpu_work(op):
-                self._guarded_wait(op, work)
-            else:
-                work.wait()
+        try:
+            if work is not None:
+                if self.multi and _is_cpu_work(op):
+                    self._guarded_wait(op, work)
+                else:
+                    work.wait()
+        finally:
+            self._land(op)  # a failed collective frees its name too
         op.done = True
         self.outstanding.pop(op.seq, None)
         if op.extra.get("unpublish"):
@@ -230,8 +272,15 @@ class Coordinator:
     def settle(self, op: Op) -> None:
         """Mark an op without a transport call (a pure agreement) as done. Its store entry is
         kept: a slower rank may still have to read it."""
+        self._land(op)
         op.done = True
         self.outstanding.pop(op.seq, None)
+
+    def _land(self, op: Op) -> None:
+        """``op`` is no longer in flight: its name may be used again."""
+        flight = op.extra.pop("flight", None)
+        if flight is not None and self._in_flight.get(flight) == op.seq:
+            del self._in_flight[flight]
 
     def wait_work(self, op: Op, work: Any) -> None:
         """Wait for an intermediate transport call of ``op`` (same inspection as :meth:`wait`)."""
@@ -310,6 +359,7 @@ class Coordinator:
         self.check_seconds_total += time.perf_counter() - t0
         if self.timeline:
             self.timeline.event(op.sig.name or op.sig.kind, "check", t0_us, self.timeline.now_us(),
+                                row=op_name(op.sig), activity=activity_name("check", op.sig.kind),
                                 seq=op.seq)
 
     def _poll_keys(self, keys: list[str], budget_seconds: float) -> bool:
@@ -458,11 +508,30 @@ class Coordinator:
         tl = self.timeline
         assert tl is not None
         end = tl.now_us()
-        name = op.sig.name or op.sig.kind
+        name, kind, row = op.sig.name or op.sig.kind, op.sig.kind, op_name(op.sig)
         launch = op.t_launch_us or op.t_call_us
-        tl.event(name, "queue", op.t_call_us, launch, seq=op.seq, bytes=op.nbytes)
-        tl.event(name, op.sig.kind, launch, end, seq=op.seq, bytes=op.nbytes)
-        tl.event(name, "wait", t_wait_us, end, seq=op.seq)
+        phases = (
+            ("queue", op.t_call_us, launch, {"bytes": op.nbytes}),
+            (kind, launch, end, {"bytes": op.nbytes}),
+            ("wait", t_wait_us, end, {}),
+        )
+        for phase, start, stop, extra in phases:
+            tl.event(name, phase, start, stop, row=row, activity=activity_name(phase, kind),
+                     seq=op.seq, **extra)
+
+
+def op_name(sig: Signature) -> str:
+    """Horovod's name of the operation: ``"<kind>.<tensor name>"``, ``"<kind>.noname"``."""
+    return f"{sig.kind}.{sig.name or 'noname'}"
+
+
+def _flight_key(sig: Signature) -> str | None:
+    """Horovod's operation name, ``"<kind>.<name>"`` (e.g. ``"allreduce.loss"``), for a named
+    user collective; ``None`` for unnamed ones and the gradient reducer's buckets (whose
+    names repeat every step by design)."""
+    if not sig.name or sig.kind == "bucket":
+        return None
+    return op_name(sig)
 
 
 def _is_cpu_work(op: Op) -> bool:

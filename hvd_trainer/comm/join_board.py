@@ -10,7 +10,9 @@ A rank that has run out of data calls ``join()``. Until every rank of the set ha
   element (0 for Sum/Average, so a joined rank contributes zeros; +max / -max for Min / Max;
   1 for Product). ``Average`` still divides by the full set size, as in Horovod;
 * any other collective (allgather, broadcast, alltoall, reducescatter, barrier, objects) raises
-  :class:`JoinedRankError` on the calling rank and on every joined rank.
+  :class:`JoinedRankError` on the calling rank only, as in Horovod; the joined rank skips it
+  (it was announced as an error, so both sides count it and stay in step) and its ``join()``
+  keeps serving until every rank has joined.
 
 Active ranks start announcing once they know somebody joined: before each collective when
 they already know, otherwise the first time a collective is slower than a few milliseconds
@@ -26,8 +28,6 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from hvd_trainer.comm.errors import JoinedRankError
 
 __all__ = ["JoinBoard", "Transport"]
 
@@ -80,8 +80,8 @@ class JoinBoard:
         Returns:
             ``(last_rank_to_join, next_seq)``.
 
-        Raises:
-            JoinedRankError: an active rank ran a collective that cannot run with joined ranks.
+        A collective announced as an error (one that cannot run with joined ranks) raised on
+        the rank that called it; here it is only counted.
         """
         self.store.set(self._k("r", self.rank), str(seq))
         count = int(self.store.add(self._k("n"), 1))
@@ -114,6 +114,6 @@ class JoinBoard:
 
     def _serve_one(self, payload: dict, run: Callable[[Transport], None]) -> None:
         if payload.get("error"):
-            raise JoinedRankError(payload["error"])
+            return  # raised on the caller only; nothing to take part in
         for numel, dtype, op, device in payload["t"]:
             run((int(numel), str(dtype), str(op), str(device)))

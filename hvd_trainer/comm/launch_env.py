@@ -9,6 +9,12 @@ Variables read, by launcher (first match wins, in this order):
 
 * torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT`` (``TORCHELASTIC_RUN_ID`` marks an elastic agent).
+* horovodrun (Gloo controller): ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
+  ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE`` (``HOROVOD_HOSTNAME``
+  is informational). horovodrun's own rendezvous (``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``)
+  is an HTTP key-value server that ``torch.distributed`` cannot use, so the rendezvous is
+  ``MASTER_ADDR``/``MASTER_PORT`` when exported, else (all ranks on one host) ``127.0.0.1`` and
+  a port every rank derives from horovodrun's address and port.
 * Open MPI: ``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``.
   MPICH / Intel MPI (Hydra, PMI): ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
   ``MPI_LOCALNRANKS``. The rendezvous address is ``MASTER_ADDR``/``MASTER_PORT`` when exported
@@ -48,6 +54,7 @@ __all__ = [
     "TorchElasticEnv",
     "expand_nodelist",
     "from_torchrun",
+    "from_horovod",
     "from_mpi",
     "from_slurm",
     "launcher_rank",
@@ -72,7 +79,13 @@ class LaunchEnv:
     master_addr: str | None = None
     master_port: int | None = None
     launcher: str = "none"
-    """Which launcher set the variables: ``"torchrun"``, ``"mpi"``, ``"slurm"`` or ``"none"``."""
+    """Which launcher set the variables: ``"torchrun"``, ``"horovodrun"``, ``"mpi"``, ``"slurm"``
+    or ``"none"``."""
+    cross_rank: int | None = None
+    """Index of this host when the launcher says so (``HOROVOD_CROSS_RANK``); ``None``:
+    derived as ``rank // local_size``."""
+    cross_size: int | None = None
+    """Number of hosts when the launcher says so (``HOROVOD_CROSS_SIZE``)."""
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
@@ -105,6 +118,42 @@ def from_torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
         master_addr=env.get("MASTER_ADDR") or None,
         master_port=_int(env, "MASTER_PORT"),
         launcher="torchrun",
+    )
+
+
+def from_horovod(env: Mapping[str, str]) -> LaunchEnv | None:
+    """Topology from horovodrun's ``HOROVOD_*`` variables, or ``None`` when ``HOROVOD_RANK``/
+    ``HOROVOD_SIZE`` are absent.
+
+    Raises:
+        LaunchEnvError: a malformed integer, or ranks on several hosts with no
+            ``MASTER_ADDR``/``MASTER_PORT`` (horovodrun's HTTP rendezvous cannot serve
+            ``torch.distributed``).
+    """
+    rank = _int(env, "HOROVOD_RANK")
+    size = _int(env, "HOROVOD_SIZE")
+    if rank is None or size is None:
+        return None
+    local_rank = _int(env, "HOROVOD_LOCAL_RANK")
+    local_size = _int(env, "HOROVOD_LOCAL_SIZE")
+    if local_rank is None or local_size is None:
+        local_rank, local_size = rank, size
+    addr, port = env.get("MASTER_ADDR") or None, _int(env, "MASTER_PORT")
+    if size > 1 and (addr is None or port is None):
+        if local_size != size:
+            raise LaunchEnvError(
+                f"horovodrun started {size} ranks on several hosts ({local_size} on this one) but "
+                "MASTER_ADDR/MASTER_PORT are not set, and horovodrun's rendezvous server is not "
+                "one torch.distributed can use. HINT: launch with `hvdrun -np N -H ...`, or "
+                "export MASTER_ADDR=<host of rank 0> MASTER_PORT=<free port> to every rank."
+            )
+        job_key = (f"{env.get('HOROVOD_GLOO_RENDEZVOUS_ADDR', '')}:"
+                   f"{env.get('HOROVOD_GLOO_RENDEZVOUS_PORT', '')}:{size}")
+        addr, port = addr or "127.0.0.1", port or _derived_port(job_key)
+    return LaunchEnv(
+        rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+        master_addr=addr, master_port=port, launcher="horovodrun",
+        cross_rank=_int(env, "HOROVOD_CROSS_RANK"), cross_size=_int(env, "HOROVOD_CROSS_SIZE"),
     )
 
 
@@ -351,7 +400,7 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int:
     """This process's global rank as its launcher reported it; 0 when nothing launched it.
 
     Same precedence as :func:`~hvd_trainer.comm.world.detect_launch_env` (torchrun, then
-    Open MPI / MPICH, then Slurm; Lightning's self-launch counts as torchrun), but it reads
+    horovodrun, then Open MPI / MPICH, then Slurm; Lightning's self-launch counts as torchrun), but it reads
     only the rank variables: no rendezvous, no ``mpi4py``, no ``scontrol``. For "print on global
     rank 0 only" in a CLI, under every launcher.
 
@@ -363,6 +412,9 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int:
     torchrun = from_torchrun(env)
     if torchrun is not None:
         return torchrun.rank
+    horovod = _int(env, "HOROVOD_RANK")
+    if horovod is not None:
+        return horovod
     mpi = _mpi_ranks(env)
     if mpi is not None and mpi[0] is not None:
         return mpi[0]

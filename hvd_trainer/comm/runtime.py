@@ -10,6 +10,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch.distributed as dist
+
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.liveness import publish
 from hvd_trainer.comm.process_set import ProcessSet
@@ -22,13 +24,33 @@ __all__ = ["CommRuntime"]
 _LOCAL_SIZE_KEY = "hvd/local_size/{rank}"
 
 
+_runtimes_created = 0
+"""How many runtimes (``init`` calls that built a world) this process has made."""
+
+
+def _runtime_store() -> Any:
+    """The default group's store under a prefix unique to this runtime (``None`` before init).
+
+    Every rank builds the same number of runtimes (one per ``init`` after a ``shutdown`` or a
+    destroyed process group), so the prefixes agree. Keys a previous world left behind (join
+    rounds, signature entries, liveness marks) in a store that outlives it - torchrun's agent
+    store, or a group the user created again on the same ``MASTER_PORT`` - are never read.
+    """
+    global _runtimes_created
+    store = default_store()
+    if store is None:
+        return None
+    _runtimes_created += 1
+    return dist.PrefixStore(f"hvd_rt/{_runtimes_created}", store)
+
+
 class CommRuntime:
     """Mutable state shared by every collective of one world."""
 
     def __init__(self, config: CommConfig, rank: int) -> None:
         self.config = config
         self.rank = rank
-        self.store: Any = default_store()
+        self.store: Any = _runtime_store()
         self.timeline = Timeline(config.timeline_path) if config.timeline_path and rank == 0 else None
         self._next_set_id = 1
         self.global_set: ProcessSet  # set by attach()

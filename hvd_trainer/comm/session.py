@@ -128,9 +128,6 @@ def _start_world(
     set_current(world)
     runtime.attach(world)
     _shutdown_at_exit()
-    if world.size > 1 and runtime.store is not None:
-        store, rank = runtime.store, world.rank
-        flush_before_hard_exit(lambda: mark_exited(store, rank))  # a hard exit skips shutdown()
     return world
 
 
@@ -182,8 +179,8 @@ def _world_from_group(info: LaunchEnv, device: torch.device, backend: str) -> Wo
         size=info.size,
         local_rank=info.local_rank,
         local_size=local_size,
-        cross_rank=info.rank // local_size,
-        cross_size=cross_size,
+        cross_rank=info.rank // local_size if info.cross_rank is None else info.cross_rank,
+        cross_size=cross_size if info.cross_size is None else info.cross_size,
         device=device,
         backend=backend,
         group=dist.group.WORLD,
@@ -212,13 +209,32 @@ def shutdown() -> None:
     set_current(None)
     if dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # groups kept alive only by reference cycles go now, not at finalisation
+
+
+def _shutdown_and_collect() -> None:
+    """:func:`shutdown`, then a full garbage collection, at interpreter exit: process groups
+    kept alive only by reference cycles go now, not during finalisation. (Not on every
+    ``shutdown()``: a full collection of a heap holding torch and Lightning takes ~0.5 s, and
+    a job may cycle init/shutdown hundreds of times.)"""
+    shutdown()
+    gc.collect()
+
+
+def _mark_current_exited() -> None:
+    """Publish that this rank has exited, for the current world (a hard exit skips shutdown)."""
+    world = get_world() if is_initialized() else None
+    if world is not None and world.size > 1 and world.runtime is not None \
+            and world.runtime.store is not None:
+        mark_exited(world.runtime.store, world.rank)
 
 
 @functools.cache
 def _shutdown_at_exit() -> None:
-    """Register :func:`shutdown` to run at interpreter exit, once per process."""
-    atexit.register(shutdown)
+    """Register :func:`_shutdown_and_collect` to run at interpreter exit, and
+    :func:`_mark_current_exited` before a hard exit, once per process (registering per
+    ``init`` would keep every world's store, and its sockets, alive)."""
+    atexit.register(_shutdown_and_collect)
+    flush_before_hard_exit(_mark_current_exited)
 
 
 def check_comm_arg(comm: Any, environ: Mapping[str, str] | None = None) -> None:

@@ -22,6 +22,12 @@ _ABSENT = "\x00hvd-absent\x00"
 _generation = 0
 """How many stores :func:`generation_store` has opened in this process (one per ``init``)."""
 
+_latest: Any = None
+"""The store :func:`generation_store` opened last, kept until the next one is open. torch's
+``env://`` store is multi-tenant (one server per port and process, shared by the stores open
+on it), so keeping one store open keeps rank 0's server listening across ``shutdown()`` /
+``init()``: the other ranks never race a closing server, and no socket is kept per ``init``."""
+
 
 def default_store() -> Any:
     """The key-value store of the default process group (``None`` before init)."""
@@ -51,8 +57,9 @@ def generation_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
         rank: this process's global rank. size: the world size.
         timeout: how long a store operation may wait for the other ranks.
     """
-    global _generation
+    global _generation, _latest
     _generation += 1
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
     store.set_timeout(timeout)
+    _latest = store  # the previous one closes now; the server it shared stays up
     return dist.PrefixStore(f"hvd_trainer/{_generation}", store)

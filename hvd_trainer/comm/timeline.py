@@ -1,17 +1,27 @@
 """Chrome-trace timeline of collectives (Horovod's ``HOROVOD_TIMELINE``), written on rank 0.
 
-The file is a JSON object ``{"traceEvents": [...]}`` of complete events (``"ph": "X"``, times
-in microseconds) that chrome://tracing and https://ui.perfetto.dev load. One row (``tid``) per
-collective name; each collective contributes one event per phase:
+The file is a JSON object ``{"displayTimeUnit": "ms", "traceEvents": [...]}`` of complete
+events (``"ph": "X"``, times in microseconds) that chrome://tracing and https://ui.perfetto.dev
+load. One row (``tid``) per collective, named like Horovod's operations
+(``"<kind>.<tensor name>"``, e.g. ``allreduce.loss``; ``allreduce.noname`` for unnamed ones);
+each collective contributes one event per phase:
 
-* ``check``: the cross-rank signature exchange (only for a new signature);
+* ``check``: the cross-rank signature exchange (only for a new signature; Horovod's
+  ``NEGOTIATE_<KIND>``);
 * ``queue``: from the call until the transport has the operation;
 * the transport phase (``allreduce``, ``allgather``, ...): from launch until completion is seen;
 * ``wait``: time the caller spent blocked waiting for completion.
 
-``args`` carry ``bytes`` (payload of this rank) and ``seq`` (the collective's index).
-The file is rewritten, complete and valid, every ``flush_every`` events, on :meth:`close` and at
-interpreter exit. ``HOROVOD_TIMELINE=<file>`` records from ``init()`` on; :func:`start_timeline` and
+``args`` carry ``tensor`` (the name given, else the kind), ``activity`` (Horovod's upper-case
+activity name: ``NEGOTIATE_ALLREDUCE``, ``QUEUE``, ``ALLREDUCE``, ``WAIT_FOR_DATA``), ``bytes``
+(payload of this rank) and ``seq`` (the collective's index).
+
+Events reach the file as they are recorded (every ``flush_every`` events, default each one),
+so the trace can be read while the job runs. The file is append-only and closed after every
+write (the final ``]}`` is written again after the new events), so it parses as JSON between
+writes and writing costs the same at the millionth event as at the first; a reader that races
+a write may see one half-written event (as with Horovod's unterminated array).
+``HOROVOD_TIMELINE=<file>`` records from ``init()`` on; :func:`start_timeline` and
 :func:`stop_timeline` switch recording on and off while the job runs.
 """
 
@@ -29,29 +39,43 @@ from hvd_trainer.comm.errors import CommTypeError
 from hvd_trainer.comm.fatal import flush_before_hard_exit
 from hvd_trainer.comm.world import get_world
 
-__all__ = ["Timeline", "start_timeline", "stop_timeline"]
+__all__ = ["Timeline", "start_timeline", "stop_timeline", "activity_name"]
+
+_HEAD = '{"displayTimeUnit": "ms", "traceEvents": [\n'
+_TAIL = "\n]}\n"
+
+_ACTIVITY = {"check": "NEGOTIATE_{KIND}", "queue": "QUEUE", "wait": "WAIT_FOR_DATA"}
+
+
+def activity_name(phase: str, kind: str) -> str:
+    """Horovod's activity name of ``phase`` of a ``kind`` collective (``"check"``,
+    ``"allreduce"`` -> ``"NEGOTIATE_ALLREDUCE"``; the transport phase -> ``"ALLREDUCE"``)."""
+    return _ACTIVITY.get(phase, phase.upper()).format(KIND=kind.upper())
 
 
 class Timeline:
-    """Collects events in memory and writes them as Chrome-trace JSON.
+    """Appends events to a Chrome-trace JSON file that stays valid between writes.
 
     Args:
-        path: output file (parent directories are created).
-        flush_every: rewrite the file after this many new events.
+        path: output file (parent directories are created; an existing file is replaced).
+        flush_every: write after this many new events (1: each event reaches the file at
+            once; events still buffered are written by :meth:`flush`, :meth:`close` and at exit).
     """
 
-    def __init__(self, path: str, *, flush_every: int = 1000) -> None:
+    def __init__(self, path: str, *, flush_every: int = 1) -> None:
         self.path = path
-        self.flush_every = flush_every
-        self._events: list[dict[str, Any]] = []
+        self.flush_every = max(1, int(flush_every))
+        self._pending: list[dict[str, Any]] = []
         self._tids: dict[str, int] = {}
-        self._unflushed = 0
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
         self._closed = False
+        self._empty = True
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        self.flush()
+        self._fh = open(path, "wb")  # noqa: SIM115 - open for the timeline's life
+        self._fh.write((_HEAD + _TAIL).encode())
+        self._fh.flush()
         # Also write at exit: most scripts never call hvd.shutdown(), and Lightning does not.
         atexit.register(self.flush)
         flush_before_hard_exit(self.flush)
@@ -60,11 +84,23 @@ class Timeline:
         """Microseconds since the timeline started (the clock of every event)."""
         return (time.perf_counter() - self._origin) * 1e6
 
-    def event(self, name: str, phase: str, start_us: float, end_us: float, **args: Any) -> None:
-        """Record one complete event of ``name`` in ``phase`` from ``start_us`` to ``end_us``."""
+    def event(
+        self, name: str, phase: str, start_us: float, end_us: float, *, row: str | None = None,
+        **args: Any,
+    ) -> None:
+        """Record one complete event of tensor ``name`` in ``phase`` from ``start_us`` to
+        ``end_us`` on the row ``row`` (default: ``name``); ``args`` go to the event's args."""
+        label = name if row is None else row
         with self._lock:
-            tid = self._tids.setdefault(name, len(self._tids) + 1)
-            self._events.append(
+            if self._closed:
+                return
+            tid = self._tids.get(label)
+            if tid is None:
+                tid = self._tids[label] = len(self._tids) + 1
+                self._pending.append(
+                    {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}}
+                )
+            self._pending.append(
                 {
                     "name": phase,
                     "cat": "collective",
@@ -76,33 +112,35 @@ class Timeline:
                     "args": {"tensor": name, **args},
                 }
             )
-            self._unflushed += 1
-            due = self._unflushed >= self.flush_every
-        if due:
-            self.flush()
+            if len(self._pending) >= self.flush_every:
+                self._write_pending()
 
     def flush(self) -> None:
-        """Rewrite the whole file (atomically, via a temporary file). No-op once closed."""
+        """Write the buffered events. No-op once closed."""
+        with self._lock:
+            if not self._closed:
+                self._write_pending()
+
+    def _write_pending(self) -> None:
+        """Append the buffered events over the closing ``]}`` and close the JSON again."""
+        if not self._pending:
+            return
+        text = ",\n".join(json.dumps(e) for e in self._pending)
+        self._pending.clear()
+        self._fh.seek(-len(_TAIL), os.SEEK_END)
+        self._fh.write((("" if self._empty else ",\n") + text + _TAIL).encode())
+        self._fh.flush()
+        self._empty = False
+
+    def close(self) -> None:
+        """Write what is buffered and close the file; later events and flushes are ignored
+        (the file stays as is, even if a new timeline reuses the path)."""
         with self._lock:
             if self._closed:
                 return
-            meta = [
-                {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
-                for name, tid in self._tids.items()
-            ]
-            doc = {"traceEvents": meta + list(self._events), "displayTimeUnit": "ms"}
-            self._unflushed = 0
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, self.path)
-
-    def close(self) -> None:
-        """Write the final file; later events and flushes are ignored (the file stays as is,
-        even if a new timeline reuses the path)."""
-        self.flush()
-        with self._lock:
+            self._write_pending()
             self._closed = True
+            self._fh.close()
         atexit.unregister(self.flush)
 
 
@@ -110,8 +148,8 @@ def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False)
     """Start writing the Chrome-trace timeline of every collective to ``file_path``.
 
     Call it on every rank, like Horovod; rank 0 writes the file (creating parent folders) and
-    the other ranks record nothing. The file is valid JSON from the start and is rewritten
-    as events arrive, on :func:`stop_timeline` and at exit. A timeline already running (from
+    the other ranks record nothing. The file is valid JSON from the start and each event
+    reaches it as it is recorded. A timeline already running (from
     ``HOROVOD_TIMELINE`` or an earlier call) is closed first. Collectives already in flight
     when it starts are not recorded.
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.errors import NotInitializedError
-from hvd_trainer.comm.launch_env import LaunchEnv, from_mpi, from_slurm, from_torchrun
+from hvd_trainer.comm.launch_env import LaunchEnv, from_horovod, from_mpi, from_slurm, from_torchrun
 
 __all__ = [
     "LaunchEnv",
@@ -92,20 +92,42 @@ def set_current(world: World | None) -> None:
     _WORLD = world
 
 
+def _current() -> World | None:
+    """The current world, or ``None``; a world whose process group was destroyed behind our
+    back (``torch.distributed.destroy_process_group()``, which Lightning's teardown calls) is
+    released first, so the next ``init()`` builds a new one on whatever group exists then."""
+    global _WORLD
+    world = _WORLD
+    if world is None or world.group is None:
+        return world
+    if dist.is_initialized() and dist.group.WORLD is world.group:
+        return world
+    _WORLD = None
+    close = getattr(world.runtime, "close", None)
+    if close is not None:
+        close()  # flush its timeline, drop its process sets' group handles
+    object.__setattr__(world, "group", None)  # frozen for users; releasing is the one mutation
+    object.__setattr__(world, "cpu_group", None)
+    return None
+
+
 def is_initialized() -> bool:
-    """Whether :func:`~hvd_trainer.comm.session.init` has run (and ``shutdown`` has not)."""
-    return _WORLD is not None
+    """Whether :func:`~hvd_trainer.comm.session.init` has run (and neither ``shutdown`` nor
+    ``torch.distributed.destroy_process_group`` has run since)."""
+    return _current() is not None
 
 
 def get_world() -> World:
     """Return the initialised :class:`World`.
 
     Raises:
-        NotInitializedError: ``init()`` has not been called.
+        NotInitializedError: ``init()`` has not been called, or the process group it used was
+            destroyed since (call ``init()`` again).
     """
-    if _WORLD is None:
+    world = _current()
+    if world is None:
         raise NotInitializedError()
-    return _WORLD
+    return world
 
 
 def size() -> int:
@@ -142,7 +164,8 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read the launcher's variables. The only place that reads launch environment variables.
 
     Recognised, first match wins: torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Open MPI (``OMPI_COMM_WORLD_*``)
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); horovodrun (``HOROVOD_RANK``,
+    ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``); Open MPI (``OMPI_COMM_WORLD_*``)
     or MPICH/PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), with
     the rendezvous address from ``MASTER_ADDR``/``MASTER_PORT``, else mpi4py, else loopback on
     one node; Slurm ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host
@@ -154,7 +177,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
             MPI job on several nodes has no way to agree on a rendezvous address.
     """
     env = os.environ if environ is None else environ
-    info = from_torchrun(env) or from_mpi(env) or from_slurm(env)
+    info = from_torchrun(env) or from_horovod(env) or from_mpi(env) or from_slurm(env)
     if info is None:
         info = LaunchEnv(rank=0, size=1, local_rank=0, local_size=1)
     _validate(info)

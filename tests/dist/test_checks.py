@@ -117,3 +117,50 @@ def test_stall_names_missing_rank_and_collective() -> None:
     assert "rank(s) [1]" in res["error"] and "'grads'" in res["error"], res
     assert 3 <= res["seconds"] < 10, res["seconds"]
     assert any("rank(s) [1]" in w and "'grads'" in w for w in res["warnings"]), res["warnings"]
+
+
+def _duplicates() -> dict:
+    import hvd_trainer as hvd
+
+    r = hvd.rank()
+    t = torch.full((3,), float(r + 1))
+    out: dict = {"errors": []}
+    first = hvd.allreduce_async(t, name="dup", op=hvd.Sum)
+    calls = [
+        lambda: hvd.allreduce_async(t, name="dup"),
+        lambda: hvd.allreduce(t, name="dup"),
+    ]
+    t0 = time.monotonic()
+    for call in calls:
+        try:
+            call()
+            out["errors"].append("no error")
+        except ValueError as exc:  # Horovod raises ValueError here too
+            out["errors"].append(f"{type(exc).__name__}: {exc}")
+    out["seconds"] = time.monotonic() - t0
+    # another kind may use the same name; the first handle still completes correctly
+    out["gathered"] = hvd.allgather(t[:1], name="dup").tolist()
+    out["first"] = hvd.synchronize(first).tolist()
+    b = hvd.broadcast_async(t, 1, name="dup_b")
+    try:
+        hvd.broadcast_async(t, 1, name="dup_b")
+        out["bcast_error"] = "no error"
+    except ValueError as exc:
+        out["bcast_error"] = str(exc)
+    out["bcast"] = hvd.synchronize(b).tolist()
+    # once synchronized, the name is free again and the ranks are still in step
+    out["again"] = hvd.allreduce(t, name="dup", op=hvd.Sum).tolist()
+    return out
+
+
+def test_duplicate_name_in_flight_raises_at_once() -> None:
+    for res in run_workers(_duplicates, 2, timeout_seconds=90):
+        assert len(res["errors"]) == 2
+        for text in res["errors"]:
+            assert text.startswith("DuplicateNameError: ") and "'dup'" in text, text
+            assert "allreduce.dup" in text and "HINT" in text, text
+        assert res["seconds"] < 1.0, res["seconds"]
+        assert "allreduce.dup" not in res["bcast_error"] and "broadcast.dup_b" in res["bcast_error"]
+        assert res["gathered"] == [1.0, 2.0]
+        assert res["first"] == [3.0, 3.0, 3.0] and res["again"] == [3.0, 3.0, 3.0]
+        assert res["bcast"] == [2.0, 2.0, 2.0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -208,3 +209,42 @@ def _check_timeline(path: str) -> None:
     assert transport["args"]["bytes"] == 12 and transport["dur"] >= 0 and transport["ts"] >= 0
     kinds = {e["name"] for e in events}
     assert {"allgather", "broadcast", "alltoall", "barrier", "grouped_allreduce"} <= kinds, kinds
+
+
+def _live_timeline(path: str) -> dict:
+    import hvd_trainer as hvd
+
+    seen: dict = {}
+    hvd.allreduce(torch.ones(3), name="live_sum", op=hvd.Sum)
+    if hvd.rank() == 0:  # the job is still running: read the file as a user would
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and "allreduce.live_sum" not in seen.get("text", ""):
+            with open(path, encoding="utf-8") as fh:
+                seen["text"] = fh.read()
+            time.sleep(0.02)
+        seen["seconds_left"] = deadline - time.monotonic()
+    hvd.barrier()
+    return seen
+
+
+def _parse_trace(text: str) -> list[dict]:
+    """Our trace is an object that is closed after every write; Horovod's is an array left
+    open. Accept both, as chrome://tracing does."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        doc = json.loads(text.rstrip().rstrip(",") + "]")
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def test_timeline_readable_while_the_job_runs(tmp_path) -> None:
+    path = str(tmp_path / "live.json")
+    seen = run_workers(_live_timeline, 2, args=(path,), env={"HOROVOD_TIMELINE": path},
+                       timeout_seconds=90)[0]
+    assert seen["seconds_left"] > 0, "the allreduce did not reach the file within 1 s"
+    events = _parse_trace(seen["text"])
+    rows = {e["args"]["name"] for e in events if e.get("ph") == "M"}
+    assert "allreduce.live_sum" in rows, rows
+    mine = [e for e in events if e.get("ph") == "X" and e["args"]["tensor"] == "live_sum"]
+    activities = {e["args"]["activity"] for e in mine}
+    assert {"NEGOTIATE_ALLREDUCE", "QUEUE", "ALLREDUCE", "WAIT_FOR_DATA"} <= activities, activities

@@ -3,7 +3,8 @@
 Rank 0 has 2 batches, rank 1 has 4. After rank 0 joins, rank 1's gradient averages still divide
 by the full size (its gradient / 2), plain allreduces see zeros (identity for Min/Max) from
 the joined rank, join() returns the last rank to join on both ranks, and the job keeps working
-afterwards. Finally an allgather while a rank is joined raises JoinedRankError on both ranks.
+afterwards. Finally an allgather or a broadcast while a rank is joined raises JoinedRankError on
+the calling rank only, and the joined rank's join() returns when the caller joins too.
 """
 
 from __future__ import annotations
@@ -46,15 +47,25 @@ def _join_run() -> dict:
     out["last"] = hvd.join()
     out["join_seconds"] = time.monotonic() - t0
     out["after"] = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="after").tolist()
-    # second round: rank 0 joins again, rank 1 tries an allgather -> error on both
-    try:
-        if r == 0:
-            hvd.join()
-        else:
-            hvd.allgather(torch.ones(1), name="gathered_while_joined")
-        out["join_error"] = "no error"
-    except hvd.JoinedRankError as exc:
-        out["join_error"] = str(exc)
+    # second round: rank 0 joins again, rank 1 tries an allgather and a broadcast -> an error
+    # on rank 1 only (as in Horovod); rank 0's join() returns once rank 1 joins too
+    out["join_error"] = []
+    if r == 0:
+        out["second_last"] = hvd.join()
+    else:
+        for call in (lambda: hvd.allgather(torch.ones(1), name="gathered_while_joined"),
+                     lambda: hvd.broadcast(torch.ones(1), 1, name="broadcast_while_joined")):
+            try:
+                call()
+                out["join_error"].append("no error")
+            except hvd.JoinedRankError as exc:
+                out["join_error"].append(str(exc))
+        out["second_last"] = hvd.join()
+    # the join is over on both ranks: unrelated collectives work, also after shutdown/init
+    out["gather_after"] = hvd.allgather(torch.tensor([r]), name="gather_after").tolist()
+    hvd.shutdown()
+    hvd.init()
+    out["bcast_after_init"] = hvd.broadcast(torch.tensor([r]), 1, name="bcast_after").tolist()
     return out
 
 
@@ -68,6 +79,13 @@ def test_join_uneven_batches() -> None:
     assert r1["grouped"] == [[5.0], [10.0]]
     assert r0["last"] == r1["last"] == 1
     assert r0["after"] == r1["after"] == [1.0]
+    assert r0["join_error"] == []  # the joined rank does not raise
+    gathered, broadcast = r1["join_error"]
+    assert "allgather 'gathered_while_joined'" in gathered, gathered
+    assert "broadcast 'broadcast_while_joined'" in broadcast, broadcast
+    for text in (gathered, broadcast):
+        assert "join()" in text and "HINT" in text
+    assert r0["second_last"] == r1["second_last"] == 1
     for res in results:
-        assert "allgather 'gathered_while_joined'" in res["join_error"], res["join_error"]
-        assert "join()" in res["join_error"] and "HINT" in res["join_error"]
+        assert res["gather_after"] == [0, 1]
+        assert res["bcast_after_init"] == [1]

@@ -199,3 +199,28 @@ def test_torchelastic_env() -> None:
     assert static.under_agent and not static.unique_run_id and static.max_restarts == 0
     with pytest.raises(LaunchEnvError, match="TORCHELASTIC_RESTART_COUNT='x'.*HINT"):
         torchelastic_env({"TORCHELASTIC_RESTART_COUNT": "x"})
+
+
+def test_horovodrun_variables_alone() -> None:
+    from hvd_trainer.comm.launch_env import LaunchEnvError, from_horovod, launcher_rank
+    from hvd_trainer.comm.world import detect_launch_env
+
+    env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
+           "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "2",
+           "HOROVOD_HOSTNAME": "h1", "MASTER_ADDR": "h0", "MASTER_PORT": "29511"}
+    info = detect_launch_env(env)
+    assert (info.rank, info.size, info.local_rank, info.local_size) == (1, 4, 1, 2)
+    assert (info.cross_rank, info.cross_size, info.launcher) == (0, 2, "horovodrun")
+    assert (info.master_addr, info.master_port) == ("h0", 29511)
+    assert launcher_rank(env) == 1
+    # one host, horovodrun's (HTTP) rendezvous only: loopback and a port all ranks derive alike
+    single = {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0",
+              "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1",
+              "HOROVOD_GLOO_RENDEZVOUS_PORT": "4321"}
+    a, b = from_horovod(single), from_horovod({**single, "HOROVOD_RANK": "1", "HOROVOD_LOCAL_RANK": "1"})
+    assert a.master_addr == b.master_addr == "127.0.0.1" and a.master_port == b.master_port
+    with pytest.raises(LaunchEnvError, match="MASTER_ADDR"):  # several hosts need MASTER_*
+        from_horovod({k: v for k, v in env.items() if not k.startswith("MASTER")})
+    # torchrun's variables win when both are present (hvdrun exports both)
+    both = {**env, "RANK": "3", "WORLD_SIZE": "4"}
+    assert detect_launch_env(both).rank == 3 and detect_launch_env(both).launcher == "torchrun"
