@@ -315,11 +315,13 @@ def join(device: int | str | torch.device = -1, *, process_set: ProcessSet | Non
 
     Until every member has joined, this rank takes part in the others' allreduces with zeros
     (identity elements for Min/Max/Product); ``Average`` still divides by the full set size.
-    Other collectives by the active ranks raise :class:`JoinedRankError` on them and here.
+    Other collectives by the active ranks raise :class:`JoinedRankError` on the ranks that call
+    them (as in Horovod); the joined rank skips them and keeps waiting.
     See :mod:`hvd_trainer.comm.join_board` for the protocol.
 
     Raises:
-        JoinedRankError: an active rank ran a non-allreduce collective.
+        JoinedRankError: never here since a joined rank skips the active ranks' other collectives;
+            the active caller gets it.
         StallError: ``stall_shutdown_seconds`` passed with ranks neither active nor joined.
     """
     if isinstance(device, bool) or not isinstance(device, int | str | torch.device):
