@@ -36,6 +36,7 @@ from hvd_trainer.comm.build_info import (
     nccl_built,
     rocm_built,
 )
+from hvd_trainer.comm.checks import DuplicateNameError
 from hvd_trainer.comm.collectives import (
     allgather,
     allreduce,
@@ -129,7 +130,7 @@ __all__ = [
     "ProcessSet", "Compression", "Compressor", "Timeline",
     "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
-    "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError",
+    "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError", "DuplicateNameError",
     # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)
     "Adasum", "UnsupportedOpError", "HorovodInternalError", "HostsUpdatedInterrupt",
     "gloo_built", "nccl_built", "mpi_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",

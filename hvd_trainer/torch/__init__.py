@@ -13,6 +13,7 @@ from hvd_trainer.comm import (
     Average,
     CollectiveMismatchError,
     Compression,
+    DuplicateNameError,
     Handle,
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -107,6 +108,7 @@ __all__ = [
     "broadcast_object", "allgather_object", "ProcessSet", "Compression",
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp",
     "CollectiveMismatchError", "NotInitializedError", "StallError", "JoinedRankError",
+    "DuplicateNameError",
     # the rest of horovod.torch's names
     "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
