@@ -126,10 +126,21 @@ def describe_mismatch(own: Signature, seq: int, set_ranks: Sequence[int], entrie
     names = sorted({str(d.get("name") or "(unnamed)") for d in decoded.values()})
     return (
         f"ranks disagree on collective #{seq} ({own.label()}; tensor name(s) {names}) on "
-        f"process set {list(set_ranks)}:\n" + "\n".join(lines) + "\nHINT: every rank must call the "
+        f"process set {list(set_ranks)}:\n" + "\n".join(lines) + _skip_note(decoded)
+        + "\nHINT: every rank must call the "
         "same collectives in the same order with the same op, name, shape, dtype and root; "
         "a parameter that requires grad on one rank only changes the bucket layout."
     )
+
+
+def _skip_note(decoded: dict[int, dict[str, Any]]) -> str:
+    """A line naming the ranks that raised locally and skipped the collective, if any."""
+    skipped = {q: d for q, d in decoded.items() if d.get("kind") == "skipped"}
+    if not skipped:
+        return ""
+    parts = [f"rank {q} skipped {d.get('skipped_call')} {d.get('name')!r} (it raised "
+             f"{d.get('raised_locally')} there)" for q, d in skipped.items()]
+    return "\n  " + "; ".join(parts) + ": that rank's own error says why."
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -225,6 +236,44 @@ class Coordinator:
             self._in_flight[flight] = op.seq
             op.extra["flight"] = flight
         return op
+
+    @contextlib.contextmanager
+    def local_checks(self, kind: str, name: str | None) -> Iterator[None]:
+        """Keep the ranks in step when this rank rejects a collective's arguments locally.
+
+        Wrap the argument checks of a collective that end in :meth:`begin`. If the body raises
+        before :meth:`begin` numbered the collective, this rank still consumes its sequence
+        number with a ``"skipped"`` signature, compared across ranks like any other: when every
+        rank raised at the same call they all skipped it and carry on in step (the local error
+        propagates); when another rank started the collective, both ranks see the mismatch and
+        raise :class:`CollectiveMismatchError` naming the rank that skipped, instead of pairing
+        this rank's next collective with the other rank's pending one.
+
+        Raises:
+            CollectiveMismatchError: another rank of the set did not skip this collective.
+        """
+        start = self.seq
+        try:
+            yield
+        except Exception as exc:
+            if self.seq == start and self.multi and self.config.check_signatures:
+                self._skip(kind, name, exc)
+            raise
+
+    def _skip(self, kind: str, name: str | None, exc: BaseException) -> None:
+        """Consume the next ``seq`` with a ``"skipped"`` signature and compare it across ranks."""
+        sig = Signature("skipped", name, (("skipped_call", kind), ("raised_locally", type(exc).__name__)))
+        op = Op(self.seq, sig, 0, None, 0.0, time.monotonic())
+        self.seq += 1
+        self._prev = sig
+        self.outstanding[op.seq] = op
+        try:
+            with self._store_lost(op):
+                self._exchange(op)
+        except CollectiveMismatchError as mismatch:
+            raise mismatch from exc
+        finally:
+            self.outstanding.pop(op.seq, None)
 
     def _check_new(self, op: Op) -> None:
         """Announce ``op`` to joined ranks and compare its signature across ranks if new."""
@@ -402,6 +451,7 @@ class Coordinator:
         if len(set(entries.values())) <= 1:
             return
         message = describe_mismatch(op.sig, op.seq, self.ranks, entries)
+        self._cache.clear()  # histories diverged: check every collective again
         self._await_peers_seen(op.seq)
         raise CollectiveMismatchError(message)
 
