@@ -135,12 +135,15 @@ def describe_mismatch(own: Signature, seq: int, set_ranks: Sequence[int], entrie
 
 def _skip_note(decoded: dict[int, dict[str, Any]]) -> str:
     """A line naming the ranks that raised locally and skipped the collective, if any."""
-    skipped = {q: d for q, d in decoded.items() if d.get("kind") == "skipped"}
-    if not skipped:
-        return ""
-    parts = [f"rank {q} skipped {d.get('skipped_call')} {d.get('name')!r} (it raised "
-             f"{d.get('raised_locally')} there)" for q, d in skipped.items()]
-    return "\n  " + "; ".join(parts) + ": that rank's own error says why."
+    parts = []
+    for q, d in decoded.items():
+        if d.get("kind") == "skipped":
+            parts.append(f"rank {q} skipped {d.get('skipped_call')} {d.get('name')!r} (it raised "
+                         f"{d.get('raised_locally')} there; that rank's own error says why)")
+        elif d.get("kind") == "out_of_step":
+            parts.append(f"rank {q} is out of step in the transport since collective "
+                         f"#{d.get('since')} (its first error says why)")
+    return "".join(f"\n  {p}" for p in parts)
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -196,6 +199,9 @@ class Coordinator:
         self.multi = len(self.ranks) > 1 and store is not None
         self.check_seconds_total = 0.0
         self.checks_run = 0
+        self.broken: tuple[int, str] | None = None
+        """``(seq, label)`` of a collective that was already in the transport on this rank when
+        a mismatch was found: the transport's pairing is out of step from there on."""
 
     # -- begin / launch / wait ------------------------------------------------------------
     def begin(self, sig: Signature, nbytes: int, transports: list[Transport] | None = None) -> Op:
@@ -212,6 +218,8 @@ class Coordinator:
             CollectiveMismatchError: ranks disagree; JoinedRankError: a non-reducing collective
             while a rank is joined.
         """
+        if self.broken is not None and self.multi:
+            self._refuse_out_of_step(sig)
         flight = _flight_key(sig)
         if flight is not None and flight in self._in_flight:
             raise DuplicateNameError(
@@ -271,9 +279,28 @@ class Coordinator:
             with self._store_lost(op):
                 self._exchange(op)
         except CollectiveMismatchError as mismatch:
-            raise mismatch from exc
+            raise CollectiveMismatchError(f"{mismatch}\n  rank {self.rank}'s own error: {exc}") from exc
         finally:
             self.outstanding.pop(op.seq, None)
+
+    def _refuse_out_of_step(self, sig: Signature) -> None:
+        """Consume the next ``seq`` with an ``"out_of_step"`` entry (so a peer checking this
+        collective raises instead of launching it) and raise: once a collective was left
+        half-finished in the transport, any later one would be paired with the wrong one."""
+        seq, self.seq = self.seq, self.seq + 1
+        since, label = self.broken or (0, "")
+        entry = Signature("out_of_step", sig.name, (("collective", sig.kind), ("since", since)))
+        with contextlib.suppress(RuntimeError):  # the store may be gone with a failed peer
+            self.store.set(self._key(seq, self.rank), entry.encode())
+            self.store.set(f"{self.prefix}/m/{seq}/{self.rank}", "1")
+            self._checked_seqs.append(seq)
+        raise CollectiveMismatchError(
+            f"{sig.label()} (collective #{seq}) cannot run: process set {list(self.ranks)} is out "
+            f"of step, collective #{since} ({label}) was left half-finished in the transport on rank "
+            f"{self.rank} by an earlier mismatch, so every later collective would be paired with "
+            "the wrong one. HINT: the job cannot continue; fix the first error reported (on "
+            "every rank) and restart."
+        )
 
     def _check_new(self, op: Op) -> None:
         """Announce ``op`` to joined ranks and compare its signature across ranks if new."""
@@ -452,6 +479,8 @@ class Coordinator:
             return
         message = describe_mismatch(op.sig, op.seq, self.ranks, entries)
         self._cache.clear()  # histories diverged: check every collective again
+        if op.work is not None and not op.done:
+            self.broken = (op.seq, op.sig.label())
         self._await_peers_seen(op.seq)
         raise CollectiveMismatchError(message)
 

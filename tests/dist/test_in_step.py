@@ -40,6 +40,30 @@ def _in_step() -> dict:
     bad = flags if r == 1 else torch.ones(2)
     out["one_bad"] = _attempt(lambda: hvd.allreduce(bad, op=hvd.Average, name="one_bad"))
     out["next"] = _attempt(lambda: hvd.allreduce(torch.full((2,), r + 1.0), op=hvd.Sum, name="next"))
+    # the silent-pairing case: rank 1's next call has the signature of rank 0's pending one
+    same = torch.full((2,), r + 1.0)
+    if r == 1:
+        out["first"] = _attempt(lambda: hvd.allreduce(same, op=hvd.Sum, name="same", compression="int16"))
+    else:
+        out["first"] = _attempt(lambda: hvd.allreduce(same, op=hvd.Sum, name="same"))
+    out["second"] = _attempt(lambda: hvd.allreduce(same, op=hvd.Sum, name="same"))
+    return out
+
+
+def _blocked() -> dict:
+    """Rank 0 is already inside the transport (its signature is cached) when rank 1 skips."""
+    import hvd_trainer as hvd
+
+    r = hvd.rank()
+    y = torch.full((3,), r + 1.0)
+    for _ in range(3):
+        hvd.allreduce(y, op=hvd.Sum, name="steady")
+    if r == 1:
+        out = {"steady": _attempt(lambda: hvd.allreduce(torch.tensor([True, False, True]),
+                                                        op=hvd.Average, name="steady"))}
+    else:  # exactly the cached signature: rank 0 goes straight into the transport
+        out = {"steady": _attempt(lambda: hvd.allreduce(y, op=hvd.Sum, name="steady"))}
+    out["after"] = _attempt(lambda: hvd.allreduce(y, op=hvd.Sum, name="steady"))
     return out
 
 
@@ -56,3 +80,22 @@ def test_ranks_stay_in_step_after_local_errors() -> None:
         assert seconds < 30, (rank, seconds)
         # the ranks are in step again: the next collective pairs correctly
         assert res["next"][0] == "ok:[3.0, 3.0]", (rank, res["next"])
+        # each rank's first call fails (rank 1's with its own error attached); the second
+        # calls pair with each other, never rank 0's first with rank 1's second
+        kind, text, seconds = res["first"]
+        assert kind == "CollectiveMismatchError" and "rank 1 skipped allreduce 'same'" in text, (rank, text)
+        assert seconds < 30, (rank, seconds)
+        assert res["second"][0] == "ok:[3.0, 3.0]", (rank, res["second"])
+    assert "rank 1's own error: " in results[1]["first"][1], results[1]["first"]
+
+def test_rank_blocked_in_transport_sees_the_skip() -> None:
+    results = run_workers(_blocked, 2, env={"HVD_TEST_PG_TIMEOUT": "60"}, timeout_seconds=120)
+    for rank, res in enumerate(results):
+        kind, text, seconds = res["steady"]
+        assert kind == "CollectiveMismatchError" and "rank 1 skipped allreduce 'steady'" in text, (rank, text)
+        assert seconds < 30, (rank, seconds)
+        # rank 0's collective is left half-finished in the transport: every later collective
+        # raises on every rank (never pairs rank 1's next call with rank 0's pending one)
+        kind, text, seconds = res["after"]
+        assert kind == "CollectiveMismatchError" and "out of step" in text, (rank, res["after"])
+        assert seconds < 30, (rank, res["after"])
