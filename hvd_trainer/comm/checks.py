@@ -21,6 +21,14 @@ Mechanism (the cheapest correct one we found; cost printed by ``bench/allreduce_
    warning together with the collective; after ``stall_shutdown_seconds`` a
    :class:`StallError` is raised.
 
+5. A collective whose arguments this rank rejects locally (``Coordinator.local_checks``, e.g.
+   a bool Average or bad splits on one rank only) still consumes its ``seq`` with a
+   ``"skipped"`` entry, always exchanged: ranks that all raised at the same call stay in step;
+   otherwise every rank raises a mismatch naming the rank that skipped, never pairing its next
+   collective with another rank's pending one. A rank whose collective was already in the
+   transport when a mismatch was found is out of step for good: each later collective writes an
+   ``"out_of_step"`` entry and raises, so its peers raise at their next one too.
+
 Why the store and not a collective on a side group: a store read never enters the ordered
 stream of a process group, so a rank that gives up leaves no half-finished collective behind,
 and one store round trip costs ~30 us where a tiny gloo allreduce costs ~500 us on a 2-core

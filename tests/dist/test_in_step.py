@@ -47,6 +47,10 @@ def _in_step() -> dict:
     else:
         out["first"] = _attempt(lambda: hvd.allreduce(same, op=hvd.Sum, name="same"))
     out["second"] = _attempt(lambda: hvd.allreduce(same, op=hvd.Sum, name="same"))
+    # the movement collectives too: rank 1's splits do not add up to its rows
+    rows = torch.ones(2, 1)
+    out["a2a"] = _attempt(lambda: hvd.alltoall(rows, splits=[1, 5] if r == 1 else [1, 1], name="a2a")[0])
+    out["after_a2a"] = _attempt(lambda: hvd.allreduce(torch.full((2,), r + 1.0), op=hvd.Sum, name="x"))
     return out
 
 
@@ -86,6 +90,9 @@ def test_ranks_stay_in_step_after_local_errors() -> None:
         assert kind == "CollectiveMismatchError" and "rank 1 skipped allreduce 'same'" in text, (rank, text)
         assert seconds < 30, (rank, seconds)
         assert res["second"][0] == "ok:[3.0, 3.0]", (rank, res["second"])
+        kind, text, seconds = res["a2a"]
+        assert kind == "CollectiveMismatchError" and "rank 1 skipped alltoall 'a2a'" in text, (rank, text)
+        assert seconds < 30 and res["after_a2a"][0] == "ok:[3.0, 3.0]", (rank, res["after_a2a"])
     assert "rank 1's own error: " in results[1]["first"][1], results[1]["first"]
 
 def test_rank_blocked_in_transport_sees_the_skip() -> None:
