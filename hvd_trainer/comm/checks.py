@@ -21,6 +21,14 @@ Mechanism (the cheapest correct one we found; cost printed by ``bench/allreduce_
    warning together with the collective; after ``stall_shutdown_seconds`` a
    :class:`StallError` is raised.
 
+5. A collective whose arguments this rank rejects locally (``Coordinator.local_checks``, e.g.
+   a bool Average or bad splits on one rank only) still consumes its ``seq`` with a
+   ``"skipped"`` entry, always exchanged: ranks that all raised at the same call stay in step;
+   otherwise every rank raises a mismatch naming the rank that skipped, never pairing its next
+   collective with another rank's pending one. A rank whose collective was already in the
+   transport when a mismatch was found is out of step for good: each later collective writes an
+   ``"out_of_step"`` entry and raises, so its peers raise at their next one too.
+
 Why the store and not a collective on a side group: a store read never enters the ordered
 stream of a process group, so a rank that gives up leaves no half-finished collective behind,
 and one store round trip costs ~30 us where a tiny gloo allreduce costs ~500 us on a 2-core
@@ -126,10 +134,24 @@ def describe_mismatch(own: Signature, seq: int, set_ranks: Sequence[int], entrie
     names = sorted({str(d.get("name") or "(unnamed)") for d in decoded.values()})
     return (
         f"ranks disagree on collective #{seq} ({own.label()}; tensor name(s) {names}) on "
-        f"process set {list(set_ranks)}:\n" + "\n".join(lines) + "\nHINT: every rank must call the "
+        f"process set {list(set_ranks)}:\n" + "\n".join(lines) + _skip_note(decoded)
+        + "\nHINT: every rank must call the "
         "same collectives in the same order with the same op, name, shape, dtype and root; "
         "a parameter that requires grad on one rank only changes the bucket layout."
     )
+
+
+def _skip_note(decoded: dict[int, dict[str, Any]]) -> str:
+    """A line naming the ranks that raised locally and skipped the collective, if any."""
+    parts = []
+    for q, d in decoded.items():
+        if d.get("kind") == "skipped":
+            parts.append(f"rank {q} skipped {d.get('skipped_call')} {d.get('name')!r} (it raised "
+                         f"{d.get('raised_locally')} there; that rank's own error says why)")
+        elif d.get("kind") == "out_of_step":
+            parts.append(f"rank {q} is out of step in the transport since collective "
+                         f"#{d.get('since')} (its first error says why)")
+    return "".join(f"\n  {p}" for p in parts)
 
 
 def _short(value: Any, limit: int = 300) -> str:
@@ -185,6 +207,9 @@ class Coordinator:
         self.multi = len(self.ranks) > 1 and store is not None
         self.check_seconds_total = 0.0
         self.checks_run = 0
+        self.broken: tuple[int, str] | None = None
+        """``(seq, label)`` of a collective that was already in the transport on this rank when
+        a mismatch was found: the transport's pairing is out of step from there on."""
 
     # -- begin / launch / wait ------------------------------------------------------------
     def begin(self, sig: Signature, nbytes: int, transports: list[Transport] | None = None) -> Op:
@@ -201,6 +226,8 @@ class Coordinator:
             CollectiveMismatchError: ranks disagree; JoinedRankError: a non-reducing collective
             while a rank is joined.
         """
+        if self.broken is not None and self.multi:
+            self._refuse_out_of_step(sig)
         flight = _flight_key(sig)
         if flight is not None and flight in self._in_flight:
             raise DuplicateNameError(
@@ -225,6 +252,63 @@ class Coordinator:
             self._in_flight[flight] = op.seq
             op.extra["flight"] = flight
         return op
+
+    @contextlib.contextmanager
+    def local_checks(self, kind: str, name: str | None) -> Iterator[None]:
+        """Keep the ranks in step when this rank rejects a collective's arguments locally.
+
+        Wrap the argument checks of a collective that end in :meth:`begin`. If the body raises
+        before :meth:`begin` numbered the collective, this rank still consumes its sequence
+        number with a ``"skipped"`` signature, compared across ranks like any other: when every
+        rank raised at the same call they all skipped it and carry on in step (the local error
+        propagates); when another rank started the collective, both ranks see the mismatch and
+        raise :class:`CollectiveMismatchError` naming the rank that skipped, instead of pairing
+        this rank's next collective with the other rank's pending one.
+
+        Raises:
+            CollectiveMismatchError: another rank of the set did not skip this collective.
+        """
+        start = self.seq
+        try:
+            yield
+        except Exception as exc:
+            if self.seq == start and self.multi and self.config.check_signatures:
+                self._skip(kind, name, exc)
+            raise
+
+    def _skip(self, kind: str, name: str | None, exc: BaseException) -> None:
+        """Consume the next ``seq`` with a ``"skipped"`` signature and compare it across ranks."""
+        sig = Signature("skipped", name, (("skipped_call", kind), ("raised_locally", type(exc).__name__)))
+        op = Op(self.seq, sig, 0, None, 0.0, time.monotonic())
+        self.seq += 1
+        self._prev = sig
+        self.outstanding[op.seq] = op
+        try:
+            with self._store_lost(op):
+                self._exchange(op)
+        except CollectiveMismatchError as mismatch:
+            raise CollectiveMismatchError(f"{mismatch}\n  rank {self.rank}'s own error: {exc}") from exc
+        finally:
+            self.outstanding.pop(op.seq, None)
+
+    def _refuse_out_of_step(self, sig: Signature) -> None:
+        """Consume the next ``seq`` with an ``"out_of_step"`` entry (so a peer checking this
+        collective raises instead of launching it) and raise: once a collective was left
+        half-finished in the transport, any later one would be paired with the wrong one."""
+        seq, self.seq = self.seq, self.seq + 1
+        since, label = self.broken or (0, "")
+        entry = Signature("out_of_step", sig.name, (("collective", sig.kind), ("since", since)))
+        with contextlib.suppress(RuntimeError):  # the store may be gone with a failed peer
+            self.store.set(self._key(seq, self.rank), entry.encode())
+            self.store.set(f"{self.prefix}/m/{seq}/{self.rank}", "1")
+            self._checked_seqs.append(seq)
+        raise CollectiveMismatchError(
+            f"{sig.label()} (collective #{seq}) cannot run: process set {list(self.ranks)} is out "
+            f"of step, collective #{since} ({label}) was left half-finished in the transport on rank "
+            f"{self.rank} by an earlier mismatch, so every later collective would be paired with "
+            "the wrong one. HINT: the job cannot continue; fix the first error reported (on "
+            "every rank) and restart."
+        )
 
     def _check_new(self, op: Op) -> None:
         """Announce ``op`` to joined ranks and compare its signature across ranks if new."""
@@ -402,6 +486,9 @@ class Coordinator:
         if len(set(entries.values())) <= 1:
             return
         message = describe_mismatch(op.sig, op.seq, self.ranks, entries)
+        self._cache.clear()  # histories diverged: check every collective again
+        if op.work is not None and not op.done:
+            self.broken = (op.seq, op.sig.label())
         self._await_peers_seen(op.seq)
         raise CollectiveMismatchError(message)
 

@@ -106,11 +106,12 @@ def broadcast_async_(
     """
     require_tensor(tensor, "broadcast")
     pset = resolve_set(process_set, world, "broadcast")
-    if root_rank not in pset.ranks:
-        raise CommValueError(
-            f"root_rank={root_rank} is not in process set {list(pset.ranks)}. "
-            "HINT: root_rank is a global rank and must be a member of the set."
-        )
+    with pset.coordinator.local_checks("broadcast", name):  # a local error still consumes a seq
+        if root_rank not in pset.ranks:
+            raise CommValueError(
+                f"root_rank={root_rank} is not in process set {list(pset.ranks)}. "
+                "HINT: root_rank is a global rank and must be a member of the set."
+            )
     op = _begin(pset, "broadcast", name, tensor, shape=list(tensor.shape), root_rank=root_rank)
     buf = to_wire(tensor.detach() if tensor.is_contiguous() else tensor.detach().contiguous())
     work = dist.broadcast(buf, src=root_rank, group=pset.group_for(buf), async_op=True)
@@ -171,9 +172,10 @@ def alltoall_async(
     require_tensor(tensor, "alltoall")
     pset = resolve_set(process_set, world, "alltoall")
     t = tensor.detach().contiguous()
-    if t.dim() == 0:
-        raise CommValueError("alltoall needs a tensor with at least one dimension, got a scalar.")
-    send = _splits(t, splits, pset.size())
+    with pset.coordinator.local_checks("alltoall", name):  # a local error still consumes a seq
+        if t.dim() == 0:
+            raise CommValueError("alltoall needs a tensor with at least one dimension, got a scalar.")
+        send = _splits(t, splits, pset.size())
     op = _begin(pset, "alltoall", name, t, ndim=t.dim(), trailing_shape=list(t.shape[1:]),
                 splits_given=splits is not None)
     dtype, t = t.dtype, to_wire(t)

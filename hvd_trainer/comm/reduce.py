@@ -171,8 +171,9 @@ def start_allreduce(
             ``Compression.resolve`` rejects.
         CollectiveMismatchError, JoinedRankError, StallError: from the cross-rank checks.
     """
-    compression = Compression.resolve(compression, error=CommTypeError)
-    _validate(tensor, op, prescale_factor != 1.0 or postscale_factor != 1.0)
+    with pset.coordinator.local_checks(kind, name):  # a local error still consumes a seq
+        compression = Compression.resolve(compression, error=CommTypeError)
+        _validate(tensor, op, prescale_factor != 1.0 or postscale_factor != 1.0)
     n = pset.size()
     compress = compression.applies_to(tensor) and op is not ReduceOp.PRODUCT
     global_scale = compress and getattr(compression, "needs_global_scale", False)

@@ -141,9 +141,10 @@ def grouped_allreduce_async(
     if len(devices) > 1:
         raise CommValueError(f"grouped_allreduce needs one device, got tensors on {devices}.")
     pset = resolve_set(process_set, world, "grouped_allreduce")
-    rop = to_reduce_op(op_or_average(op, average))
-    compression = Compression.resolve(compression, error=CommTypeError)
-    groups = flatten(tensors, what="grouped_allreduce")
+    with pset.coordinator.local_checks("grouped_allreduce", name):  # a local error still consumes a seq
+        rop = to_reduce_op(op_or_average(op, average))
+        compression = Compression.resolve(compression, error=CommTypeError)
+        groups = flatten(tensors, what="grouped_allreduce")
     reductions = []
     for group in groups:
         flat = group.flat
