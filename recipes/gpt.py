@@ -177,8 +177,10 @@ class SampleConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LogConfig:
+    enabled: bool = True
+    """Write logs (false: no files at all)."""
     root: str = "runs"
-    """Rank 0 writes CSV and TensorBoard logs and config.yaml to <root>/<recipe>/<UTC time>/; "" = none."""
+    """Rank 0 writes CSV and TensorBoard logs and config.yaml to <root>/<recipe>/<UTC time>/."""
     recipe: str = "gpt"
     """The <recipe> part of the log folder."""
 
@@ -324,7 +326,7 @@ def _loggers(cfg: Config) -> tuple[list[Logger], Path | None]:
     """CSV and TensorBoard loggers under ``<root>/<recipe>/<UTC time>/`` and that folder; rank 0
     also writes the resolved config there. Other ranks get the same loggers, which write nothing
     off global rank 0 (Lightning's rank-zero experiments), and create no folder."""
-    if not cfg.log.root:
+    if not cfg.log.enabled:
         return [], None
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     run_dir = Path(cfg.log.root) / cfg.log.recipe / stamp
