@@ -51,6 +51,8 @@ from torchmetrics import MeanMetric
 
 import hvd_trainer  # noqa: F401  (registers strategy="horovod")
 from hvd_trainer.comm.launch_env import launcher_rank
+from hvd_trainer.comm.timeline import Timeline, merge_timelines, stop_timeline
+from hvd_trainer.comm.world import get_world, is_initialized
 
 from ._gpt_data import VOCAB_SIZE, ByteWindows, load_split, unigram_loss
 from ._gpt_model import GPT, GPTShape
@@ -310,6 +312,61 @@ class _ProgressLines(pl.Callback):
               f"tokens_per_s={self.throughput.tokens_per_s:.0f}", flush=True)
 
 
+class _TimelineSpans(pl.Callback):
+    """With ``HOROVOD_TIMELINE`` set: each rank's forward, backward and clip + optimizer step
+    on a ``compute`` row of its timeline, next to the gradient buckets' allreduce rows, so the
+    overlap of backward and communication shows; after the final validation every rank stops
+    recording and rank 0 merges the ranks' files into the ``HOROVOD_TIMELINE`` file."""
+
+    def __init__(self) -> None:
+        self.final = False
+        self._marks: dict[str, float] = {}
+
+    @staticmethod
+    def _timeline() -> Timeline | None:
+        runtime = get_world().runtime if is_initialized() else None
+        return runtime.timeline if runtime is not None else None
+
+    def _span(self, name: str, start_key: str, trainer: pl.Trainer) -> None:
+        tl = self._timeline()
+        if tl is not None and start_key in self._marks:
+            tl.event(name, name, self._marks.pop(start_key), tl.now_us(), row="compute",
+                     step=trainer.global_step)
+
+    def _mark(self, key: str) -> None:
+        tl = self._timeline()
+        if tl is not None:
+            self._marks[key] = tl.now_us()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self._mark("forward")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # noqa: ANN001
+        self._span("forward", "forward", trainer)
+        self._mark("backward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._span("backward", "backward", trainer)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self._mark("clip_and_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self._span("clip_and_step", "clip_and_step", trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tl = self._timeline()
+        if not self.final or tl is None:
+            return
+        path = tl.path  # rank 0's file is the HOROVOD_TIMELINE path itself
+        stop_timeline()
+        trainer.strategy.barrier("timeline_stopped")  # every rank's file is complete
+        if trainer.is_global_zero:
+            merged = merge_timelines(path, trainer.world_size)
+            print(f"gpt: timeline of {trainer.world_size} ranks in {merged} "
+                  "(open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+
+
 def _progress(cfg: TrainerConfig, throughput: _Throughput) -> tuple[bool, list[pl.Callback]]:
     """``(enable_progress_bar, callbacks)`` for ``cfg.progress_bar``."""
     mode = cfg.progress_bar
@@ -424,13 +481,15 @@ def run(cfg: Config) -> dict[str, float]:
     data = ShakespeareBytes(cfg.data, cfg.model.block_size)
     module = GPTModule(cfg.model, cfg.optim, cfg.trainer.max_steps)
     throughput = _Throughput()
+    spans = _TimelineSpans()
     progress_bar, progress = _progress(cfg.trainer, throughput)
-    trainer = _trainer(cfg, [throughput, *progress], progress_bar)
+    trainer = _trainer(cfg, [throughput, spans, *progress], progress_bar)
     if trainer.is_global_zero:
         print(_header(trainer, cfg, module), flush=True)
         print(f"gpt: {len(data.train_bytes)} training and {len(data.val_bytes)} validation bytes; "
               f"unigram_loss={data.unigram_loss:.4f}", flush=True)
     trainer.fit(module, datamodule=data)
+    spans.final = True
     metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
     if trainer.is_global_zero and cfg.sample.new_tokens > 0:
         print("----- sample -----\n" + _sample(module, cfg.sample, cfg.trainer.seed) + "\n------------------",

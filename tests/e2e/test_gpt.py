@@ -1,13 +1,15 @@
 """``hvdrun -np 2 hvd-train recipe=gpt`` end to end, as a user runs it: 60 steps of the demo.
 
-One run (about a minute on 2 busy cores) is checked for: the RESULT line and its GPT fields (the
+One run (20-60 s on 2 busy cores) is checked for: the RESULT line and its GPT fields (the
 unigram baseline equal to the closed form computed here, the validation loss below it), output
-of rank 0 only (header, progress lines, the generated sample), and the logs under
-``<log.root>/gpt/<time>/`` (CSV, TensorBoard, the resolved config) written by one process.
+of rank 0 only (header, progress lines, the generated sample), the logs under
+``<log.root>/gpt/<time>/`` (CSV, TensorBoard, the resolved config) written by one process, and
+the ``HOROVOD_TIMELINE`` trace: valid Chrome-trace JSON with both ranks' buckets and compute.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import sys
@@ -55,8 +57,8 @@ def _unigram_closed_form() -> float:
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
     logs = tmp_path_factory.mktemp("runs")
-    result = hvdrun(["-np", "2", HVD_TRAIN, "recipe=gpt", *SHORT, f"log.root={logs}"],
-                    timeout=300, env=clean_env())
+    env = clean_env(HOROVOD_TIMELINE=str(logs / "timeline.json"))
+    result = hvdrun(["-np", "2", HVD_TRAIN, "recipe=gpt", *SHORT, f"log.root={logs}"], timeout=300, env=env)
     assert result.returncode == 0, result.explain()
     return result, logs
 
@@ -108,3 +110,35 @@ def test_logs_and_config_written_once_by_rank_0(gpt_run: tuple[Result, Path]) ->
     assert events, list(run_dir.rglob("*"))
     # the file names end in <host>.<pid>.<n>: every event file comes from one process
     assert len({e.name.split(".")[-2] for e in events}) == 1, [e.name for e in events]
+
+
+def _rows(events: list[dict]) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+
+
+@pytest.mark.timeout(360)
+def test_timeline_has_every_rank_bucket_and_compute(gpt_run: tuple[Result, Path]) -> None:
+    result, logs = gpt_run
+    path = logs / "timeline.json"
+    assert f"[0]<stdout>:gpt: timeline of 2 ranks in {path}" in result.output, result.explain()
+    events = json.loads(path.read_text())["traceEvents"]  # Chrome trace object format
+    rows = _rows(events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        buckets = {rows[rank, e["tid"]] for e in mine if e["name"] == "bucket"}
+        assert len(buckets) >= 2, buckets  # 0.37M fp32 parameters: a 1 MiB first bucket, the rest
+        for bucket in buckets:  # one fused allreduce per bucket and optimizer step
+            assert sum(e["name"] == "bucket" and rows[rank, e["tid"]] == bucket for e in mine) == STEPS
+        backward = [e for e in mine if rows[rank, e["tid"]] == "compute" and e["name"] == "backward"]
+        assert len(backward) == STEPS
+        assert {"forward", "clip_and_step"} <= {e["name"] for e in mine if rows[rank, e["tid"]] == "compute"}
+        # overlap: some bucket's allreduce starts while that step's backward still runs
+        starts = [e["ts"] for e in mine if e["name"] == "bucket"]
+        assert any(b["ts"] < s < b["ts"] + b["dur"] for b in backward for s in starts), rank
+    # the other rank's own file is a valid trace too
+    rank1 = json.loads((logs / "timeline.rank1.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in rank1} == {1}
