@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ _spec = importlib.util.spec_from_file_location(
     "bench_scaling", Path(__file__).resolve().parents[2] / "bench" / "scaling.py"
 )
 scaling = importlib.util.module_from_spec(_spec)
+sys.modules["bench_scaling"] = scaling  # dataclasses look their module up there
 _spec.loader.exec_module(scaling)
 
 
