@@ -85,12 +85,13 @@ class Timeline:
         self.rank = rank
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
-        # The wall clock at the origin, so merge_timelines can align the ranks' files.
-        origin_epoch_us = time.time() * 1e6
-        self._pending: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": rank,
-             "args": {"name": f"rank {rank}", "origin_epoch_us": round(origin_epoch_us, 1)}},
-        ]
+        # The wall clock at the origin, so merge_timelines can align the ranks' files; written
+        # with the first event (a timeline that records nothing stays an empty trace).
+        self._process_event: dict[str, Any] | None = {
+            "name": "process_name", "ph": "M", "pid": rank,
+            "args": {"name": f"rank {rank}", "origin_epoch_us": round(time.time() * 1e6, 1)},
+        }
+        self._pending: list[dict[str, Any]] = []
         self._tids: dict[str, int] = {}
         self._closed = False
         self._empty = True
@@ -117,6 +118,9 @@ class Timeline:
         with self._lock:
             if self._closed:
                 return
+            if self._process_event is not None:
+                self._pending.append(self._process_event)
+                self._process_event = None
             tid = self._tids.get(label)
             if tid is None:
                 tid = self._tids[label] = len(self._tids) + 1
