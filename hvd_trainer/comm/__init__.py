@@ -11,7 +11,7 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     collectives            the blocking forms: the async forms + wait(); join
     autograd               differentiable allreduce / allgather / broadcast, on the async forms
     reductions_async  movement_async  fusion      the async forms; the gradient reducer
-    handle  reduce         Handle / poll / synchronize; the one allreduce path
+    handle  reduce  adasum Handle / poll / synchronize; the one allreduce path; Adasum
     process_set_registry   add / remove / register process sets
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
@@ -85,6 +85,7 @@ from hvd_trainer.comm.ops import (
     ReduceOp,
     Sum,
     UnsupportedOpError,
+    reject_adasum,
     to_reduce_op,
 )
 from hvd_trainer.comm.process_set import ProcessSet, global_process_set
@@ -119,7 +120,7 @@ from hvd_trainer.comm.world import (
 )
 
 __all__ = [
-    "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op",
+    "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op", "reject_adasum",
     "World", "LaunchEnv", "detect_launch_env", "init", "shutdown", "is_initialized",
     "get_world", "free_port", "CommConfig",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",

@@ -42,7 +42,7 @@ from hvd_trainer.comm.checks import Signature
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.config import default_fusion_threshold_bytes
 from hvd_trainer.comm.errors import CommTypeError
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, reject_adasum, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
@@ -171,7 +171,7 @@ class GradientReducer:
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
-        self.op = to_reduce_op(op)
+        self.op = reject_adasum(to_reduce_op(op), "the fused gradient reducer (hook-driven buckets)")
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
         self.compression = Compression.resolve(compression, error=CommTypeError)

@@ -47,7 +47,7 @@ COMM_ROWS = (
     ("collectives",),
     ("autograd",),
     ("reductions_async", "movement_async", "fusion"),
-    ("handle", "reduce"),
+    ("handle", "reduce", "adasum"),
     ("process_set_registry",),
     ("process_set",),
     ("checks",),
