@@ -16,13 +16,14 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
     timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
-    world  liveness  join_board  flatten  ops  arguments  compression
+    world  liveness  join_board  flatten  ops  arguments  compression  autotune
     store  config  launch_env  errors  fatal
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
 
 from __future__ import annotations
 
+from hvd_trainer.comm.autotune import AutotuneConfig
 from hvd_trainer.comm.build_info import (
     ccl_built,
     cuda_built,
@@ -129,7 +130,7 @@ __all__ = [
     "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",
     "broadcast_object", "allgather_object",
     "ProcessSet", "Compression", "Compressor", "Timeline",
-    "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
+    "FusionConfig", "GradientReducer", "AutotuneConfig", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
     "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError", "DuplicateNameError",
     # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)
