@@ -13,9 +13,12 @@ small model has only a few. The configured layout is tried first. Each candidate
 ``steps_per_sample`` timed steps; a sample is the median step time of those steps on each rank,
 and the *slowest* rank's median counts (every rank gets the same number, so every rank makes the
 same decision at the same step). The first ``warmup_samples`` samples of the job (start-up:
-first-call costs, lazy initialisation) are discarded and repeated. After at most ``max_samples``
-candidates the layout with the smallest sample is kept for the rest of training and the search
-costs nothing more. Every sample is logged (rank 0) as a CSV row when ``log_file`` is set.
+first-call costs, lazy initialisation) are discarded and repeated. At most ``max_samples``
+candidates take part. The search runs in ``rounds`` rounds of successive halving (Jamieson and
+Talwalkar 2016, arXiv:1502.07943): every candidate is measured once, then the faster half again,
+and so on; a candidate's score is the median of its samples. The best-scoring layout is then kept
+for the rest of training and the search costs nothing more. Every sample is logged (rank 0)
+as a CSV row when ``log_file`` is set.
 
 Environment (read by :meth:`AutotuneConfig.from_env`, Horovod's names):
 ``HOROVOD_AUTOTUNE=1``, ``HOROVOD_AUTOTUNE_LOG=path.csv``, ``HOROVOD_AUTOTUNE_WARMUP_SAMPLES``
@@ -36,7 +39,7 @@ __all__ = ["AutotuneConfig", "Candidate", "Autotuner", "candidate_thresholds", "
 
 _MIB = 1024 * 1024
 
-LOG_COLUMNS = ("sample", "fusion_threshold_bytes", "first_bucket_bytes", "num_buckets",
+LOG_COLUMNS = ("sample", "round", "fusion_threshold_bytes", "first_bucket_bytes", "num_buckets",
                "step_seconds", "status")
 """Columns of the autotune CSV log. ``status``: ``warmup`` (discarded), ``sample``, ``best``."""
 
@@ -68,9 +71,13 @@ class AutotuneConfig:
     """The most candidate layouts tried (Horovod's ``bayes_opt_max_samples`` default: 20)."""
     log_file: str | None = None
     """CSV file written by rank 0, one row per sample (:data:`LOG_COLUMNS`)."""
+    rounds: int = 3
+    """Rounds of successive halving: round 1 measures every candidate, each later round
+    re-measures the faster half of the previous one (scores: the median of a candidate's
+    samples), so one noisy sample cannot decide alone."""
 
     def __post_init__(self) -> None:
-        for name in ("steps_per_sample", "max_samples"):
+        for name in ("steps_per_sample", "max_samples", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)} must be >= 1.")
         for name in ("warmup_samples", "warmup_steps_per_sample"):
@@ -116,7 +123,7 @@ def candidate_thresholds(configured: tuple[int, int]) -> list[tuple[int, int]]:
 
 
 class Autotuner:
-    """Walks the candidates one sample at a time.
+    """Walks the candidates one sample at a time, in rounds of successive halving.
 
     Usage (by the reducer, identically on every rank): call :meth:`record` with each step's
     duration; when it returns True, agree on :meth:`local_sample` across ranks (the maximum) and
@@ -134,9 +141,12 @@ class Autotuner:
         self.candidates = list(candidates)[: config.max_samples]
         self.config = config
         self.rank = rank
-        self.current = 0
-        self.samples: dict[int, float] = {}
+        self.samples: dict[int, list[float]] = {}
+        self.round = 0
         self.done = len(self.candidates) == 1
+        self._order = list(range(len(self.candidates)))  # this round's candidates, in order
+        self._pos = 0
+        self._chosen = 0
         self._warmups_left = config.warmup_samples
         self._skip = config.warmup_steps_per_sample
         self._times: list[float] = []
@@ -147,11 +157,22 @@ class Autotuner:
                 csv.writer(f).writerow(LOG_COLUMNS)
 
     @property
+    def current(self) -> int:
+        """Index of the candidate in use."""
+        return self._chosen if self.done else self._order[self._pos]
+
+    def score(self, index: int) -> float:
+        """Median of the candidate's agreed samples, seconds (inf before any)."""
+        got = self.samples.get(index)
+        return statistics.median(got) if got else float("inf")
+
+    @property
     def best(self) -> Candidate:
-        """The fastest candidate measured so far (the configured one before any sample)."""
-        if not self.samples:
-            return self.candidates[0]
-        return self.candidates[min(self.samples, key=lambda i: (self.samples[i], i))]
+        """The chosen candidate once done; before that the best measured so far (the
+        configured one before any sample)."""
+        if self.done or not self.samples:
+            return self.candidates[self._chosen]
+        return self.candidates[min(self.samples, key=lambda i: (self.score(i), i))]
 
     def record(self, step_seconds: float) -> bool:
         """Add one step's duration (seconds). True when a sample is complete (agree on it now)."""
@@ -173,25 +194,35 @@ class Autotuner:
         self._times = []
         self._skip = self.config.warmup_steps_per_sample
         self._sample_no += 1
-        cand = self.candidates[self.current]
+        index = self.current
         if self._warmups_left > 0:
             self._warmups_left -= 1
-            self._log(cand, agreed_seconds, "warmup")
+            self._log(self.candidates[index], agreed_seconds, "warmup")
             return None
-        self.samples[self.current] = agreed_seconds
-        self._log(cand, agreed_seconds, "sample")
-        if self.current + 1 < len(self.candidates):
-            self.current += 1
-            return self.candidates[self.current]
-        self.done = True
-        best_index = self.candidates.index(self.best)
-        self._log(self.best, self.samples[best_index], "best")
-        self.current = best_index
-        return self.best
+        self.samples.setdefault(index, []).append(agreed_seconds)
+        self._log(self.candidates[index], agreed_seconds, "sample")
+        self._pos += 1
+        if self._pos < len(self._order):
+            return self.candidates[self._order[self._pos]]
+        return self._next_round()
+
+    def _next_round(self) -> Candidate:
+        """Keep the faster half of this round's candidates; finish when one is left or after
+        ``rounds`` rounds."""
+        self.round += 1
+        ranked = sorted(self._order, key=lambda i: (self.score(i), i))
+        keep = ranked[: max(1, (len(ranked) + 1) // 2)]
+        if len(keep) == 1 or self.round >= self.config.rounds:
+            self.done = True
+            self._chosen = ranked[0]
+            self._log(self.candidates[self._chosen], self.score(self._chosen), "best")
+            return self.candidates[self._chosen]
+        self._order, self._pos = sorted(keep), 0
+        return self.candidates[self._order[0]]
 
     def _log(self, cand: Candidate, seconds: float, status: str) -> None:
         if not self.config.log_file or self.rank != 0:
             return
         with open(self.config.log_file, "a", newline="") as f:
-            csv.writer(f).writerow([self._sample_no, cand.fusion_threshold_bytes, cand.first_bucket_bytes,
-                                    cand.num_buckets, f"{seconds:.6f}", status])
+            csv.writer(f).writerow([self._sample_no, self.round, cand.fusion_threshold_bytes,
+                                    cand.first_bucket_bytes, cand.num_buckets, f"{seconds:.6f}", status])

@@ -25,7 +25,8 @@ def _feed(tuner: Autotuner, seconds: float, steps: int) -> list:
 def test_search_tries_each_candidate_once_after_warmup_and_keeps_the_fastest(tmp_path) -> None:
     cands = [Candidate(16 * MIB, MIB, 3), Candidate(MIB, MIB, 9), Candidate(64 * MIB, 64 * MIB, 1)]
     log = tmp_path / "autotune.csv"
-    cfg = AutotuneConfig(warmup_samples=1, steps_per_sample=3, warmup_steps_per_sample=1, log_file=str(log))
+    cfg = AutotuneConfig(warmup_samples=1, steps_per_sample=3, warmup_steps_per_sample=1, log_file=str(log),
+                         rounds=1)
     tuner = Autotuner(cands, cfg, rank=0)
     assert tuner.best == cands[0] and not tuner.done
     assert _feed(tuner, 9.0, 4) == [None]            # 1 untimed + 3 timed: the warm-up sample, discarded
@@ -37,7 +38,21 @@ def test_search_tries_each_candidate_once_after_warmup_and_keeps_the_fastest(tmp
     rows = list(csv.reader(log.open()))
     assert tuple(rows[0]) == LOG_COLUMNS
     assert [r[-1] for r in rows[1:]] == ["warmup", "sample", "sample", "sample", "best"]
-    assert rows[-1][1:5] == [str(MIB), str(MIB), "9", "0.200000"]
+    assert rows[-1][2:6] == [str(MIB), str(MIB), "9", "0.200000"]
+
+
+def test_successive_halving_remeasures_the_faster_half() -> None:
+    cands = [Candidate(i, i, i) for i in range(1, 5)]
+    tuner = Autotuner(cands, AutotuneConfig(warmup_samples=0, steps_per_sample=1, warmup_steps_per_sample=0,
+                                            rounds=3))
+    moves = []
+    for t in (0.4, 0.1, 0.3, 0.2,   # round 1: every candidate; the faster half is cands[1], cands[3]
+              0.5, 0.15):           # round 2: cands[1] scores median(0.1, 0.5)=0.3, cands[3] 0.175
+        assert tuner.record(t)
+        moves.append(tuner.advance(t))
+    assert moves == [cands[1], cands[2], cands[3], cands[1], cands[3], cands[3]]
+    assert tuner.done and tuner.round == 2 and tuner.best == cands[3]
+    assert tuner.score(3) == pytest.approx(0.175)
 
 
 def test_median_of_a_sample_and_max_samples() -> None:
