@@ -122,7 +122,8 @@ def lightning_fit() -> dict[str, Any]:
     trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=4))
     return {"global_rank": trainer.global_rank, "world_size": trainer.world_size,
             "strategy": type(trainer.strategy).__name__, "steps": trainer.global_step,
-            "weights": flat_weights(module.net), "initial": flat_weights(linear(seed=int(os.environ["RANK"]))),
+            "weights": flat_weights(module.net),
+            "initial": flat_weights(linear(seed=int(os.environ["RANK"]))),
             "marker": os.environ.get("HVD_TEST_MARKER")}
 
 

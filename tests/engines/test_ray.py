@@ -9,7 +9,6 @@ processes (~10-15 s on 2 cores).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,17 +70,9 @@ def test_torch_trainer_loop_adopts_rays_group_and_matches_one_process(tmp_path: 
     assert _max_abs_diff(loops.flat_weights(loops.linear(seed=0)), reference) > 1e-2  # it trained
 
 
-def test_run_returns_each_ranks_result_in_rank_order() -> None:
-    got = hvd_ray.run(loops.torch_optimizer_fit, num_workers=2)
-    assert [r["rank"] for r in got] == [0, 1]
-    assert all(r["adopted_rays_group"] for r in got)
-    assert got[0]["weights"] == got[1]["weights"]
-    assert _max_abs_diff(got[0]["weights"], loops.one_process_reference()) < 1e-12
-
-
 def test_lightning_strategy_horovod_inside_ray() -> None:
     got = hvd_ray.run(loops.lightning_fit, num_workers=2, env={"HVD_TEST_MARKER": "from-driver"})
-    assert [(r["global_rank"], r["world_size"]) for r in got] == [(0, 2), (1, 2)]
+    assert [(r["global_rank"], r["world_size"]) for r in got] == [(0, 2), (1, 2)]  # in rank order
     assert {r["strategy"] for r in got} == {"HorovodStrategy"}
     assert [r["marker"] for r in got] == ["from-driver"] * 2  # run(env=...) reached the workers
     assert [r["steps"] for r in got] == [4, 4]  # 16 rows / 2 ranks / batch 4, 2 epochs
