@@ -35,7 +35,9 @@ Variables read, by launcher (first match wins, in this order):
   first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``/``SLURM_NODELIST``
   (``scontrol show hostnames`` when on ``PATH``, else :func:`expand_nodelist`). Master port:
   ``MASTER_PORT`` or ``10000 + SLURM_JOB_ID % 50000``. Jobs named ``bash``/``interactive``
-  (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning.
+  (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning, nor is an
+  ``sbatch`` script itself (``ENVIRONMENT=BATCH`` and no ``SLURM_STEP_ID``; its ``srun``
+  steps are).
 * Lightning's script launcher (``python train.py`` with ``devices=N``): ``LOCAL_RANK`` and
   ``WORLD_SIZE`` without ``RANK``; :func:`lightning_script_view` gives the torchrun view of them
   (single node: global rank = local rank) without writing ``os.environ``.
@@ -383,7 +385,11 @@ def _slurm_local_size(env: Mapping[str, str], size: int, local_rank: int) -> int
 
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
-    """Inside an ``srun`` step (an ``salloc`` shell named bash/interactive is not one)."""
+    """Inside an ``srun`` step. Not one: an ``salloc`` shell named bash/interactive, and an
+    ``sbatch`` script itself (``ENVIRONMENT=BATCH`` without ``SLURM_STEP_ID``: Slurm sets
+    ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` there, but it is a single process)."""
+    if env.get("ENVIRONMENT") == "BATCH" and "SLURM_STEP_ID" not in env:
+        return False
     return ("SLURM_PROCID" in env and "SLURM_NTASKS" in env
             and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"))
 

@@ -27,7 +27,7 @@ report = {
     "local_size": world.local_size, "cross_rank": world.cross_rank, "cross_size": world.cross_size,
     "launcher": launch.launcher, "master_addr": launch.master_addr, "master_port": launch.master_port,
     "sum_rank_plus_1": total, "gathered_ranks": ranks, "pod": os.environ.get("HVD_TEST_POD"),
-    "host": socket.gethostname(),
+    "host": socket.gethostname(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
 }
 out = Path(os.environ["HVD_TEST_OUT"])
 out.mkdir(parents=True, exist_ok=True)
