@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,6 +93,25 @@ def test_srun_two_tasks_init_reads_slurm_alone(slurm: SlurmCluster, tmp_path: Pa
         assert (r["sum_rank_plus_1"], r["gathered_ranks"]) == (3.0, [0, 1])
 
 
+def _sbatch_and_wait(cluster: SlurmCluster, args: list[str], env: dict[str, str], timeout: float) -> str:
+    """Submit a batch job, wait until it left the queue and return its ``scontrol show job``
+    line. Polls every 0.5 s (``sbatch --wait`` polls far less often, adding ~25 s)."""
+    proc = subprocess.run(["sbatch", "--parsable", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=30)
+    _check(proc, cluster)
+    job = proc.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True,
+                               text=True, timeout=30).stdout
+        if any(f"JobState={s} " in state for s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                    "NODE_FAIL", "OUT_OF_MEMORY")):
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env, capture_output=True, timeout=30, check=False)
+    raise AssertionError(f"batch job {job} did not finish within {timeout}s\n{cluster.logs()}")
+
+
 def _hvdrun() -> str:
     script = Path(sys.executable).with_name("hvdrun")
     if script.exists():
@@ -113,9 +133,9 @@ def test_sbatch_script_with_hvdrun_and_with_srun(slurm: SlurmCluster, tmp_path: 
         "",
     ]))
     log = tmp_path / "job.out"
-    proc = subprocess.run(["sbatch", "--wait", f"--output={log}", str(batch)], env=_env(slurm, tmp_path),
-                          cwd=ROOT, capture_output=True, text=True, timeout=140)
-    _check(proc, slurm, log.read_text() if log.exists() else "")
+    state = _sbatch_and_wait(slurm, ["--output", str(log), str(batch)], _env(slurm, tmp_path), timeout=120)
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, (
+        f"{state}\n{log.read_text() if log.exists() else ''}\n{slurm.logs()}")
     under_hvdrun = _reports(tmp_path / "hvdrun", 2)
     assert [(r["launcher"], r["rank"], r["size"], r["local_rank"]) for r in under_hvdrun] == [
         ("torchrun", 0, 2, 0), ("torchrun", 1, 2, 1)]
