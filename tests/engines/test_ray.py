@@ -23,7 +23,7 @@ from ray.train.torch import TorchTrainer  # noqa: E402
 
 import hvd_trainer.ray as hvd_ray  # noqa: E402
 from tests.e2e.hvdrun_helpers import clean_env  # noqa: E402
-from tests.engines import _ray_loops as loops  # noqa: E402
+from tests.engines import _loops as loops  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

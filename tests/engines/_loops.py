@@ -1,6 +1,6 @@
-"""Training functions that run inside Ray Train workers (tests/engines/test_ray.py).
+"""Training functions that run inside engine workers (tests/engines: Ray Train, Spark).
 
-Imported by the workers by module name (Ray pickles these functions by reference), so this
+Imported by the workers by module name (Ray and Spark pickle these functions by reference), so this
 module imports nothing heavy at the top: each function imports what it needs. Every function
 returns plain Python data (or writes it under ``out_dir``); the test process asserts on it.
 """
@@ -53,19 +53,13 @@ def flat_weights(model: Any) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def torch_optimizer_fit() -> dict[str, Any]:
-    """hvd.init() inside Ray, broadcast rank 0's weights, STEPS steps of DistributedOptimizer on
-    this rank's half of the global batch."""
-    import ray.train
+def distributed_sgd(world: Any) -> list[float]:
+    """Rank 0's weights broadcast, then STEPS steps of ``DistributedOptimizer`` on this rank's
+    share of the global batch; the final weights."""
     import torch
-    import torch.distributed as dist
 
     import hvd_trainer.torch as hvd
 
-    torch.set_num_threads(1)
-    group_before = dist.group.WORLD if dist.is_initialized() else None
-    world = hvd.init()
-    ctx = ray.train.get_context()
     model = linear(seed=world.rank)  # ranks start different; the broadcast makes them equal
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
@@ -76,12 +70,48 @@ def torch_optimizer_fit() -> dict[str, Any]:
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
         opt.step()
+    return flat_weights(model)
+
+
+def torch_optimizer_fit() -> dict[str, Any]:
+    """hvd.init() inside a Ray Train worker, then :func:`distributed_sgd`."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    import hvd_trainer.torch as hvd
+
+    torch.set_num_threads(1)
+    group_before = dist.group.WORLD if dist.is_initialized() else None
+    world = hvd.init()
+    ctx = ray.train.get_context()
+    weights = distributed_sgd(world)
     return {
         "rank": world.rank, "size": world.size, "local_rank": world.local_rank,
         "backend": world.backend, "ray_rank": ctx.get_world_rank(), "ray_size": ctx.get_world_size(),
         "adopted_rays_group": group_before is not None and world.group is group_before,
-        "weights": flat_weights(model),
+        "weights": weights,
     }
+
+
+def spark_train(out_dir: str) -> int:
+    """The function given to Spark's ``TorchDistributor.run``: hvd.init(), distributed SGD,
+    this rank's report to ``out_dir/rank<r>.json``; returns the rank."""
+    import json
+
+    import torch
+
+    import hvd_trainer.torch as hvd
+    from hvd_trainer.comm.world import detect_launch_env
+
+    torch.set_num_threads(1)
+    launcher = detect_launch_env().launcher
+    world = hvd.init()
+    total = hvd.allreduce(torch.tensor([float(world.rank + 1)]), op=hvd.Sum).item()
+    report = {"rank": world.rank, "size": world.size, "local_rank": world.local_rank,
+              "launcher": launcher, "sum_rank_plus_1": total, "weights": distributed_sgd(world)}
+    (Path(out_dir) / f"rank{world.rank}.json").write_text(json.dumps(report))
+    return world.rank
 
 
 def torch_trainer_loop(config: dict[str, Any]) -> None:
