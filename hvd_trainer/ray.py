@@ -182,10 +182,11 @@ def run(
     )
     try:
         trainer.fit()
+        results: dict[int, Any] = ray.get(board.results.remote())
     except ray.train.TrainingFailedError as exc:
         _raise_with_ranks(exc)
-    results: dict[int, Any] = ray.get(board.results.remote())
-    ray.kill(board)
+    finally:
+        ray.kill(board)
     missing = sorted(set(range(num_workers)) - set(results))
     if missing:
         raise RayRunError(f"hvd_trainer.ray.run: ranks {missing} returned no result. HINT: a worker "
