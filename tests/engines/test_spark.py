@@ -31,29 +31,44 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[SparkSession]:
-    """A local[2] Spark session without UI, stopped (JVM included) at the end."""
-    session = (SparkSession.builder.master("local[2]").appName("hvd_trainer-tests")
-               .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
-               .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
-    try:
-        yield session
-    finally:
-        session.stop()
+    """A local[2] Spark session without UI, stopped (JVM included) at the end. Its JVM, Python
+    workers and torchrun's processes get this checkout on PYTHONPATH (they import
+    tests.engines._loops) and no launcher variables of the test process."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            patch.delenv(name, raising=False)
+        session = (SparkSession.builder.master("local[2]").appName("hvd_trainer-tests")
+                   .config("spark.ui.enabled", "false").config("spark.driver.host", "127.0.0.1")
+                   .config("spark.driver.bindAddress", "127.0.0.1").getOrCreate())
+        try:
+            yield session
+        finally:
+            session.stop()
 
 
-def test_torch_distributor_local_mode_runs_hvd_init(spark: SparkSession, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # torchrun's workers are children of this process: they import tests.engines._loops.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    returned = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
-        loops.spark_train, str(tmp_path))
-    assert returned in (0, 1)  # Spark returns one rank's result
-    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+def _check_reports(out: Path) -> None:
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, r in enumerate(reports):
-        assert (r["launcher"], r["rank"], r["size"], r["local_rank"]) == ("torchrun", rank, 2, rank)
+        assert (r["launcher"], r["rank"], r["size"]) == ("torchrun", rank, 2)
         assert r["sum_rank_plus_1"] == 3.0
     assert reports[0]["weights"] == reports[1]["weights"]
     reference = loops.one_process_reference()
     assert max(abs(a - b) for a, b in zip(reports[0]["weights"], reference, strict=True)) < 1e-12
+
+
+def test_torch_distributor_local_mode_runs_hvd_init(spark: SparkSession, tmp_path: Path) -> None:
+    returned = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
+        loops.spark_train, str(tmp_path))
+    assert returned in (0, 1)  # Spark returns one rank's result
+    _check_reports(tmp_path)
+    local_ranks = [json.loads((tmp_path / f"rank{r}.json").read_text())["local_rank"] for r in range(2)]
+    assert local_ranks == [0, 1]  # one torchrun on the driver with 2 processes
+
+
+def test_torch_distributor_on_executors_runs_hvd_init(spark: SparkSession, tmp_path: Path) -> None:
+    """``local_mode=False``: 2 barrier tasks on the executors, each running torchrun."""
+    returned = TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(
+        loops.spark_train, str(tmp_path))
+    assert returned == 0  # the result of the task of rank 0
+    _check_reports(tmp_path)
