@@ -9,6 +9,8 @@ processes (~10-15 s on 2 cores).
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,20 +31,22 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A local Ray cluster of 2 CPUs for this module, shut down (all its processes) at the end.
-    Workers get this checkout on PYTHONPATH (they import tests.engines._ray_loops) and no
-    launcher variables of the test process."""
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster of 2 CPUs for this module, shut down (all its processes) and its
+    directory removed at the end. Workers get this checkout on PYTHONPATH (they import
+    tests.engines._loops) and no launcher variables of the test process. The directory is
+    short on purpose: Ray's Unix sockets live below it (108-byte path limit)."""
     if ray.is_initialized():
         ray.shutdown()
-    env = {k: v for k, v in clean_env(RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS="0").items()
-           if k in ("PYTHONPATH", "OMP_NUM_THREADS", "RAY_TRAIN_ENABLE_V2_MIGRATION_WARNINGS")}
+    env = {k: v for k, v in clean_env().items() if k in ("PYTHONPATH", "OMP_NUM_THREADS")}
+    temp_dir = tempfile.mkdtemp(prefix="hvdray", dir="/tmp")
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env},
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+             _temp_dir=temp_dir, log_to_driver=False)
     try:
         yield
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _run_config(tmp_path: Path, **kwargs: object) -> RunConfig:
