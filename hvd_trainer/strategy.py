@@ -47,6 +47,7 @@ from torch.distributed.nn.functional import all_gather as differentiable_all_gat
 from typing_extensions import override
 
 from hvd_trainer import comm
+from hvd_trainer.comm.autotune import AutotuneConfig
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
@@ -101,6 +102,9 @@ class _HorovodStrategyLogic:
             default, ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB; 0 disables fusion).
         first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
             starts early in backward (``None``: the comm default, 1 MiB).
+        autotune: search the bucket layout during the first steps and keep the fastest
+            (:mod:`hvd_trainer.comm.autotune`): ``True``, an ``AutotuneConfig``, ``False``, or
+            ``None`` (the default: ``HOROVOD_AUTOTUNE`` decides, as ``hvdrun --autotune`` sets it).
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
         compression: wire format of gradient buckets: ``Compression.none`` (default),
             ``Compression.fp16``, ``Compression.bf16`` or the strings ``"none"``, ``"fp16"``,
@@ -156,6 +160,7 @@ class _HorovodStrategyLogic:
         *,
         fusion_threshold_bytes: int | None = None,
         first_bucket_bytes: int | None = None,
+        autotune: bool | AutotuneConfig | None = None,
         timeout_seconds: float = 600.0,
         scale_lr_by_world_size: bool = False,
         compression: Compressor | type[Compressor] | str | None = None,
@@ -174,7 +179,7 @@ class _HorovodStrategyLogic:
             raise StrategyConfigError(
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
-        self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes)
+        self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes, autotune)
         self._compression = Compression.resolve(compression, error=StrategyConfigError)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
@@ -542,8 +547,15 @@ class _EpochEndCheck(pl.Callback):
             )
 
 
-def _fusion_config(threshold: int | None, first: int | None) -> FusionConfig:
-    kwargs: dict[str, int] = {}
+def _fusion_config(threshold: int | None, first: int | None,
+                   autotune: bool | AutotuneConfig | None = None) -> FusionConfig:
+    kwargs: dict[str, Any] = {}
+    if autotune is not None:
+        if not isinstance(autotune, bool | AutotuneConfig):
+            raise StrategyConfigError(
+                f"autotune={autotune!r} must be True, False, None or an AutotuneConfig."
+            )
+        kwargs["autotune"] = (AutotuneConfig() if autotune is True else autotune) or None
     for name, value in (("fusion_threshold_bytes", threshold), ("first_bucket_bytes", first)):
         if value is None:
             continue

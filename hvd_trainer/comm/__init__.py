@@ -11,18 +11,19 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     collectives            the blocking forms: the async forms + wait(); join
     autograd               differentiable allreduce / allgather / broadcast, on the async forms
     reductions_async  movement_async  fusion      the async forms; the gradient reducer
-    handle  reduce         Handle / poll / synchronize; the one allreduce path
+    handle  reduce  adasum Handle / poll / synchronize; the one allreduce path; Adasum
     process_set_registry   add / remove / register process sets
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
     timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
-    world  liveness  join_board  flatten  ops  arguments  compression
+    world  liveness  join_board  flatten  ops  arguments  compression  autotune
     store  config  launch_env  errors  fatal
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
 
 from __future__ import annotations
 
+from hvd_trainer.comm.autotune import AutotuneConfig
 from hvd_trainer.comm.build_info import (
     ccl_built,
     cuda_built,
@@ -85,6 +86,7 @@ from hvd_trainer.comm.ops import (
     ReduceOp,
     Sum,
     UnsupportedOpError,
+    reject_adasum,
     to_reduce_op,
 )
 from hvd_trainer.comm.process_set import ProcessSet, global_process_set
@@ -119,7 +121,7 @@ from hvd_trainer.comm.world import (
 )
 
 __all__ = [
-    "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op",
+    "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op", "reject_adasum",
     "World", "LaunchEnv", "detect_launch_env", "init", "shutdown", "is_initialized",
     "get_world", "free_port", "CommConfig",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
@@ -128,7 +130,7 @@ __all__ = [
     "allgather", "broadcast", "broadcast_", "alltoall", "reducescatter", "barrier", "join",
     "broadcast_object", "allgather_object",
     "ProcessSet", "Compression", "Compressor", "Timeline",
-    "FusionConfig", "GradientReducer", "default_fusion_threshold_bytes",
+    "FusionConfig", "GradientReducer", "AutotuneConfig", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
     "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError", "DuplicateNameError",
     # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)

@@ -35,7 +35,7 @@ from hvd_trainer.comm.movement_async import (
     broadcast_async,
     grouped_allgather_async,
 )
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, reject_adasum, to_reduce_op
 from hvd_trainer.comm.process_set import resolve_set
 from hvd_trainer.comm.reductions_async import (
     allreduce_async,
@@ -220,10 +220,15 @@ class _Broadcast(torch.autograd.Function):
         return reduced, None, None, None
 
 
+def _no_adasum(op: Any) -> ReduceOp:
+    return reject_adasum(to_reduce_op(op), "the differentiable collectives (a tensor that requires "
+                         "grad); detach() it to combine it with Adasum")
+
+
 def allreduce_with_grad(tensor: torch.Tensor, op: Any, pre: float, post: float, pset: Any,
                         world: Any) -> torch.Tensor:
     """Differentiable allreduce (no compression on this path)."""
-    return _Allreduce.apply(tensor, to_reduce_op(op), pre, post, pset, world)
+    return _Allreduce.apply(tensor, _no_adasum(op), pre, post, pset, world)
 
 
 def allgather_with_grad(tensor: torch.Tensor, pset: Any, world: Any) -> torch.Tensor:
@@ -239,7 +244,7 @@ def broadcast_with_grad(tensor: torch.Tensor, root_rank: int, pset: Any, world: 
 def grouped_allreduce_with_grad(tensors: list[torch.Tensor], op: Any, pre: float, post: float,
                                 name: Any, pset: Any, world: Any) -> list[torch.Tensor]:
     """Differentiable grouped allreduce (no compression on this path)."""
-    return list(_GroupedAllreduce.apply(to_reduce_op(op), pre, post, name, pset, world, *tensors))
+    return list(_GroupedAllreduce.apply(_no_adasum(op), pre, post, name, pset, world, *tensors))
 
 
 def grouped_allgather_with_grad(tensors: list[torch.Tensor], name: Any, pset: Any,
@@ -257,10 +262,10 @@ def alltoall_with_grad(tensor: torch.Tensor, splits: Any, name: Any, pset: Any,
 def reducescatter_with_grad(tensor: torch.Tensor, op: Any, pre: float, post: float, name: Any,
                             pset: Any, world: Any) -> torch.Tensor:
     """Differentiable reducescatter."""
-    return _Reducescatter.apply(tensor, to_reduce_op(op), pre, post, name, pset, world)
+    return _Reducescatter.apply(tensor, _no_adasum(op), pre, post, name, pset, world)
 
 
 def grouped_reducescatter_with_grad(tensors: list[torch.Tensor], op: Any, pre: float, post: float,
                                     name: Any, pset: Any, world: Any) -> list[torch.Tensor]:
     """Differentiable grouped reducescatter."""
-    return list(_GroupedReducescatter.apply(to_reduce_op(op), pre, post, name, pset, world, *tensors))
+    return list(_GroupedReducescatter.apply(_no_adasum(op), pre, post, name, pset, world, *tensors))

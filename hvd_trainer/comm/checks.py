@@ -81,6 +81,9 @@ _RECEIVE_FROM_ALL = REDUCING_KINDS | {"allgather", "alltoall", "reducescatter", 
 """Collectives that cannot complete on a rank before every member has entered them."""
 
 CACHE_CAPACITY = 4096
+
+JOIN_CHECK_AFTER_SECONDS = 0.05
+"""How long a wait on a collective lasts before the store is asked whether a rank has joined."""
 """Signature pairs remembered per process set (Horovod's response cache holds 1024)."""
 
 
@@ -383,6 +386,7 @@ class Coordinator:
 
     def _guarded_wait(self, op: Op, work: Any) -> None:
         slice_s = 0.002
+        wait_start = time.monotonic()
         while True:
             try:
                 work.wait(timedelta(seconds=slice_s))
@@ -391,12 +395,16 @@ class Coordinator:
                 if "timed out" not in str(exc).lower():
                     self._diagnose_failure(op, exc)
                     raise
+            now = time.monotonic()
             with self._store_lost(op):
-                self._on_slow(op, time.monotonic() - op.t_start)
+                self._on_slow(op, now - op.t_start, now - wait_start)
             slice_s = min(slice_s * 2, 0.25)
 
-    def _on_slow(self, op: Op, elapsed: float) -> None:
-        if not self.board.active and self.board.started():
+    def _on_slow(self, op: Op, elapsed: float, waited: float) -> None:
+        # A joined rank is only looked for once this wait has lasted JOIN_CHECK_AFTER_SECONDS:
+        # an ordinary allreduce on a slow link often takes a few milliseconds, and a store
+        # round trip per bucket and step would cost more than it (measured: bench/step_overhead.py).
+        if not self.board.active and waited >= JOIN_CHECK_AFTER_SECONDS and self.board.started():
             self._activate_join()
         if not self.config.check_signatures:
             return

@@ -18,6 +18,12 @@ Algorithm:
    (parameter names and shapes), so ranks whose layouts differ (e.g. a parameter that requires
    grad on one rank only) get :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` naming
    the parameter, on the first step; later steps hit the signature cache.
+6. With ``FusionConfig(autotune=...)`` (or ``HOROVOD_AUTOTUNE=1``) the reducer tries candidate
+   layouts during the first steps (:mod:`hvd_trainer.comm.autotune`): it times the interval
+   between consecutive :meth:`GradientReducer.wait` calls (one training step), agrees on each
+   sample with one 4-byte allreduce (the slowest rank's median), and every rank re-buckets at the
+   same step; then it keeps the fastest layout. Re-bucketing copies the current gradients into
+   the new buffers, so results equal a fixed layout's up to summation order.
 
 Copies: every ``.grad`` *is* its bucket view after the hook, and the reduction happens in the
 bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose default
@@ -33,16 +39,18 @@ and need one more pass for the scale, so it is not used.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from hvd_trainer.comm.autotune import AutotuneConfig, Autotuner, Candidate, candidate_thresholds
 from hvd_trainer.comm.checks import Signature
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.config import default_fusion_threshold_bytes
 from hvd_trainer.comm.errors import CommTypeError
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, reject_adasum, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
@@ -62,6 +70,9 @@ class FusionConfig:
     first_bucket_bytes: int = 1 * _MIB
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
     early in backward."""
+    autotune: AutotuneConfig | None = field(default_factory=AutotuneConfig.from_env)
+    """Search the bucket layout during the first steps (:mod:`hvd_trainer.comm.autotune`);
+    ``None``: the layout above, fixed. Default: from ``HOROVOD_AUTOTUNE*``."""
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:
@@ -171,7 +182,7 @@ class GradientReducer:
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
-        self.op = to_reduce_op(op)
+        self.op = reject_adasum(to_reduce_op(op), "the fused gradient reducer (hook-driven buckets)")
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
         self.compression = Compression.resolve(compression, error=CommTypeError)
@@ -186,9 +197,28 @@ class GradientReducer:
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         _check_unique(named)
         self.require_sync = True
+        self._named = named
         self._buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
-        for indices in _assign_buckets(named, self.config):
+        self._build(_assign_buckets(named, self.config))
+        self._tuner, self._layouts = self._make_tuner(world)
+        self._last_wait: float | None = None
+        self._next_launch = 0
+        self._saw_missing_grad = False
+        self._handles = []
+        if self.active:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for b in self._buckets
+                for p in b.params
+            ]
+
+    def _build(self, layout: list[list[int]]) -> None:
+        """Make the buckets of ``layout`` (indices into the parameter list); current gradients
+        are copied into the new buffers and ``.grad`` re-pointed at them."""
+        named = self._named
+        self._buckets, self._slot = [], {}
+        for indices in layout:
             bucket = _Bucket(
                 len(self._buckets), [named[i][0] for i in indices], [named[i][1] for i in indices]
             )
@@ -200,15 +230,44 @@ class GradientReducer:
                     p.grad = bucket.views[pos]
         for bucket in self._buckets:
             bucket.sig = self._bucket_signature(bucket)
-        self._next_launch = 0
-        self._saw_missing_grad = False
-        self._handles = []
-        if self.active:
-            self._handles = [
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
-                for b in self._buckets
-                for p in b.params
-            ]
+
+    def _make_tuner(self, world: World) -> tuple[Autotuner | None, dict[Candidate, list[list[int]]]]:
+        tune = self.config.autotune
+        if tune is None or not self.active or not self._named:
+            return None, {}
+        layouts: dict[Candidate, list[list[int]]] = {}
+        seen: set[tuple[tuple[int, ...], ...]] = set()
+        configured = (self.config.fusion_threshold_bytes, self.config.first_bucket_bytes)
+        for threshold, first in candidate_thresholds(configured):
+            cfg = FusionConfig(fusion_threshold_bytes=threshold, first_bucket_bytes=first, autotune=None)
+            layout = _assign_buckets(self._named, cfg)
+            key = tuple(tuple(b) for b in layout)
+            if key not in seen:
+                seen.add(key)
+                layouts[Candidate(threshold, first, len(layout))] = layout
+        return Autotuner(list(layouts), tune, rank=world.rank), layouts
+
+    @property
+    def autotuner(self) -> Autotuner | None:
+        """The layout search (``None`` without autotune); ``autotuner.done`` once it has chosen."""
+        return self._tuner
+
+    def _autotune_step(self) -> None:
+        """Time the step that just ended; at a sample's end agree across ranks and re-bucket."""
+        tuner = self._tuner
+        assert tuner is not None and self.process_set is not None
+        now = time.perf_counter()
+        last, self._last_wait = self._last_wait, now
+        if last is None or not tuner.record(now - last):
+            return
+        agreed = torch.tensor([tuner.local_sample()], dtype=torch.float64)
+        start_allreduce(agreed, op=ReduceOp.MAX, pset=self.process_set, name="autotune.step_seconds",
+                        kind="autotune").finish()
+        before = tuner.candidates[tuner.current]
+        nxt = tuner.advance(float(agreed.item()))
+        if nxt is not None and nxt != before:
+            self._build(self._layouts[nxt])
+        self._last_wait = time.perf_counter()  # re-bucketing is not part of the next step
 
     def _bucket_signature(self, bucket: _Bucket) -> Signature:
         layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
@@ -330,6 +389,8 @@ class GradientReducer:
                 bucket.work = None
                 bucket.ready = [False] * len(bucket.params)
             self._next_launch = 0
+        if self._tuner is not None and not self._tuner.done:
+            self._autotune_step()
 
     def _drop_globally_unused(self) -> None:
         """Reset ``.grad`` to None where no rank produced a gradient this step."""

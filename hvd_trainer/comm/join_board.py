@@ -15,9 +15,10 @@ A rank that has run out of data calls ``join()``. Until every rank of the set ha
   keeps serving until every rank has joined.
 
 Active ranks start announcing once they know somebody joined: before each collective when
-they already know, otherwise the first time a collective is slower than a few milliseconds
-(the joined rank is missing from it, so it cannot finish), at which point every collective
-still in flight is announced. Nothing is read from the store while no rank has joined.
+they already know, otherwise the first time a wait on a collective lasts 50 ms
+(``checks.JOIN_CHECK_AFTER_SECONDS``; the joined rank is missing from it, so it cannot finish),
+at which point every collective still in flight is announced. Nothing is read from the store
+while no rank has joined.
 
 ``join()`` returns the rank that joined last (the same value on every rank).
 """

@@ -9,6 +9,14 @@ Variables read, by launcher (first match wins, in this order):
 
 * torchrun: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
   ``MASTER_PORT`` (``TORCHELASTIC_RUN_ID`` marks an elastic agent).
+* Kubeflow PyTorchJob pod, a process started by the pod's command itself (no torchrun: no
+  ``LOCAL_RANK``, no ``TORCHELASTIC_RUN_ID``) where the operator set ``PET_NPROC_PER_NODE`` /
+  ``PET_NNODES``: there ``RANK`` (= ``PET_NODE_RANK``) is the *pod's* index and ``WORLD_SIZE``
+  is pods x ``PET_NPROC_PER_NODE``, so they are process ranks only with one process per pod
+  (``launcher="pytorchjob"``, local rank 0 of 1). With several processes per pod, or an
+  elastic ``PET_NNODES="1:4"``, the pod must start them with torchrun, which reads
+  ``--nnodes``/``--nproc-per-node``/``--node-rank`` from the ``PET_*`` variables; anything else
+  raises :class:`LaunchEnvError` instead of joining with wrong ranks.
 * horovodrun (Gloo controller): ``HOROVOD_RANK``, ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``,
   ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``, ``HOROVOD_CROSS_SIZE`` (``HOROVOD_HOSTNAME``
   is informational). horovodrun's own rendezvous (``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``_PORT``)
@@ -27,7 +35,9 @@ Variables read, by launcher (first match wins, in this order):
   first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``/``SLURM_NODELIST``
   (``scontrol show hostnames`` when on ``PATH``, else :func:`expand_nodelist`). Master port:
   ``MASTER_PORT`` or ``10000 + SLURM_JOB_ID % 50000``. Jobs named ``bash``/``interactive``
-  (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning.
+  (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning, nor is an
+  ``sbatch`` script itself (``ENVIRONMENT=BATCH`` and no ``SLURM_STEP_ID``; its ``srun``
+  steps are).
 * Lightning's script launcher (``python train.py`` with ``devices=N``): ``LOCAL_RANK`` and
   ``WORLD_SIZE`` without ``RANK``; :func:`lightning_script_view` gives the torchrun view of them
   (single node: global rank = local rank) without writing ``os.environ``.
@@ -54,6 +64,7 @@ __all__ = [
     "TorchElasticEnv",
     "expand_nodelist",
     "from_torchrun",
+    "from_pytorchjob",
     "from_horovod",
     "from_mpi",
     "from_slurm",
@@ -79,8 +90,8 @@ class LaunchEnv:
     master_addr: str | None = None
     master_port: int | None = None
     launcher: str = "none"
-    """Which launcher set the variables: ``"torchrun"``, ``"horovodrun"``, ``"mpi"``, ``"slurm"``
-    or ``"none"``."""
+    """Which launcher set the variables: ``"torchrun"``, ``"pytorchjob"``, ``"horovodrun"``,
+    ``"mpi"``, ``"slurm"`` or ``"none"``."""
     cross_rank: int | None = None
     """Index of this host when the launcher says so (``HOROVOD_CROSS_RANK``); ``None``:
     derived as ``rank // local_size``."""
@@ -102,8 +113,54 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
     return None
 
 
+def _in_pytorchjob_pod(env: Mapping[str, str]) -> bool:
+    """The pod's own process in a Kubeflow PyTorchJob (not a torchrun worker inside the pod)."""
+    return (("PET_NPROC_PER_NODE" in env or "PET_NNODES" in env)
+            and "LOCAL_RANK" not in env and "TORCHELASTIC_RUN_ID" not in env)
+
+
+def from_pytorchjob(env: Mapping[str, str]) -> LaunchEnv | None:
+    """Topology of a process the pod's command started in a Kubeflow PyTorchJob, or ``None``
+    when this is no such process (a torchrun worker inside the pod is read by
+    :func:`from_torchrun`).
+
+    Raises:
+        LaunchEnvError: the pod runs several processes (``PET_NPROC_PER_NODE`` is not ``1``),
+            ``PET_NNODES`` is an elastic range, or ``RANK``/``WORLD_SIZE`` are missing: only
+            torchrun in the pod can give such processes their ranks.
+    """
+    if not _in_pytorchjob_pod(env):
+        return None
+    nproc, nnodes = env.get("PET_NPROC_PER_NODE", "1"), env.get("PET_NNODES", "")
+    rank, size = _int(env, "PET_NODE_RANK", "RANK"), _int(env, "WORLD_SIZE")
+    if nproc != "1" or (nnodes and not nnodes.isdigit()) or rank is None or size is None:
+        raise LaunchEnvError(
+            f"this process runs in a Kubeflow PyTorchJob pod (PET_NPROC_PER_NODE={nproc!r}, "
+            f"PET_NNODES={nnodes!r}, RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}) "
+            "but was not started by torchrun; RANK there is the pod's index, not a process rank. "
+            "HINT: make the pod's command `torchrun --master-addr=$MASTER_ADDR "
+            "--master-port=$MASTER_PORT train.py` (torchrun reads --nnodes, --nproc-per-node and "
+            "--node-rank from PET_NNODES, PET_NPROC_PER_NODE and PET_NODE_RANK)."
+        )
+    return LaunchEnv(
+        rank=rank, size=size, local_rank=0, local_size=1,
+        master_addr=env.get("MASTER_ADDR") or None, master_port=_int(env, "MASTER_PORT"),
+        launcher="pytorchjob",
+    )
+
+
 def from_torchrun(env: Mapping[str, str]) -> LaunchEnv | None:
-    """Topology from torchrun's variables, or ``None`` when ``RANK``/``WORLD_SIZE`` are absent."""
+    """Topology from torchrun's variables, or ``None`` when ``RANK``/``WORLD_SIZE`` are absent.
+
+    A Kubeflow PyTorchJob pod's own process (``PET_*`` set, no torchrun agent) is read by
+    :func:`from_pytorchjob` instead, since its ``RANK`` is the pod's index.
+
+    Raises:
+        LaunchEnvError: a malformed integer, or a PyTorchJob pod that needs torchrun.
+    """
+    pod = from_pytorchjob(env)
+    if pod is not None:
+        return pod
     rank = _int(env, "RANK")
     size = _int(env, "WORLD_SIZE")
     if rank is None or size is None:
@@ -328,7 +385,11 @@ def _slurm_local_size(env: Mapping[str, str], size: int, local_rank: int) -> int
 
 
 def _in_slurm_step(env: Mapping[str, str]) -> bool:
-    """Inside an ``srun`` step (an ``salloc`` shell named bash/interactive is not one)."""
+    """Inside an ``srun`` step. Not one: an ``salloc`` shell named bash/interactive, and an
+    ``sbatch`` script itself (``ENVIRONMENT=BATCH`` without ``SLURM_STEP_ID``: Slurm sets
+    ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` there, but it is a single process)."""
+    if env.get("ENVIRONMENT") == "BATCH" and "SLURM_STEP_ID" not in env:
+        return False
     return ("SLURM_PROCID" in env and "SLURM_NTASKS" in env
             and env.get("SLURM_JOB_NAME") not in ("bash", "interactive"))
 
@@ -367,8 +428,10 @@ def worker_launcher(env: Mapping[str, str]) -> str | None:
     Used by ``hvdrun`` to refuse to run inside an already launched worker. Looks only at
     variables a launcher sets per worker process (not a Slurm batch script with one task).
     """
-    if torchelastic_env(env).under_agent or ("RANK" in env and "WORLD_SIZE" in env):
-        return "torchrun"
+    if torchelastic_env(env).under_agent or (
+        "RANK" in env and "WORLD_SIZE" in env and not _in_pytorchjob_pod(env)
+    ):
+        return "torchrun"  # a PyTorchJob pod's RANK/WORLD_SIZE describe pods, not this process
     if "OMPI_COMM_WORLD_RANK" in env or "PMI_RANK" in env:
         return "mpi"
     if "SLURM_STEP_ID" in env and env.get("SLURM_NTASKS", "1") not in ("", "1") \

@@ -1,8 +1,9 @@
 """Reduction operators, with Horovod's public names (``Average``, ``Sum``, ``Min``, ``Max``,
 ``Product``, ``Adasum``) and the mapping from Lightning's strings and ``torch.distributed.ReduceOp``.
 
-``Adasum`` exists so that ported code imports; every reduction rejects it with
-:class:`UnsupportedOpError` (hvd_trainer does not implement adaptive summation).
+``Adasum`` runs in ``allreduce``/``grouped_allreduce`` (and their async and in-place forms)
+and in the torch ``DistributedOptimizer`` (:mod:`hvd_trainer.comm.adasum`); every other
+reduction rejects it with :class:`UnsupportedOpError` (:func:`reject_adasum`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from hvd_trainer.comm.errors import CommValueError
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum", "to_reduce_op",
-    "UnsupportedOpError",
+    "UnsupportedOpError", "reject_adasum",
 ]
 
 
 class UnsupportedOpError(CommValueError, NotImplementedError):
-    """A reduce op that hvd_trainer names but does not run (``Adasum``). A ``ValueError`` and,
-    like Horovod's errors for unsupported Adasum setups, a ``NotImplementedError``."""
+    """A reduce op that a collective does not run (``Adasum`` outside allreduce and the torch
+    optimizer). A ``ValueError`` and, like Horovod's errors for unsupported Adasum setups, a
+    ``NotImplementedError``."""
 
 
 class ReduceOp(enum.Enum):
@@ -64,6 +66,7 @@ _STRINGS = {
     "max": ReduceOp.MAX,
     "product": ReduceOp.PRODUCT,
     "prod": ReduceOp.PRODUCT,
+    "adasum": ReduceOp.ADASUM,
 }
 
 
@@ -74,18 +77,12 @@ def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | 
     ``average`` flag (``True``: Average, ``False``: Sum).
 
     Raises:
-        UnsupportedOpError: ``Adasum``.
         ValueError: an unknown string or op, naming the valid choices.
     """
     if op is None:
         return ReduceOp.AVERAGE
     if isinstance(op, bool):  # Horovod's second positional argument is ``average``
         return ReduceOp.AVERAGE if op else ReduceOp.SUM
-    if op is ReduceOp.ADASUM or (isinstance(op, str) and op.lower() == "adasum"):
-        raise UnsupportedOpError(
-            f"op={op!r} (Adasum) is not implemented by hvd_trainer. HINT: use op=hvd.Average "
-            "(the usual gradient mean) or op=hvd.Sum; with Sum, scale the learning rate yourself."
-        )
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, str):
@@ -107,6 +104,21 @@ def to_reduce_op(op: ReduceOp | str | dist.ReduceOp | dist.ReduceOp.RedOpType | 
         f"unsupported reduce op {op!r}; expected Average, Sum, Min, Max, Product, a string "
         f"in {sorted(_STRINGS)} or the matching torch.distributed.ReduceOp."
     )
+
+
+def reject_adasum(op: ReduceOp, where: str) -> ReduceOp:
+    """Return ``op``; raise for ``Adasum`` in a collective that cannot run it.
+
+    Raises:
+        UnsupportedOpError: ``op`` is ``Adasum``.
+    """
+    if op is ReduceOp.ADASUM:
+        raise UnsupportedOpError(
+            f"op=Adasum is not supported by {where}. HINT: Adasum runs in hvd.allreduce, "
+            "hvd.grouped_allreduce and the torch hvd.DistributedOptimizer(op=hvd.Adasum); here "
+            "use op=hvd.Average (the usual gradient mean) or op=hvd.Sum."
+        )
+    return op
 
 
 def op_or_average(op: ReduceOp | str | None, average: bool | None) -> ReduceOp | str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hvd_trainer.comm.errors import CommValueError
-from hvd_trainer.comm.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops import ReduceOp, reject_adasum, to_reduce_op
 
 __all__ = [
     "OptimizerArgs",
@@ -75,6 +75,7 @@ def check_optimizer_args(
     gradient_predivide_factor: Any,
     *,
     error: type[Exception] = OptimizerArgumentError,
+    allow_adasum: bool = False,
 ) -> OptimizerArgs:
     """Validate the reduction arguments of a ``DistributedOptimizer``.
 
@@ -84,6 +85,7 @@ def check_optimizer_args(
         backward_passes_per_step: an ``int >= 1`` (not a ``bool``).
         gradient_predivide_factor: a real number ``> 0``; other than 1.0 only with ``Average``.
         error: the exception class to raise (the front end's own argument error).
+        allow_adasum: the front end runs ``Adasum`` (the torch optimizer does).
 
     Returns:
         The normalised :class:`OptimizerArgs`.
@@ -91,11 +93,13 @@ def check_optimizer_args(
     Raises:
         OptimizerArgumentError (or ``error``): an op other than Average/Sum, a bad pass count or
             factor; the message echoes the value and gives a HINT.
-        UnsupportedOpError: ``Adasum``. ValueError: an unknown op string (from
+        UnsupportedOpError: ``Adasum`` without ``allow_adasum``. ValueError: an unknown op string (from
             :func:`~hvd_trainer.comm.ops.to_reduce_op`).
     """
     rop = to_reduce_op(op)
-    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+    if not allow_adasum:
+        reject_adasum(rop, "this DistributedOptimizer")
+    if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
         raise error(
             f"op={op!r} is not supported by DistributedOptimizer (gradients are averaged or "
             "summed). HINT: use Average or Sum."

@@ -16,14 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
+from hvd_trainer.comm.adasum import AdasumReduction, start_adasum
 from hvd_trainer.comm.arguments import require_tensor
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.flatten import flatten
 from hvd_trainer.comm.handle import Handle
-from hvd_trainer.comm.ops import Average, ReduceOp, op_or_average, to_reduce_op
+from hvd_trainer.comm.ops import Average, ReduceOp, op_or_average, reject_adasum, to_reduce_op
 from hvd_trainer.comm.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce import signature, start_allreduce
+from hvd_trainer.comm.reduce import Reduction, signature, start_allreduce
 from hvd_trainer.comm.world import World
 
 __all__ = [
@@ -75,10 +76,18 @@ def allreduce_async_(
     rop = to_reduce_op(op_or_average(op, average))
     pset = resolve_set(process_set, world, "allreduce")
     target = tensor if tensor.is_contiguous() else tensor.contiguous()
-    red = start_allreduce(
-        target, op=rop, pset=pset, name=name, prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor, compression=compression,
-    )
+    if rop is ReduceOp.ADASUM:
+        sig = signature("allreduce", name, target, rop, prescale_factor, postscale_factor,
+                        Compression.resolve(compression, error=CommTypeError))
+        red: Reduction | AdasumReduction = start_adasum(
+            target, pset=pset, sig=sig, name=name, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, compression=compression,
+        )
+    else:
+        red = start_allreduce(
+            target, op=rop, pset=pset, name=name, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, compression=compression,
+        )
 
     @torch.no_grad()
     def finish() -> torch.Tensor:
@@ -145,13 +154,20 @@ def grouped_allreduce_async(
         rop = to_reduce_op(op_or_average(op, average))
         compression = Compression.resolve(compression, error=CommTypeError)
         groups = flatten(tensors, what="grouped_allreduce")
-    reductions = []
+    reductions: list[Reduction | AdasumReduction] = []
     for group in groups:
         flat = group.flat
         label = f"{name}.{str(flat.dtype).replace('torch.', '')}" if name else None
         shapes = ("shapes", [list(s) for s in group.shapes])
         sig = signature("grouped_allreduce", label, flat, rop, prescale_factor, postscale_factor,
                         compression, (shapes,))
+        if rop is ReduceOp.ADASUM:  # one Adasum per buffer, each tensor with its own coefficients
+            reductions.append(start_adasum(
+                flat, pset=pset, sig=sig, name=label, segments=_segments(group.shapes),
+                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                compression=compression, kind="grouped_allreduce",
+            ))
+            continue
         reductions.append(start_allreduce(
             flat, op=rop, pset=pset, name=label, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, compression=compression, kind="grouped_allreduce",
@@ -170,6 +186,15 @@ def grouped_allreduce_async(
         return out
 
     return Handle(reductions, finish)
+
+
+def _segments(shapes: Sequence[torch.Size]) -> list[tuple[int, int]]:
+    """``(offset, numel)`` of each tensor in a flat buffer of these shapes, in order."""
+    out, offset = [], 0
+    for shape in shapes:
+        out.append((offset, shape.numel()))
+        offset += shape.numel()
+    return out
 
 
 def grouped_allreduce_async_(
@@ -215,9 +240,10 @@ def reducescatter_async(
     require_tensor(tensor, "reducescatter")
     if tensor.dim() == 0:
         raise CommValueError("reducescatter needs a tensor with at least one dimension, got a scalar.")
+    rop = reject_adasum(to_reduce_op(op), "reducescatter")
     pset = resolve_set(process_set, world, "reducescatter")
     full = tensor.detach().clone(memory_format=torch.contiguous_format)
-    red = start_allreduce(full, op=to_reduce_op(op), pset=pset, name=name, kind="reducescatter",
+    red = start_allreduce(full, op=rop, pset=pset, name=name, kind="reducescatter",
                           prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                           compression=compression)
     return Handle([red], lambda: _block(full, pset.size(), pset.rank()))
@@ -242,6 +268,7 @@ def grouped_reducescatter_async(
     if any(t.dim() == 0 for t in tensors):
         raise CommValueError("grouped_reducescatter needs tensors with at least one dimension, "
                              "got a scalar.")
+    reject_adasum(to_reduce_op(op), "grouped_reducescatter")
     pset = resolve_set(process_set, world, "grouped_reducescatter")
     inner = grouped_allreduce_async(tensors, None, name, op, prescale_factor, postscale_factor,
                                     process_set, compression=compression, world=world)

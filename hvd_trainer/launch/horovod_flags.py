@@ -22,6 +22,10 @@ ENV_FLAGS: dict[str, str] = {
     "stall_check_warning_time_seconds": "HOROVOD_STALL_CHECK_TIME_SECONDS",
     "stall_check_shutdown_time_seconds": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
     "log_level": "HOROVOD_LOG_LEVEL",
+    "autotune_log_file": "HOROVOD_AUTOTUNE_LOG",
+    "autotune_warmup_samples": "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    "autotune_steps_per_sample": "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+    "autotune_bayes_opt_max_samples": "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
 }
 """Flag (argparse dest) -> worker variable it is exported as (``--no-stall-check`` sets
 ``HOROVOD_STALL_CHECK_DISABLE=1``)."""
@@ -38,12 +42,8 @@ NOTES: dict[str, str] = {
                               "which picks its own algorithm",
     "hierarchical_allgather": "ignored: torch.distributed picks the allgather algorithm",
     "torus_allreduce": "ignored: torch.distributed picks the allreduce algorithm",
-    "autotune": "ignored: there is no autotuner; set --fusion-threshold-mb yourself",
-    "autotune_log_file": "ignored: there is no autotuner",
-    "autotune_warmup_samples": "ignored: there is no autotuner",
-    "autotune_steps_per_sample": "ignored: there is no autotuner",
-    "autotune_bayes_opt_max_samples": "ignored: there is no autotuner",
-    "autotune_gaussian_process_noise": "ignored: there is no autotuner",
+    "autotune_gaussian_process_noise": "ignored: the autotuner measures every distinct bucket "
+                                       "layout (a grid), it fits no Gaussian process",
     "timeline_mark_cycles": f"ignored: {_NO_CYCLES}",
     "mpi_threads_disable": "ignored: hvd_trainer does not run MPI collectives (mpirun only starts processes)",
     "num_nccl_streams": "ignored: NCCL streams are chosen by torch.distributed",
@@ -81,10 +81,12 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-capacity", type=int, help="accepted, no effect")
     for name in ("hierarchical-allreduce", "hierarchical-allgather", "torus-allreduce"):
         p.add_argument(f"--{name}", f"--no-{name}", action="store_true", help="accepted, no effect")
-    p.add_argument("--autotune", action="store_true", help="accepted, no effect")
-    p.add_argument("--autotune-log-file", help="accepted, no effect")
+    p.add_argument("--autotune", action="store_true",
+                   help="search the gradient bucket layout during the first steps (HOROVOD_AUTOTUNE=1)")
+    p.add_argument("--autotune-log-file", help="CSV of every autotune sample (HOROVOD_AUTOTUNE_LOG)")
     for name in ("warmup-samples", "steps-per-sample", "bayes-opt-max-samples"):
-        p.add_argument(f"--autotune-{name}", type=int, help="accepted, no effect")
+        p.add_argument(f"--autotune-{name}", type=int,
+                       help=f"exported as HOROVOD_AUTOTUNE_{name.upper().replace('-', '_')}")
     p.add_argument("--autotune-gaussian-process-noise", type=float, help="accepted, no effect")
     p.add_argument("--slots-per-host", type=int, help="accepted, no effect (slots come from -H)")
     p.add_argument("--elastic-timeout", type=float,
@@ -121,6 +123,8 @@ def flag_env(ns: argparse.Namespace) -> dict[str, str]:
            for dest, var in ENV_FLAGS.items() if _given(ns, dest)}
     if ns.no_stall_check:
         env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    if ns.autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
     return env
 
 

@@ -20,7 +20,7 @@ from hvd_trainer.comm import FusionConfig, GradientReducer
 
 __all__ = ["resolve_groups", "ReducerSet", "ONE_BUCKET"]
 
-ONE_BUCKET = FusionConfig(fusion_threshold_bytes=2**62, first_bucket_bytes=2**62)
+ONE_BUCKET = FusionConfig(fusion_threshold_bytes=2**62, first_bucket_bytes=2**62, autotune=None)
 """Bucket caps no group reaches: a group is one bucket per (device, dtype)."""
 
 Named = list[tuple[str, torch.Tensor]]

@@ -15,6 +15,10 @@ The wrapper *composes* the user's optimizer: it shares the inner optimizer's ``p
    ``GradScaler.unscale_``/``step`` and clipping over ``param_groups`` see the averaged
    gradients on every rank (the inf check then agrees on every rank).
 
+With ``op=hvd.Adasum`` no gradient is reduced: ``step()`` applies the local gradients and
+combines the weight changes across ranks (:mod:`hvd_trainer.torch.adasum_step`, Horovod's
+semantics).
+
 The reducer is built at the first ``synchronize()``, once every rank has seen which
 parameters produce sparse gradients (one small allreduce agrees on it); from then on the
 dense allreduces overlap backward.
@@ -48,6 +52,7 @@ from hvd_trainer.comm.optimizer_args import (
     check_backward_passes_per_step,
     check_optimizer_args,
 )
+from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
 
@@ -140,7 +145,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``"none"``/``"fp16"``/``"bf16"`` (see :meth:`hvd_trainer.Compression.resolve`).
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps the inner optimizer
+            on its own gradient and the weight changes are combined with Adasum (as Horovod's
+            Adasum optimizer; ``groups``, ``sparse_as_dense`` and the fusion config then do not
+            apply, and ``synchronize()`` leaves the gradients local).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it.
         num_groups: Horovod's older spelling of ``groups=k`` (deprecated there too).
@@ -190,7 +198,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
         args = check_optimizer_args(
-            op, backward_passes_per_step, gradient_predivide_factor, error=OptimizerConfigError
+            op, backward_passes_per_step, gradient_predivide_factor, error=OptimizerConfigError,
+            allow_adasum=True,
         )
         self._op = args.op
         self._compression = Compression.resolve(compression, error=OptimizerConfigError)
@@ -409,6 +418,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     def _synchronize(self) -> None:
+        if self._op is ReduceOp.ADASUM:  # gradients stay local; step() combines weight changes
+            self._reset_counts()
+            self._synced = True
+            return
         if self._reducer is None:
             self._build_reducer()
         assert self._reducer is not None
@@ -485,6 +498,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._synchronize()
         self._synced = False
         self._user_synced = False
+        if self._op is ReduceOp.ADASUM:
+            params = [p for _, p in self._named if p.requires_grad]
+            return adasum_step(self._inner, params, compression=self._compression,
+                               process_set=self._process_set, world=self._world)
         return self._inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -511,7 +528,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def op(self) -> ReduceOp:
-        """``Average`` or ``Sum``."""
+        """``Average``, ``Sum`` or ``Adasum``."""
         return self._op
 
     def remove_hooks(self) -> None:

@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from hvd_trainer.comm import Handle, ProcessSet, ReduceOp, World, allgather, to_reduce_op
+from hvd_trainer.comm import (
+    Handle,
+    ProcessSet,
+    ReduceOp,
+    World,
+    allgather,
+    reject_adasum,
+    to_reduce_op,
+)
 from hvd_trainer.comm.errors import CommTypeError, CommValueError
 from hvd_trainer.comm.movement_async import allgather_async
 from hvd_trainer.comm.process_set import resolve_set
@@ -42,7 +50,7 @@ def sparse_allreduce(
     Returns:
         A coalesced sparse COO tensor shaped like ``like``.
     """
-    rop = to_reduce_op(op)
+    rop = reject_adasum(to_reduce_op(op), "sparse allreduce")
     if grad is None:
         indices = torch.zeros((0, sparse_dim), dtype=torch.int64, device=like.device)
         values = like.new_zeros((0, *like.shape[sparse_dim:]))
@@ -97,7 +105,7 @@ def sparse_allreduce_async(
             f"{getattr(tensor, 'layout', type(tensor).__name__)}. HINT: use allreduce_async for dense "
             "tensors, or tensor.to_sparse()."
         )
-    rop = to_reduce_op(op)
+    rop = reject_adasum(to_reduce_op(op), "sparse allreduce")
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise CommValueError(f"sparse_allreduce_async(op={rop}) supports Average or Sum only.")
     pset = resolve_set(process_set, world, "sparse_allreduce_async")

@@ -6,7 +6,9 @@
    ``hvd_trainer/_register.py`` (the Lightning import hook, which imports the strategy lazily
    by design). Optional third-party dependencies may be imported inside functions.
 3. Layer order: comm is the bottom; callbacks/, checkpoint.py and elastic/ sit on comm only;
-   torch/, keras/ and launch/ never reach into the other front ends.
+   torch/, keras/ and launch/ never reach into the other front ends; ray.py (the Ray Train
+   one-liner, an optional dependency) sits beside launch/: it may import comm and launch, and
+   no hvd_trainer module imports it.
 4. Inside comm, a module imports only modules of lower rows of :data:`COMM_ROWS` (the table
    in ``hvd_trainer/comm/__init__.py``'s docstring).
 
@@ -31,6 +33,9 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "keras", "te
 
 LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 
+RAY_MODULE = "hvd_trainer.ray"
+"""The Ray Train one-liner: a launcher-level module that nothing in the package imports."""
+
 LAZY_HOOK = "hvd_trainer._register"
 """The one module allowed to import hvd_trainer modules inside a function."""
 
@@ -47,12 +52,12 @@ COMM_ROWS = (
     ("collectives",),
     ("autograd",),
     ("reductions_async", "movement_async", "fusion"),
-    ("handle", "reduce"),
+    ("handle", "reduce", "adasum"),
     ("process_set_registry",),
     ("process_set",),
     ("checks",),
     ("timeline", "build_info", "optimizer_args"),
-    ("world", "liveness", "join_board", "flatten", "ops", "arguments", "compression"),
+    ("world", "liveness", "join_board", "flatten", "ops", "arguments", "compression", "autotune"),
     ("store", "config", "launch_env", "errors", "fatal"),
     ("_torch_compat",),
 )
@@ -225,6 +230,10 @@ def _layer_violations() -> list[Edge]:
 
 def _allowed(importer: str, imported: str) -> bool:
     ours = _is_ours(imported)
+    if _in(imported, RAY_MODULE) and importer != RAY_MODULE:
+        return False  # optional dependency: importing it anywhere would make ray required
+    if importer == RAY_MODULE:
+        return _in(imported, "hvd_trainer.comm", "hvd_trainer.launch") if ours else True
     if _in(importer, "hvd_trainer.comm"):
         return _in(imported, "hvd_trainer.comm") if ours else not _in(imported, *FRAMEWORKS)
     if _in(importer, "hvd_trainer.callbacks", "hvd_trainer.checkpoint", "hvd_trainer.elastic"):
@@ -276,6 +285,11 @@ def test_the_rules_see_violations() -> None:
     assert not _allowed("hvd_trainer.keras.optimizer", "hvd_trainer")
     assert not _allowed("hvd_trainer.keras.optimizer", "hvd_trainer.torch.state_sync")
     assert not _allowed("hvd_trainer.launch.cli", "hvd_trainer.elastic")
+    assert not _allowed("hvd_trainer", "hvd_trainer.ray")
+    assert not _allowed("hvd_trainer.launch.run_fn", "hvd_trainer.ray")
+    assert not _allowed("hvd_trainer.ray", "hvd_trainer.strategy")
+    assert _allowed("hvd_trainer.ray", "hvd_trainer.comm.world")
+    assert _allowed("hvd_trainer.ray", "ray.train.torch")
     assert _allowed("hvd_trainer.keras.collectives", "hvd_trainer.comm")
     assert _allowed("hvd_trainer.comm.launch_env", "mpi4py")
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]

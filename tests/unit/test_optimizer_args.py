@@ -66,7 +66,7 @@ def test_error_class_of_the_caller() -> None:
 
 def test_adasum_keeps_its_own_error() -> None:
     with pytest.raises(NotImplementedError, match="Adasum"):
-        _call(op=ReduceOp.ADASUM)
+        _call(op=ReduceOp.ADASUM)  # the Keras optimizer does not run it; the torch one allows it
 
 
 # -- the torch front end ------------------------------------------------------------------------
