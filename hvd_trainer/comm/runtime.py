@@ -16,7 +16,7 @@ from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.liveness import publish
 from hvd_trainer.comm.process_set import ProcessSet
 from hvd_trainer.comm.store import default_store
-from hvd_trainer.comm.timeline import Timeline
+from hvd_trainer.comm.timeline import Timeline, rank_path
 from hvd_trainer.comm.world import World
 
 __all__ = ["CommRuntime"]
@@ -51,7 +51,8 @@ class CommRuntime:
         self.config = config
         self.rank = rank
         self.store: Any = _runtime_store()
-        self.timeline = Timeline(config.timeline_path) if config.timeline_path and rank == 0 else None
+        path = config.timeline_path
+        self.timeline = Timeline(rank_path(path, rank), rank=rank) if path else None
         self._next_set_id = 1
         self.global_set: ProcessSet  # set by attach()
         # Live process sets by id (weak: a set nobody holds may be collected).

@@ -1,4 +1,4 @@
-"""Chrome-trace timeline of collectives (Horovod's ``HOROVOD_TIMELINE``), written on rank 0.
+"""Chrome-trace timeline of collectives (Horovod's ``HOROVOD_TIMELINE``), written by every rank.
 
 The file is a JSON object ``{"displayTimeUnit": "ms", "traceEvents": [...]}`` of complete
 events (``"ph": "X"``, times in microseconds) that chrome://tracing and https://ui.perfetto.dev
@@ -23,6 +23,13 @@ writes and writing costs the same at the millionth event as at the first; a read
 a write may see one half-written event (as with Horovod's unterminated array).
 ``HOROVOD_TIMELINE=<file>`` records from ``init()`` on; :func:`start_timeline` and
 :func:`stop_timeline` switch recording on and off while the job runs.
+
+Every rank records its own view: rank 0 into ``<file>`` (as Horovod), rank ``r`` into
+``<stem>.rank<r><suffix>`` next to it (:func:`rank_path`), each file a complete trace whose
+events carry ``"pid": r`` (a ``process_name`` metadata event names it ``rank r`` and records
+the file's clock origin as ``origin_epoch_us``). :func:`merge_timelines` puts them into one file
+on a common clock: one process per rank, one row per collective (a fused gradient bucket is one
+collective, so one row per bucket) in Perfetto and chrome://tracing.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from hvd_trainer.comm.errors import CommTypeError
 from hvd_trainer.comm.fatal import flush_before_hard_exit
 from hvd_trainer.comm.world import get_world
 
-__all__ = ["Timeline", "start_timeline", "stop_timeline", "activity_name"]
+__all__ = ["Timeline", "start_timeline", "stop_timeline", "activity_name", "rank_path", "merge_timelines"]
 
 _HEAD = '{"displayTimeUnit": "ms", "traceEvents": [\n'
 _TAIL = "\n]}\n"
@@ -53,6 +60,15 @@ def activity_name(phase: str, kind: str) -> str:
     return _ACTIVITY.get(phase, phase.upper()).format(KIND=kind.upper())
 
 
+def rank_path(path: str, rank: int) -> str:
+    """The timeline file of ``rank``: ``path`` itself for rank 0, else ``<stem>.rank<r><suffix>``
+    (``/tmp/timeline.json``, 1 -> ``/tmp/timeline.rank1.json``)."""
+    if rank == 0:
+        return path
+    stem, suffix = os.path.splitext(path)
+    return f"{stem}.rank{rank}{suffix}"
+
+
 class Timeline:
     """Appends events to a Chrome-trace JSON file that stays valid between writes.
 
@@ -60,15 +76,23 @@ class Timeline:
         path: output file (parent directories are created; an existing file is replaced).
         flush_every: write after this many new events (1: each event reaches the file at
             once; events still buffered are written by :meth:`flush`, :meth:`close` and at exit).
+        rank: the recording rank: the ``pid`` of every event (one process per rank once merged).
     """
 
-    def __init__(self, path: str, *, flush_every: int = 1) -> None:
+    def __init__(self, path: str, *, flush_every: int = 1, rank: int = 0) -> None:
         self.path = path
         self.flush_every = max(1, int(flush_every))
-        self._pending: list[dict[str, Any]] = []
-        self._tids: dict[str, int] = {}
+        self.rank = rank
         self._lock = threading.Lock()
         self._origin = time.perf_counter()
+        # The wall clock at the origin, so merge_timelines can align the ranks' files; written
+        # with the first event (a timeline that records nothing stays an empty trace).
+        self._process_event: dict[str, Any] | None = {
+            "name": "process_name", "ph": "M", "pid": rank,
+            "args": {"name": f"rank {rank}", "origin_epoch_us": round(time.time() * 1e6, 1)},
+        }
+        self._pending: list[dict[str, Any]] = []
+        self._tids: dict[str, int] = {}
         self._closed = False
         self._empty = True
         parent = os.path.dirname(os.path.abspath(path))
@@ -94,11 +118,14 @@ class Timeline:
         with self._lock:
             if self._closed:
                 return
+            if self._process_event is not None:
+                self._pending.append(self._process_event)
+                self._process_event = None
             tid = self._tids.get(label)
             if tid is None:
                 tid = self._tids[label] = len(self._tids) + 1
                 self._pending.append(
-                    {"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}}
+                    {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": label}}
                 )
             self._pending.append(
                 {
@@ -107,7 +134,7 @@ class Timeline:
                     "ph": "X",
                     "ts": round(start_us, 3),
                     "dur": round(max(end_us - start_us, 0.0), 3),
-                    "pid": 0,
+                    "pid": self.rank,
                     "tid": tid,
                     "args": {"tensor": name, **args},
                 }
@@ -147,11 +174,11 @@ class Timeline:
 def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False) -> None:
     """Start writing the Chrome-trace timeline of every collective to ``file_path``.
 
-    Call it on every rank, like Horovod; rank 0 writes the file (creating parent folders) and
-    the other ranks record nothing. The file is valid JSON from the start and each event
-    reaches it as it is recorded. A timeline already running (from
-    ``HOROVOD_TIMELINE`` or an earlier call) is closed first. Collectives already in flight
-    when it starts are not recorded.
+    Call it on every rank, like Horovod; rank 0 writes ``file_path`` (creating parent folders)
+    and rank ``r`` its own ``rank_path(file_path, r)`` (see :func:`merge_timelines`). Each file
+    is valid JSON from the start and each event reaches it as it is recorded. A timeline
+    already running (from ``HOROVOD_TIMELINE`` or an earlier call) is closed first.
+    Collectives already in flight when it starts are not recorded.
 
     Args:
         file_path: output file, e.g. ``"timeline.json"``.
@@ -175,7 +202,8 @@ def start_timeline(file_path: str | os.PathLike[str], mark_cycles: bool = False)
         return
     if runtime.timeline is not None:
         runtime.timeline.close()
-    runtime.set_timeline(Timeline(os.fspath(file_path)) if runtime.rank == 0 else None)
+    path = rank_path(os.fspath(file_path), runtime.rank)
+    runtime.set_timeline(Timeline(path, rank=runtime.rank))
 
 
 def stop_timeline() -> None:
@@ -189,3 +217,57 @@ def stop_timeline() -> None:
         return
     runtime.timeline.close()
     runtime.set_timeline(None)
+
+
+def _read_events(path: str) -> list[dict[str, Any]]:
+    """The events of one timeline file; a file cut in the middle of a write loses its last event."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        return list(json.loads(text)["traceEvents"])
+    except (json.JSONDecodeError, KeyError, TypeError):
+        body = text[len(_HEAD):].rsplit("},\n", 1)[0] + "}"
+        return list(json.loads("[" + body + "]"))
+
+
+def merge_timelines(path: str, size: int, out: str | None = None) -> str:
+    """Merge the timeline files of ranks ``0 .. size - 1`` (``rank_path(path, r)``) into one.
+
+    Each rank's times are shifted by the difference of its clock origin to the earliest rank's
+    (read from its ``process_name`` event), so events of all ranks share one clock starting near
+    0: the wall clocks of the hosts, aligned as well as they are (exact on one host). A rank
+    whose file is missing is left out.
+
+    Args:
+        path: rank 0's file (the ``HOROVOD_TIMELINE`` value).
+        size: number of ranks.
+        out: the merged file (default ``path``: rank 0's own file is replaced; stop recording
+            first, e.g. with :func:`stop_timeline`, so rank 0 does not write it meanwhile).
+
+    Returns:
+        The merged file's path. Raises ``FileNotFoundError`` when rank 0's file is missing.
+    """
+    per_rank = {r: _read_events(rank_path(path, r)) for r in range(size)
+                if r == 0 or os.path.exists(rank_path(path, r))}
+    origins = {r: _origin_us(events) for r, events in per_rank.items()}
+    base = min(origins.values())
+    merged: list[dict[str, Any]] = []
+    for r, events in per_rank.items():
+        shift = origins[r] - base
+        for event in events:
+            if "ts" in event:
+                event = {**event, "ts": round(event["ts"] + shift, 3)}
+            merged.append(event)
+    target = out or path
+    tmp = f"{target}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(_HEAD + ",\n".join(json.dumps(e) for e in merged) + _TAIL)
+    os.replace(tmp, target)
+    return target
+
+
+def _origin_us(events: list[dict[str, Any]]) -> float:
+    for event in events:
+        if event.get("name") == "process_name" and "origin_epoch_us" in event.get("args", {}):
+            return float(event["args"]["origin_epoch_us"])
+    return 0.0

@@ -5,6 +5,10 @@ and ``run(cfg: Config) -> dict`` returning at least ``world_size``, ``val_acc``,
 ``samples_per_s`` and ``wall_s``. Settings are merged in this order: the dataclass defaults,
 ``conf/<NAME>.yaml``, then the command-line dotlist. Global rank 0 prints one ``RESULT`` line
 (under torchrun/hvdrun, mpirun, srun or Lightning's self-launch alike).
+
+    hvd-train --help                        the recipes
+    hvd-train recipe=NAME --help            every key of NAME's config: type, value, default, docstring
+    hvd-train recipe=NAME --print-config    the merged config as YAML (key=value overrides included)
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hvd_trainer.comm.launch_env import launcher_rank
+from hvd_trainer.launch.config_help import format_keys, list_recipes
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
 
@@ -43,6 +48,10 @@ def _conf_dir() -> Path:
 
 CONF_DIR = _conf_dir()
 RESULT_KEYS = ("world_size", "val_acc", "epochs", "samples_per_s", "wall_s")
+EXTRA_RESULT_KEYS = {
+    "val_loss": "{:.4f}", "unigram_loss": "{:.4f}", "tokens_per_s": "{:.1f}", "steps": "{:d}",
+}
+"""Optional RESULT fields, printed after the required ones (in this order) when a recipe returns them."""
 
 
 class ConfigError(ValueError):
@@ -96,15 +105,21 @@ def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) 
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """``RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.5 wall_s=42.0``."""
+    """``RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.5 wall_s=42.0``, then any
+    of :data:`EXTRA_RESULT_KEYS` the recipe returned (e.g. `` val_loss=1.8123 unigram_loss=3.3222``)."""
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing:
         raise ValueError(f"recipe result lacks {missing}; it must return {RESULT_KEYS}.")
-    return (
+    line = (
         f"RESULT world_size={int(result['world_size'])} val_acc={result['val_acc']:.2f} "
         f"epochs={int(result['epochs'])} samples_per_s={result['samples_per_s']:.1f} "
         f"wall_s={result['wall_s']:.1f}"
     )
+    for key, fmt in EXTRA_RESULT_KEYS.items():
+        if key in result:
+            value = int(result[key]) if fmt == "{:d}" else float(result[key])
+            line += f" {key}={fmt.format(value)}"
+    return line
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -144,19 +159,49 @@ def _import_recipe(name: str) -> ModuleType:
         raise ConfigError(f"no recipe {name!r}; available: {available}") from None
 
 
+def _print_help(recipe: str | None, overrides: list[str]) -> None:
+    """``--help``: the usage and the recipes; with ``recipe=NAME`` that recipe's keys."""
+    if recipe is None:
+        package = importlib.import_module(_recipe_package())
+        rows = list_recipes(list(package.__path__))
+        width = max((len(name) for name, _ in rows), default=0)
+        print(__doc__.strip() + "\n\nRecipes (hvd-train recipe=NAME --help lists its keys):")
+        print("\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows))
+        return
+    module = _import_recipe(recipe)
+    yaml_path = CONF_DIR / f"{recipe}.yaml"
+    merged = load_config(module.Config, yaml_path, overrides)
+    summary = (module.__doc__ or "").strip().splitlines()
+    print(f"hvd-train recipe={recipe} [key=value ...]" + (f": {summary[0]}" if summary else ""))
+    print(f"Keys (schema {module.__name__}.Config < {yaml_path.name} < command line):")
+    print(format_keys(module.Config, merged, yaml_path.name))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``hvd-train``. Returns 0 on success, 2 on a config error."""
+    """Entry point of ``hvd-train``. Returns 0 on success, 2 on a config error.
+
+    ``--help`` / ``-h`` lists the recipes (with ``recipe=NAME``: every key of that recipe with
+    its type, value, default and docstring); ``--print-config`` prints the merged config as
+    YAML and exits without training.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__.strip())
-        return 0
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    print_config = "--print-config" in argv
+    argv = [a for a in argv if a not in ("-h", "--help", "--print-config")]
     try:
+        if wants_help:
+            recipe = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), None)
+            _print_help(recipe, [a for a in argv if not a.startswith("recipe=")])
+            return 0
         name, overrides = _split_args(argv)
         module = _import_recipe(name)
         cfg = load_config(module.Config, CONF_DIR / f"{name}.yaml", overrides)
     except ConfigError as exc:
         print(f"hvd-train: error: {exc}", file=sys.stderr)
         return 2
+    if print_config:
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        return 0
     result = module.run(cfg)
     if result is not None and launcher_rank() == 0:  # RANK alone misses mpirun and srun
         print(format_result(result), flush=True)

