@@ -12,6 +12,8 @@ __all__ = [
     "JoinedRankError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "RankFailedError",
+    "HostUnreachableError",
 ]
 
 
@@ -88,3 +90,10 @@ class RankFailedError(HorovodInternalError):
     """A collective failed because another rank is no longer running (crashed, exited or was
     killed); the message names the rank, its host and pid. The original transport error is
     chained as ``__cause__``."""
+
+
+class HostUnreachableError(RankFailedError):
+    """Ranks on another host have been silent for the peer timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``),
+    or this rank cannot reach the job's store: the network between the hosts is cut or a host is
+    down. The message names the unreachable host(s) and their ranks
+    (:mod:`hvd_trainer.comm.heartbeat`)."""

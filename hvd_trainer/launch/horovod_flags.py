@@ -22,6 +22,7 @@ ENV_FLAGS: dict[str, str] = {
     "stall_check_warning_time_seconds": "HOROVOD_STALL_CHECK_TIME_SECONDS",
     "stall_check_shutdown_time_seconds": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
     "log_level": "HOROVOD_LOG_LEVEL",
+    "gloo_timeout_seconds": "HOROVOD_GLOO_TIMEOUT_SECONDS",
 }
 """Flag (argparse dest) -> worker variable it is exported as (``--no-stall-check`` sets
 ``HOROVOD_STALL_CHECK_DISABLE=1``)."""
@@ -48,8 +49,6 @@ NOTES: dict[str, str] = {
     "mpi_threads_disable": "ignored: hvd_trainer does not run MPI collectives (mpirun only starts processes)",
     "num_nccl_streams": "ignored: NCCL streams are chosen by torch.distributed",
     "thread_affinity": "ignored: hvd_trainer starts no background thread to pin",
-    "gloo_timeout_seconds": "ignored: the collective timeout is init(timeout_seconds=...) and "
-                            "the stall check (--stall-check-shutdown-time-seconds)",
     "log_without_timestamp": "ignored: hvdrun's own lines carry no timestamp",
     "log_hide_timestamp": "ignored: hvdrun's own lines carry no timestamp",
     "host_discovery_script": "not run: torchrun's rendezvous admits the hosts that start the same "
@@ -101,7 +100,8 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--binding-args", help="--mpi: replaces '--bind-to none --map-by slot'")
     p.add_argument("--num-nccl-streams", type=int, help="accepted, no effect")
     p.add_argument("--thread-affinity", type=int, help="accepted, no effect")
-    p.add_argument("--gloo-timeout-seconds", type=int, help="accepted, no effect")
+    p.add_argument("--gloo-timeout-seconds", type=float,
+                   help="several hosts: a peer silent S seconds is unreachable (default 20; 0: never)")
     p.add_argument("--log-level", choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
                    help="exported as HOROVOD_LOG_LEVEL")
     p.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_without_timestamp",
