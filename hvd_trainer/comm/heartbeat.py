@@ -126,10 +126,14 @@ def judge(
             hosts, tuple(others), now)
     # A peer's silence is measured at this rank's last completed round: on the far side of a
     # cut, rounds stop too, and the store (not the peers) is what cannot be reached.
-    silent = sorted(r for r, p in peers.items()
-                    if not p.stopped and last_round_at - p.changed_at >= timeout_seconds)
-    if not silent:
+    def quiet_for(p: PeerState) -> float:
+        return -1.0 if p.stopped else last_round_at - p.changed_at
+
+    if not any(quiet_for(p) >= timeout_seconds for p in peers.values()):
         return None
+    # Name every peer that has been quiet for a while too: a host's ranks fall silent together,
+    # but their last beats were read at slightly different times.
+    silent = sorted(r for r, p in peers.items() if quiet_for(p) >= timeout_seconds / 2)
     hosts = tuple(dict.fromkeys(peers[r].host for r in silent))
     longest = max(now - peers[r].changed_at for r in silent)
     return Failure(
@@ -181,7 +185,7 @@ class PeerWatch:
         self.failure: Failure | None = None
         self.raised = False
         """Set by the main thread once it raised :attr:`failure` (the judge then waits longer)."""
-        self.last_round_at = self._started_at = time.monotonic()
+        self.last_round_at = time.monotonic()
         self._count = 0
         self._stop = threading.Event()
         self._client: Any = None
@@ -189,7 +193,7 @@ class PeerWatch:
 
     def start(self) -> None:
         """Start both daemon threads (the beater connects in its own thread)."""
-        self.last_round_at = self._started_at = time.monotonic()
+        self.last_round_at = time.monotonic()
         for name, target in (("hvd-heartbeat", self._beat_loop), ("hvd-peer-judge", self._judge_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -230,15 +234,12 @@ class PeerWatch:
         self._count += 1
         client.set(self._keys[self.rank], f"{self._count}|{self.host}|{os.getpid()}")
         others = [r for r in range(self.size) if r != self.rank]
-        if not client.check([self._keys[r] for r in others]):  # only until every peer has beaten
-            others = [r for r in others if client.check([self._keys[r]])]
+        if self._count == 1:  # every rank is past init: wait for all, so every host is known
+            client.wait([self._keys[r] for r in others], timedelta(seconds=self.timeout_seconds))
         values = client.multi_get([self._keys[r] for r in others]) if others else []
         now = time.monotonic()
         for r, raw in zip(others, values, strict=True):
             self._update(r, raw.decode() if isinstance(raw, bytes) else str(raw), now)
-        for r in range(self.size):  # a peer not heard yet is silent since the watch started
-            if r != self.rank:
-                self.peers.setdefault(r, PeerState(changed_at=self._started_at))
         self.last_round_at = now
 
     def _update(self, rank: int, value: str, now: float) -> None:
