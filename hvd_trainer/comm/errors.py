@@ -14,6 +14,7 @@ __all__ = [
     "HostsUpdatedInterrupt",
     "RankFailedError",
     "HostUnreachableError",
+    "JobSecretError",
 ]
 
 
@@ -97,3 +98,9 @@ class HostUnreachableError(RankFailedError):
     or this rank cannot reach the job's store: the network between the hosts is cut or a host is
     down. The message names the unreachable host(s) and their ranks
     (:mod:`hvd_trainer.comm.heartbeat`)."""
+
+
+class JobSecretError(CommError):
+    """A rank did not prove at init that it holds the job's secret (``HOROVOD_SECRET_KEY``):
+    a process that does not belong to the job reached its rendezvous. The message names it
+    (:mod:`hvd_trainer.comm.membership`)."""

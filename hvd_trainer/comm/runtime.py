@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.heartbeat import PeerWatch
 from hvd_trainer.comm.liveness import publish
+from hvd_trainer.comm.membership import check_membership
 from hvd_trainer.comm.process_set import ProcessSet
 from hvd_trainer.comm.store import default_store
 from hvd_trainer.comm.timeline import Timeline
@@ -64,10 +65,14 @@ class CommRuntime:
         """The heartbeat of a job on several hosts (``None`` on one host or when disabled)."""
 
     def attach(self, world: World, store_endpoint: tuple[str | None, int | None] = (None, None)) -> None:
-        """Create ``world``'s global process set (id 0) and publish this rank in the store
+        """Check that every rank holds the job's secret (:mod:`~hvd_trainer.comm.membership`),
+        create ``world``'s global process set (id 0) and publish this rank in the store
         (its ``local_size`` for :meth:`homogeneous`, its host and pid for liveness); on several
         hosts, start the heartbeat on the store at ``store_endpoint`` (``MASTER_ADDR``, ``MASTER_PORT``)."""
         self._size = world.size
+        if self.store is not None and world.size > 1:
+            # before anything is exchanged: a stranger in the rendezvous stops the job here
+            check_membership(self.store, world.rank, world.size, f"hvd_rt/{_runtimes_created}")
         self.peer_watch = self._start_watch(world, store_endpoint)
         self.global_set = ProcessSet._for_world(world, 0)
         self.sets[0] = self.global_set

@@ -34,6 +34,7 @@ from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, tor
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import HvdrunOptions, build_parser, parse_options
 from hvd_trainer.launch.runner import run_mpirun, run_torchrun
+from hvd_trainer.launch.secret import SECRET_ENV, job_secret, masked
 
 __all__ = ["build_parser", "build_torchrun_command", "main", "HvdrunError"]
 
@@ -84,12 +85,20 @@ def _launch(opts: HvdrunOptions) -> int:
         print(note, file=sys.stderr, flush=True)
     port = pick_port(opts)
     env = worker_env(opts)
+    secret, warning = job_secret(opts)
+    if warning is not None and not opts.dry_run:
+        print(warning, file=sys.stderr, flush=True)
+    if secret is not None:
+        env[SECRET_ENV] = secret  # workers inherit it from hvdrun's environment, never argv
     if opts.use_mpi:
         cmd = mpirun_command(opts, port)
+        if secret is not None:
+            os.environ[SECRET_ENV] = secret
+            cmd[1:1] = ["-x", SECRET_ENV]  # exported by name: the value stays off the command line
         shown = shlex.join(cmd)
     else:
         cmd = build_torchrun_command(opts, port)
-        shown = (_env_prefix(env) + " " if env else "") + shlex.join(cmd)
+        shown = (_env_prefix(masked(env)) + " " if env else "") + shlex.join(cmd)
     if opts.dry_run or opts.verbose:
         print(shown, file=sys.stdout if opts.dry_run else sys.stderr, flush=True)
     if opts.dry_run:

@@ -52,7 +52,8 @@ COMM_ROWS = (
     ("process_set",),
     ("checks",),
     ("timeline", "build_info", "optimizer_args"),
-    ("world", "liveness", "heartbeat", "join_board", "flatten", "ops", "arguments", "compression"),
+    ("world", "liveness", "heartbeat", "membership", "join_board", "flatten", "ops", "arguments",
+     "compression"),
     ("store", "config", "launch_env", "errors", "fatal"),
     ("_torch_compat",),
 )
