@@ -35,9 +35,7 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HOROVOD_CYCLE_TIME"] = f"{opts.cycle_time_ms:g}"
     if opts.timeline_filename is not None:
         env["HOROVOD_TIMELINE"] = os.path.abspath(opts.timeline_filename)
-    if opts.network_interface is not None:
-        env["GLOO_SOCKET_IFNAME"] = opts.network_interface
-        env["NCCL_SOCKET_IFNAME"] = opts.network_interface
+    env.update(_interface_env(opts))
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if opts.output_filename is not None:
@@ -51,6 +49,18 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def _interface_env(opts: HvdrunOptions) -> dict[str, str]:
+    """The NIC of gloo/NCCL: ``--network-interface``, else ``lo`` on one host (where they would
+    otherwise listen on the address the hostname resolves to, reachable from other machines)
+    unless the user's environment already names one."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    if opts.network_interface is not None:
+        return dict.fromkeys(names, opts.network_interface)
+    if opts.multi_host:
+        return {}
+    return {name: "lo" for name in names if name not in os.environ}
 
 
 def restarts(opts: HvdrunOptions) -> int:
