@@ -188,7 +188,9 @@ class PeerWatch:
         self.last_round_at = time.monotonic()
         self._count = 0
         self._stop = threading.Event()
-        self._client: Any = None
+        self.store_gone = False
+        self._all_seen = False
+        """The store refused or closed a connection: its process ended (not a partition)."""
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -200,42 +202,43 @@ class PeerWatch:
             self._threads.append(thread)
 
     def stop(self) -> None:
-        """Stop both threads and mark this rank as stopped cleanly (best effort, bounded)."""
+        """Stop both threads; the beater leaves the "stopped" mark under this rank (bounded wait:
+        a beater blocked on an unreachable store is left behind)."""
         self._stop.set()
-        client = self._client
-        if client is not None and self.failure is None:
-            done = threading.Event()
-
-            def mark() -> None:
-                with contextlib.suppress(Exception):
-                    client.set(self._keys[self.rank], f"{_STOPPED}|{self.host}|{os.getpid()}")
-                done.set()
-
-            threading.Thread(target=mark, name="hvd-heartbeat-stop", daemon=True).start()
-            done.wait(1.0)  # never let an unreachable store delay shutdown
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2.0)
 
     # -- the beater -----------------------------------------------------------------------
     def _connect(self) -> Any:
         host, port = self._endpoint
-        return dist.TCPStore(host, port, None, False, timedelta(seconds=self.timeout_seconds),
-                             wait_for_workers=False)
+        wait = timedelta(seconds=min(5.0, self.timeout_seconds / 2))
+        return dist.TCPStore(host, port, None, False, wait, wait_for_workers=False)
 
     def _beat_loop(self) -> None:
+        """Beat until stopped. A store call that *fails* (refused, closed: the store's process
+        ended, e.g. rank 0 hosting it finished first) ends the watch without a report; only a
+        store that stops answering is a partition. Leaves no store call running at exit (a
+        daemon thread inside one at interpreter exit aborts the process)."""
         try:
-            self._client = self._connect()
-        except Exception:  # noqa: BLE001 - unreachable from the start: the judge reports it
-            return
-        while not self._stop.is_set():
-            with contextlib.suppress(Exception):  # a failed round simply does not count
-                self._round(self._client)
-            self._stop.wait(self.interval_seconds)
+            client = self._connect()
+            while not self._stop.is_set():
+                self._round(client)
+                self._stop.wait(self.interval_seconds)
+            if self.failure is None:
+                client.set(self._keys[self.rank], f"{_STOPPED}|{self.host}|{os.getpid()}")
+        except Exception:  # noqa: BLE001 - the store is gone, not silent: nothing to judge
+            self.store_gone = True
 
     def _round(self, client: Any) -> None:
         self._count += 1
         client.set(self._keys[self.rank], f"{self._count}|{self.host}|{os.getpid()}")
         others = [r for r in range(self.size) if r != self.rank]
-        if self._count == 1:  # every rank is past init: wait for all, so every host is known
-            client.wait([self._keys[r] for r in others], timedelta(seconds=self.timeout_seconds))
+        if not self._all_seen:  # until every peer has beaten once (so every host is known)
+            self._all_seen = bool(client.check([self._keys[r] for r in others]))
+            if not self._all_seen:
+                self.last_round_at = time.monotonic()  # the store answers: not cut off
+                return
         values = client.multi_get([self._keys[r] for r in others]) if others else []
         now = time.monotonic()
         for r, raw in zip(others, values, strict=True):
@@ -254,7 +257,7 @@ class PeerWatch:
 
     # -- the judge ------------------------------------------------------------------------
     def _judge_loop(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._stop.wait(0.1) and not self.store_gone:
             if self.failure is None:
                 self.failure = judge(
                     now=time.monotonic(), last_round_at=self.last_round_at, peers=dict(self.peers),

@@ -7,6 +7,11 @@ The multi-host behaviour (a cut veth link) is tested in tests/multihost/test_fau
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -112,19 +117,33 @@ def test_watches_that_beat_find_nothing_and_a_stopped_peer_stays_quiet(server, t
     assert exits.codes == [] and read_records(tmp_path) == []
 
 
+_PEER = """
+import sys, time
+from hvd_trainer.comm.heartbeat import PeerWatch
+w = PeerWatch(store_host="127.0.0.1", store_port=int(sys.argv[1]), key_prefix="t", rank=1, size=2,
+              timeout_seconds=1.0)
+w.start()
+time.sleep(60)
+"""
+
+
 def test_a_peer_that_goes_silent_is_reported_recorded_and_the_process_ended(server, tmp_path) -> None:
     exits = _Exits()
-    a, b = _watch(server, 0, tmp_path, exits), _watch(server, 1, tmp_path, exits)
-    a.start(), b.start()
+    a = _watch(server, 0, tmp_path, exits)
+    peer = subprocess.Popen([sys.executable, "-c", _PEER, str(server)])
+    a.start()
     try:
         assert _wait_for(lambda: 1 in a.peers and a.peers[1].count != "")
-        b._stop.set()  # b's threads end without the clean "stopped" mark: a frozen or cut-off peer
+        assert a.peers[1].pid == peer.pid
+        os.kill(peer.pid, signal.SIGSTOP)  # frozen: its threads beat no more, nothing closes
         assert _wait_for(lambda: a.failure is not None)
         assert a.failure.ranks == (1,) and "has not heard from" in a.failure.message
         # Nobody raised it in a main thread: the judge ends the process after the grace period.
         assert _wait_for(lambda: exits.codes == [75], timeout=5.0)
     finally:
         a.stop()
+        peer.kill()
+        peer.wait()
     records = read_records(tmp_path)
     assert [r["rank"] for r in records] == [0] and records[0]["ranks"] == [1]
     line = partition_line(records)
@@ -132,17 +151,37 @@ def test_a_peer_that_goes_silent_is_reported_recorded_and_the_process_ended(serv
     assert json.loads((tmp_path / "unreachable.0.json").read_text())["message"] == a.failure.message
 
 
-def test_a_rank_whose_store_is_gone_reports_it_is_cut_off(tmp_path) -> None:
+def test_a_store_that_closes_ends_the_watch_without_a_report(tmp_path) -> None:
+    """Its host answered (connection closed or refused): the store's process ended, e.g. rank 0
+    hosting it finished first. That is no partition; the other checks name a dead rank."""
     exits = _Exits()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
     a = _watch(port, 0, tmp_path, exits, prefix="gone")
-    a.start()
+    b = _watch(port, 1, tmp_path, exits, prefix="gone")
+    a.start(), b.start()
     try:
-        assert _wait_for(lambda: a._client is not None)
-        del store  # the server closes: every later round fails
-        assert _wait_for(lambda: a.failure is not None)
-        expected = f"rank 0 on {a.host} cannot reach the job's store at 127.0.0.1:{port}"
-        assert a.failure.message.startswith(expected)
+        assert _wait_for(lambda: 1 in a.peers)
+        del store  # the server closes: the next round fails at once
+        assert _wait_for(lambda: a.store_gone and b.store_gone)
+        time.sleep(1.5)  # more than the timeout: still nothing reported
+        assert a.failure is None and b.failure is None and exits.codes == []
     finally:
-        a.stop()
+        a.stop(), b.stop()
+
+
+def test_a_store_that_stops_answering_is_reported_as_cut_off(tmp_path) -> None:
+    """A listener that accepts and never answers: what a cut link looks like from this side."""
+    exits = _Exits()
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        a = _watch(port, 0, tmp_path, exits, prefix="cut")
+        a.start()
+        try:
+            assert _wait_for(lambda: a.failure is not None, timeout=10)
+            expected = f"rank 0 on {a.host} cannot reach the job's store at 127.0.0.1:{port}"
+            assert a.failure.message.startswith(expected)
+            assert _wait_for(lambda: exits.codes == [75], timeout=5)
+        finally:
+            a.stop()
+    assert read_records(tmp_path)[0]["hosts"] == ["127.0.0.1"]
