@@ -72,8 +72,8 @@ def records(output: str, tag: str) -> list[list]:
 
 def same_line(c: Cluster, script: str, *extra: str, np_per_host: int = 2, timeout: float = 180.0,
               hvdrun_args: tuple[str, ...] = ()) -> list[HostRun]:
-    """``hvdrun -np N -H h1:k,h2:k,... --port P python SCRIPT`` run on every host (same-line mode)."""
+    """``hvdrun -np N -H h1:k,... --port P --no-ssh python SCRIPT`` run on every host (same-line mode)."""
     spec = ",".join(f"{h.name}:{np_per_host}" for h in c.hosts)
-    argv = [*HVDRUN, "-np", str(np_per_host * len(c.hosts)), "-H", spec, "--port", "29400",
+    argv = [*HVDRUN, "-np", str(np_per_host * len(c.hosts)), "-H", spec, "--port", "29400", "--no-ssh",
             *hvdrun_args, sys.executable, str(SCRIPTS / script), *extra]
     return run_on_hosts(c.hosts, argv, timeout=timeout)
