@@ -18,6 +18,7 @@ from hvd_trainer.comm.world import free_port
 from hvd_trainer.launch.agent_identity import AgentIdentity
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
+from hvd_trainer.launch.ssh import carried_env
 
 __all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args",
            "mpirun_command", "pick_port", "find_mpirun", "restarts"]
@@ -187,9 +188,8 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
     for key, value in sorted(worker_env(opts).items()):
         cmd += ["-x", f"{key}={value}"]
-    for key in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH"):
-        if key in os.environ:
-            cmd += ["-x", key]
+    for key in sorted(carried_env(os.environ)):  # what the ssh launch carries: PATH, HOROVOD_*, ...
+        cmd += ["-x", key]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Open MPI refuses to start as root unless told; containers commonly run as root.
         cmd += ["--allow-run-as-root"]

@@ -143,7 +143,7 @@ def notes_for(ns: argparse.Namespace, ssh: bool = False) -> list[str]:
 
 def mpirun_extra_args(ns: argparse.Namespace) -> tuple[list[str] | None, list[str]]:
     """``(binding, extra)`` mpirun arguments for ``--binding-args`` (``None``: the default binding)
-    and for ``-p``/``-i``/``--tcp``/``--mpi-args`` (appended before the command)."""
+    and for ``-p``/``-i``/``--ssh-option``/``--tcp``/``--mpi-args`` (appended before the command)."""
     binding = shlex.split(ns.binding_args) if ns.binding_args else None
     extra: list[str] = []
     ssh = []
@@ -151,6 +151,8 @@ def mpirun_extra_args(ns: argparse.Namespace) -> tuple[list[str] | None, list[st
         ssh += ["-p", str(ns.ssh_port)]
     if ns.ssh_identity_file:
         ssh += ["-i", ns.ssh_identity_file]
+    for option in getattr(ns, "ssh_option", None) or []:
+        ssh += ["-o", option]
     if ssh:
         extra += ["--mca", "plm_rsh_args", shlex.join(ssh)]
     if ns.tcp:

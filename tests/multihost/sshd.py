@@ -80,4 +80,4 @@ def start_sshd(host: Host, keys: SshKeys, timeout_seconds: float = 20.0) -> int:
 def hvdrun_ssh_args(keys: SshKeys) -> list[str]:
     """hvdrun's flags for the test sshds: Horovod's ``-p``/``-i`` and a known_hosts file of the test."""
     return ["-p", str(SSH_PORT), "-i", str(keys.user_key), "--ssh-option",
-            f"UserKnownHostsFile={keys.known_hosts}"]
+            f"UserKnownHostsFile={keys.known_hosts}", "--ssh-option", "StrictHostKeyChecking=accept-new"]
