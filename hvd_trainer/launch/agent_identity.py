@@ -21,7 +21,7 @@ from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.hosts import LOCAL_NAMES, HostSlots
 from hvd_trainer.launch.this_host import find_this_host, interface_address, is_local_address, resolve
 
-__all__ = ["AgentIdentity", "identify", "local_addresses"]
+__all__ = ["AgentIdentity", "identify", "interface_env", "local_addresses"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,17 +34,42 @@ class AgentIdentity:
     address: str
 
 
-def local_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 addresses, by interface name (for messages)."""
-    found = []
+def _interfaces() -> dict[str, str]:
+    """``{interface: IPv4 address}`` of this machine's non-loopback interfaces that have one."""
+    found = {}
     for _, name in socket.if_nameindex():
         try:
             addr = interface_address(name)
         except HvdrunError:
             continue
         if not addr.startswith("127."):
-            found.append(f"{addr} ({name})")
+            found[name] = addr
     return found
+
+
+def local_addresses() -> list[str]:
+    """This machine's non-loopback IPv4 addresses, by interface name (for messages)."""
+    return [f"{addr} ({name})" for name, addr in _interfaces().items()]
+
+
+def interface_env(agent: AgentIdentity, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` = the interface of this host's ``-H`` address,
+    when this machine's hostname does not resolve to one of its own non-loopback addresses.
+
+    gloo announces the address its hostname resolves to, and falls back to 127.0.0.1, which the
+    other hosts cannot reach (hosts sharing a hostname, a hostname missing from DNS). Nothing is
+    set when the user chose (``--network-interface``, those variables) or the hostname is fine.
+    """
+    environ = dict(environ) if environ is not None else {}
+    if "GLOO_SOCKET_IFNAME" in environ:
+        return {}
+    if any(is_local_address(a) and not a.startswith("127.") for a in resolve(socket.gethostname())):
+        return {}
+    wanted = {a for a in resolve(agent.address) if is_local_address(a)}
+    for name, addr in _interfaces().items():
+        if addr in wanted:
+            return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": environ.get("NCCL_SOCKET_IFNAME", name)}
+    return {}
 
 
 def _check_rendezvous_host(hosts: list[HostSlots], index: int) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from importlib.metadata import version
 
 from hvd_trainer.comm.launch_env import worker_launcher
-from hvd_trainer.launch.agent_identity import AgentIdentity, identify
+from hvd_trainer.launch.agent_identity import AgentIdentity, identify, interface_env
 from hvd_trainer.launch.check_build import check_build_report
 from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, torchrun_args, worker_env
 from hvd_trainer.launch.errors import HvdrunError
@@ -139,6 +139,8 @@ def _launch(opts: HvdrunOptions) -> int:
         agent = _ssh_agent(opts)
     else:
         agent = identify(opts.hosts, opts.this_host, opts.network_interface) if opts.multi_host else None
+    if agent is not None and opts.network_interface is None:
+        env.update(interface_env(agent, {**os.environ, **env}))
     cmd = build_torchrun_command(opts, port, agent)
     shown = (_env_prefix(env) + " " if env else "") + shlex.join(cmd)
     commands = remote_commands(opts, None if agent is None else agent.index) if ssh else {}
