@@ -4,13 +4,14 @@ Every job gets a secret, checked by every worker at init (:mod:`hvd_trainer.comm
 
 * ``HOROVOD_SECRET_KEY`` set in hvdrun's environment: that one (the same-line mode needs the
   same value on every host, as each host's hvdrun would otherwise make its own);
-* otherwise one host, or ``--mpi`` (mpirun carries it to every rank): a fresh
-  ``secrets.token_hex(16)``;
-* otherwise (the same-line mode without one): none, with a warning that says how to set it.
+* otherwise one host, ``--mpi`` (mpirun carries it to every rank) or the ssh launch (each ssh
+  session carries it, on stdin with the other variables): a fresh ``secrets.token_hex(16)``;
+* otherwise (the same-line mode, ``--no-ssh``, without one): none, with a warning that says
+  how to set it.
 
-The workers read it from their environment (hvdrun's own, which torchrun's agent and mpirun's
-``-x HOROVOD_SECRET_KEY`` pass on), so it never appears on a command line; :func:`masked` is what
-``--dry-run``/``--verbose`` print instead.
+The workers read it from their environment (hvdrun's own, which torchrun's agent, mpirun's
+``-x HOROVOD_SECRET_KEY`` and the ssh sessions pass on), so it never appears on a command line;
+:func:`masked` is what ``--dry-run``/``--verbose`` print instead.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def job_secret(
     given = env.get(SECRET_ENV)
     if given:
         return given, None
-    if not opts.multi_host or opts.use_mpi:
+    if not opts.multi_host or opts.use_mpi or not (opts.no_ssh or opts.this_host):
         return secrets.token_hex(16), None
     return None, (
         f"hvdrun: warning: no {SECRET_ENV} in the environment, so this job has no secret and any "

@@ -204,6 +204,16 @@ def _hosts_file(hosts: list[Host]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _nsswitch() -> str:
+    """This machine's nsswitch.conf with names looked up in files only (no DNS: nothing to reach)."""
+    try:
+        lines = Path("/etc/nsswitch.conf").read_text().splitlines()
+    except OSError:
+        lines = []
+    kept = [line for line in lines if line.split(":", 1)[0].strip() not in ("hosts", "networks")]
+    return "\n".join([*kept, "hosts: files", "networks: files"]) + "\n"
+
+
 def _random_subnets(links: int) -> list[str]:
     picked: list[str] = []
     while len(picked) < links:
@@ -235,6 +245,7 @@ def _build(c: Cluster, links: int, hostnames: list[str] | None) -> None:
         folder = ETC_NETNS / host.netns
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "hosts").write_text(_hosts_file(entries))
+        (folder / "nsswitch.conf").write_text(_nsswitch())
 
 
 def _teardown(c: Cluster) -> list[str]:

@@ -25,7 +25,7 @@ HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
 
 
 def _hvdrun(script: str, *flags: str) -> list[str]:
-    return [HVDRUN, "-np", "4", "-H", "h1:2,h2:2", "--port", PORT, *flags, sys.executable,
+    return [HVDRUN, "-np", "4", "-H", "h1:2,h2:2", "--port", PORT, "--no-ssh", *flags, sys.executable,
             str(SCRIPTS / script)]
 
 

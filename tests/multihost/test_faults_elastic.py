@@ -30,7 +30,8 @@ STEPS = 36  # 3 epochs x 192 samples / (4 ranks x batch 4)
 
 def _line(hosts: str, np_range: tuple[int, int], run_dir: Path, out: Path) -> list[str]:
     return [HVDRUN, "-np", "4", "-H", hosts, "--min-np", str(np_range[0]), "--max-np", str(np_range[1]),
-            "--port", "29400", "--start-timeout", "90", sys.executable, WORKER, str(run_dir), str(out)]
+            "--port", "29400", "--no-ssh", "--start-timeout", "90", sys.executable, WORKER, str(run_dir),
+            str(out)]
 
 
 def _last_commit(job: Job, host: str, before: float) -> int:

@@ -23,7 +23,8 @@ from tests.multihost.netns import cluster
 
 PORT = "29400"
 HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
-LINE = [HVDRUN, "-np", "4", "-H", "h1:2,h2:2", "--port", PORT, sys.executable, str(SCRIPTS / "fault_loop.py")]
+LINE = [HVDRUN, "-np", "4", "-H", "h1:2,h2:2", "--port", PORT, "--no-ssh", sys.executable,
+        str(SCRIPTS / "fault_loop.py")]
 
 
 def _env(secret: str | None, **extra: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ stranger's torchrun agent joining the rendezvous) is in tests/multihost/test_fau
 
 from __future__ import annotations
 
+import socket
 import threading
 
 import pytest
@@ -76,7 +77,9 @@ def test_hvdrun_makes_a_secret_per_job_and_takes_the_users_when_set() -> None:
     second, _ = job_secret(one, {})
     assert warn is None and first and second and first != second and len(first) == 32
     assert job_secret(one, {SECRET_ENV: "mine"}) == ("mine", None)
-    multi, _ = parse_options(["-np", "4", "-H", "a:2,b:2", "x.py"])
+    ssh, _ = parse_options(["-np", "4", "-H", "a:2,b:2", "x.py"])  # one command, over ssh
+    assert ssh is not None and job_secret(ssh, {})[0] is not None
+    multi, _ = parse_options(["-np", "4", "-H", "a:2,b:2", "--no-ssh", "x.py"])  # the same line on each
     assert multi is not None
     secret, warn = job_secret(multi, {})
     assert secret is None and warn is not None and f"export the same {SECRET_ENV} on every host" in warn
@@ -88,7 +91,8 @@ def test_dry_run_shows_the_secret_masked_never_its_value(capsys, monkeypatch) ->
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(SECRET_ENV, "do-not-print-me")
-    for extra in ([], ["--mpi"], ["-H", "a:1,b:1"]):
+    here = socket.gethostname()
+    for extra in ([], ["--mpi"], ["-H", f"{here}:1,b:1", "--no-ssh"], ["-H", "a:1,b:1"]):
         assert cli.main(["--dry-run", "-np", "2", *extra, "x.py"]) == 0
         captured = capsys.readouterr()
         assert "do-not-print-me" not in captured.out + captured.err
