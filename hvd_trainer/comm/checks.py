@@ -549,6 +549,7 @@ class Coordinator:
         if watch is None or watch.failure is None:
             return
         watch.raised = True
+        watch.await_local_peers()  # so each rank on this host raises its own error
         exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # the collective stays in flight: never hang at exit
         raise HostUnreachableError(
             f"{op.sig.label()} (collective #{op.seq}) cannot complete: {watch.failure.message}"

@@ -143,6 +143,16 @@ def judge(
         hosts, tuple(silent), now)
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def read_records(job_dir: Path) -> list[dict[str, Any]]:
     """The ``unreachable.<rank>.json`` records in ``job_dir``, lowest rank first."""
     records = []
@@ -224,7 +234,8 @@ class PeerWatch:
             client = self._connect()
             while not self._stop.is_set():
                 self._round(client)
-                self._stop.wait(self.interval_seconds)
+                # quick rounds until every peer has beaten once, so every host is known early
+                self._stop.wait(self.interval_seconds if self._all_seen else 0.1)
             if self.failure is None:
                 client.set(self._keys[self.rank], f"{_STOPPED}|{self.host}|{os.getpid()}")
         except Exception:  # noqa: BLE001 - the store is gone, not silent: nothing to judge
@@ -271,6 +282,20 @@ class PeerWatch:
             if waited >= (self.grace_seconds * 5 if self.raised else self.grace_seconds):
                 self._end_process(self.failure)
                 return
+
+    def await_local_peers(self) -> None:
+        """Wait (bounded) until every rank on this host has found the partition too (its record
+        is in the job directory, or its process ended), so the launcher, which stops the others
+        once one rank exits, lets each of them raise its own error."""
+        if not self._job_dir:
+            return
+        local = [r for r, p in self.peers.items() if p.host == self.host]
+        deadline = time.monotonic() + 2 * self.interval_seconds + 1.0
+        while time.monotonic() < deadline:
+            found = {int(rec.get("rank", -1)) for rec in read_records(Path(self._job_dir))}
+            if all(r in found or not _running(self.peers[r].pid) for r in local):
+                return
+            time.sleep(0.05)
 
     def _write_record(self, failure: Failure) -> None:
         if not self._job_dir:

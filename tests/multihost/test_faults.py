@@ -33,10 +33,10 @@ def _s(seconds: float | None) -> str:
     return "never" if seconds is None else f"{seconds:.1f} s"
 
 
-def _started(c: Cluster, argv: list[str]) -> Job:
+def _started(c: Cluster, argv: list[str], at_step: int = 20) -> Job:
     job = start_job(c, c.hosts, argv)
     for host in ("h1", "h2"):
-        assert job.wait_for(host, "step 20 on", timeout=120), f"{host} never trained:\n{job.tail()}"
+        assert job.wait_for(host, f"step {at_step} on", timeout=120), f"{host} never trained:\n{job.tail()}"
     return job
 
 
@@ -50,7 +50,7 @@ def _no_process_left(c: Cluster, job: Job) -> None:
 @pytest.mark.timeout(240)
 def test_a_cut_link_stops_every_rank_within_30_s_naming_the_other_host() -> None:
     with cluster(2) as c:
-        job = _started(c, _hvdrun("fault_loop.py"))
+        job = _started(c, _hvdrun("fault_loop.py"), at_step=40)
         h2 = c.host("h2")
         cut_at = time.monotonic()
         c.cut(h2)
