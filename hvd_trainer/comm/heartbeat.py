@@ -28,8 +28,8 @@ collective polls it every few milliseconds (``Coordinator._guarded_wait``) and r
 :data:`~hvd_trainer.comm.fatal.PEER_FAILED_EXIT_CODE`. Either way a record
 ``unreachable.<rank>.json`` is written to hvdrun's job directory (``HVDRUN_JOB_DIR``), so hvdrun
 can stop even when torchrun's agent is itself stuck on the unreachable store; before raising, a
-rank waits (bounded) until the other ranks on its host have their record too, so each raises its
-own error before the launcher stops them.
+rank marks its record "raising" and waits (bounded) until the other ranks on its host are raising
+too, so each prints its own error before the launcher stops them.
 
 Cost: the main thread reads one attribute per poll; the threads make three store round trips
 per interval on their own connection. ``bench/heartbeat_overhead.py`` (2 namespace hosts x 2
@@ -291,23 +291,26 @@ class PeerWatch:
                 return
 
     def await_local_peers(self) -> None:
-        """Wait (bounded) until every rank on this host has found the partition too (its record
-        is in the job directory, or its process ended), so the launcher, which stops the others
-        once one rank exits, lets each of them raise its own error."""
-        if not self._job_dir:
+        """Mark this rank as raising, then wait (bounded) until every rank on this host is raising
+        too (its record says so, or its process ended), so the launcher, which stops the others
+        once one rank exits, lets each of them raise and print its own error."""
+        if not self._job_dir or self.failure is None:
             return
+        self._write_record(self.failure, raising=True)
         local = [r for r, p in self.peers.items() if p.host == self.host]
         deadline = time.monotonic() + 2 * self.interval_seconds + 1.0
         while time.monotonic() < deadline:
-            found = {int(rec.get("rank", -1)) for rec in read_records(Path(self._job_dir))}
-            if all(r in found or not _running(self.peers[r].pid) for r in local):
+            raising = {int(rec.get("rank", -1)) for rec in read_records(Path(self._job_dir))
+                       if rec.get("raising")}
+            if all(r in raising or not _running(self.peers[r].pid) for r in local):
+                time.sleep(0.5)  # the last to raise is printing its error now
                 return
             time.sleep(0.05)
 
-    def _write_record(self, failure: Failure) -> None:
+    def _write_record(self, failure: Failure, raising: bool = False) -> None:
         if not self._job_dir:
             return
-        record = {"rank": self.rank, "host": self.host, "pid": os.getpid(),
+        record = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "raising": raising,
                   "message": failure.message, "hosts": list(failure.hosts), "ranks": list(failure.ranks)}
         path = Path(self._job_dir) / UNREACHABLE_RECORD.format(rank=self.rank)
         with contextlib.suppress(OSError):

@@ -101,8 +101,11 @@ class HvdrunOptions:
         self._assign_hosts()
 
     def _assign_hosts(self) -> None:
-        self.hosts = assign_processes(self.hosts or [HostSlots(host="localhost", slots=self.num_proc)],
-                                      self.num_proc)
+        given = self.hosts or [HostSlots(host="localhost", slots=self.num_proc)]
+        # Elastic: every listed host may take part (torchrun admits up to --max-np worth of hosts;
+        # the others wait as spares and replace a lost one), so none is dropped.
+        wanted = max(self.num_proc, sum(h.slots for h in given)) if self.elastic else self.num_proc
+        self.hosts = assign_processes(given, wanted)
         counts = {h.slots for h in self.hosts}
         if len(counts) > 1:
             raise HvdrunError(

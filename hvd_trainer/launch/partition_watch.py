@@ -7,7 +7,9 @@ for minutes. The workers there notice the partition through their heartbeat
 directory. :class:`PartitionWatch` polls that directory from a daemon thread; once a record is
 older than ``grace_seconds`` and hvdrun has still not finished, it prints one line naming what
 the worker could not reach, kills every process hvdrun started (the agent's workers run in their
-own sessions, so they are found through their parent pids) and ends hvdrun with status 1.
+own sessions, so they are found through their parent pids) and ends hvdrun with status 1. An
+agent that restarts its workers (elastic) is not stuck: it forgets the records
+(:func:`forget_partition_records`, called by :class:`~hvd_trainer.launch.agent_watch.AgentWatch`).
 
 :func:`partition_line` is the same line, used by hvdrun's normal failure report when the agent
 did stop (the near side).
@@ -26,9 +28,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.heartbeat import read_records
+from hvd_trainer.comm.heartbeat import UNREACHABLE_RECORD, read_records
 
-__all__ = ["PartitionWatch", "partition_line", "descendants"]
+__all__ = ["PartitionWatch", "partition_line", "descendants", "forget_partition_records"]
 
 
 def partition_line(records: list[dict[str, Any]]) -> str | None:
@@ -39,6 +41,13 @@ def partition_line(records: list[dict[str, Any]]) -> str | None:
     others = sorted({int(r.get("rank", 0)) for r in records[1:]})
     also = f" (ranks {', '.join(map(str, others))} found it too)" if others else ""
     return f"hvdrun: error: network partition: {first.get('message', '')}{also}"
+
+
+def forget_partition_records(job_dir: Path) -> None:
+    """Delete the partition records (the agent is restarting its workers, so it is not stuck)."""
+    for path in job_dir.glob(UNREACHABLE_RECORD.format(rank="*")):
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _parent_pids() -> dict[int, int]:
@@ -88,7 +97,8 @@ class PartitionWatch:
         first_seen: float | None = None
         while not self._done.wait(0.2):
             records = read_records(self.job_dir)
-            if not records:
+            if not records:  # none yet, or the agent restarted the workers (records forgotten)
+                first_seen = None
                 continue
             first_seen = first_seen or time.monotonic()
             if time.monotonic() - first_seen >= self.grace_seconds:
