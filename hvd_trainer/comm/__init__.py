@@ -16,7 +16,8 @@ function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps i
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
     timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
-    world  liveness  join_board  flatten  ops  arguments  compression  autotune
+    world  liveness  heartbeat  membership  join_board  flatten  ops  arguments  compression  autotune
+                           (heartbeat: partitions; membership: the job secret)
     store  config  launch_env  errors  fatal
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
@@ -62,6 +63,8 @@ from hvd_trainer.comm.errors import (
     CommValueError,
     HorovodInternalError,
     HostsUpdatedInterrupt,
+    HostUnreachableError,
+    JobSecretError,
     JoinedRankError,
     NotInitializedError,
     RankFailedError,
@@ -133,6 +136,7 @@ __all__ = [
     "FusionConfig", "GradientReducer", "AutotuneConfig", "default_fusion_threshold_bytes",
     "CommError", "CommValueError", "CommTypeError", "NotInitializedError",
     "CollectiveMismatchError", "StallError", "JoinedRankError", "RankFailedError", "DuplicateNameError",
+    "HostUnreachableError", "JobSecretError",
     # Horovod-compatible names (build info, timeline control, async/grouped forms, registry)
     "Adasum", "UnsupportedOpError", "HorovodInternalError", "HostsUpdatedInterrupt",
     "gloo_built", "nccl_built", "mpi_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built",

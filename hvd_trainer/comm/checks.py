@@ -54,11 +54,13 @@ from hvd_trainer.comm.config import CommConfig
 from hvd_trainer.comm.errors import (
     CollectiveMismatchError,
     CommValueError,
+    HostUnreachableError,
     JoinedRankError,
     RankFailedError,
     StallError,
 )
 from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, exit_hard_at_exit
+from hvd_trainer.comm.heartbeat import PeerWatch
 from hvd_trainer.comm.join_board import JoinBoard, Transport
 from hvd_trainer.comm.liveness import (
     describe_failure,
@@ -192,8 +194,11 @@ class Coordinator:
         ranks: Sequence[int],
         config: CommConfig,
         timeline: Timeline | None,
+        peer_watch: PeerWatch | None = None,
     ) -> None:
         self.store = store
+        self.peer_watch = peer_watch
+        """The heartbeat of a job on several hosts; a wait polls its ``failure``."""
         self.prefix = prefix
         self.rank = rank
         self.ranks = tuple(ranks)
@@ -395,6 +400,7 @@ class Coordinator:
                 if "timed out" not in str(exc).lower():
                     self._diagnose_failure(op, exc)
                     raise
+            self._raise_if_unreachable(op)
             now = time.monotonic()
             with self._store_lost(op):
                 self._on_slow(op, now - op.t_start, now - wait_start)
@@ -479,6 +485,7 @@ class Coordinator:
                     self._announce(op)
                 return entries
             self._inspect_stall(op, entries, time.monotonic() - op.t_start, excused)
+            self._raise_if_unreachable(op)
             time.sleep(pause)
             pause = min(pause * 2, 0.25)
 
@@ -543,6 +550,18 @@ class Coordinator:
                 "MASTER_ADDR/MASTER_PORT variables, else the launcher (torchrun/hvdrun agent). "
                 "HINT: look at that process's output for the original error."
             ) from exc
+
+    def _raise_if_unreachable(self, op: Op) -> None:
+        """Raise HostUnreachableError once the heartbeat found a partition (one attribute read)."""
+        watch = self.peer_watch
+        if watch is None or watch.failure is None:
+            return
+        watch.raised = True
+        watch.await_local_peers()  # so each rank on this host raises its own error
+        exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # the collective stays in flight: never hang at exit
+        raise HostUnreachableError(
+            f"{op.sig.label()} (collective #{op.seq}) cannot complete: {watch.failure.message}"
+        )
 
     def _raise_if_gone(self, op: Op, missing: list[int]) -> None:
         """Raise RankFailedError when a missing rank has exited (probed at most every 0.5 s)."""

@@ -3,7 +3,7 @@
 Launcher variables (rank, size, ...) are read by :func:`hvd_trainer.comm.world.detect_launch_env`;
 everything else a ported Horovod job may set (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_TIMELINE``,
 ``HOROVOD_STALL_CHECK_TIME_SECONDS``, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
-``HOROVOD_STALL_CHECK_DISABLE``) is read here and nowhere else.
+``HOROVOD_STALL_CHECK_DISABLE``, ``HOROVOD_GLOO_TIMEOUT_SECONDS``) is read here and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["CommConfig", "default_fusion_threshold_bytes", "DEFAULT_FUSION_THRESHOLD_BYTES"]
+__all__ = ["CommConfig", "default_fusion_threshold_bytes", "DEFAULT_FUSION_THRESHOLD_BYTES",
+           "DEFAULT_PEER_TIMEOUT_SECONDS"]
 
 _MIB = 1024 * 1024
 
@@ -25,6 +26,11 @@ alone varied 108-228 ms) is as large as the differences, so no threshold is clea
 MiB had the best mean, smaller buckets start communicating earlier in backward, and with 9
 buckets the per-collective cost (~0.5 ms for a tiny gloo allreduce here) stays negligible.
 Horovod's default is 128 MiB, DDP's 25 MiB; ``HOROVOD_FUSION_THRESHOLD`` overrides it."""
+
+DEFAULT_PEER_TIMEOUT_SECONDS = 20.0
+"""Silence after which a peer on another host counts as unreachable. Horovod's
+``HOROVOD_GLOO_TIMEOUT_SECONDS`` defaults to 30 s for one gloo operation; ours is the silence
+alone, so detection plus the processes' exit stay within 30 s."""
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -76,12 +82,16 @@ class CommConfig:
     """Raise :class:`StallError` after waiting this long; 0 never raises (Horovod's default)."""
     timeline_path: str | None = None
     """Write a Chrome-trace JSON of every collective here (rank 0 only)."""
+    peer_timeout_seconds: float = DEFAULT_PEER_TIMEOUT_SECONDS
+    """A job on several hosts: a peer (or the job's store) silent this long counts as unreachable
+    and every rank raises :class:`HostUnreachableError` (:mod:`~hvd_trainer.comm.heartbeat`).
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (hvdrun ``--gloo-timeout-seconds``) sets it; 0 disables."""
 
     def __post_init__(self) -> None:
         for name in ("mismatch_timeout_seconds", "suspect_after_seconds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds.")
-        for name in ("stall_warning_seconds", "stall_shutdown_seconds"):
+        for name in ("stall_warning_seconds", "stall_shutdown_seconds", "peer_timeout_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 disables).")
 
@@ -92,6 +102,8 @@ class CommConfig:
         values: dict[str, object] = {
             "stall_warning_seconds": _env_float(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", 60.0),
             "stall_shutdown_seconds": _env_float(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0),
+            "peer_timeout_seconds": _env_float(env, "HOROVOD_GLOO_TIMEOUT_SECONDS",
+                                               DEFAULT_PEER_TIMEOUT_SECONDS),
         }
         if env.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
             values["stall_warning_seconds"] = 0.0

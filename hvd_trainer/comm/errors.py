@@ -12,6 +12,9 @@ __all__ = [
     "JoinedRankError",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
+    "RankFailedError",
+    "HostUnreachableError",
+    "JobSecretError",
 ]
 
 
@@ -88,3 +91,16 @@ class RankFailedError(HorovodInternalError):
     """A collective failed because another rank is no longer running (crashed, exited or was
     killed); the message names the rank, its host and pid. The original transport error is
     chained as ``__cause__``."""
+
+
+class HostUnreachableError(RankFailedError):
+    """Ranks on another host have been silent for the peer timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``),
+    or this rank cannot reach the job's store: the network between the hosts is cut or a host is
+    down. The message names the unreachable host(s) and their ranks
+    (:mod:`hvd_trainer.comm.heartbeat`)."""
+
+
+class JobSecretError(CommError):
+    """A rank did not prove at init that it holds the job's secret (``HOROVOD_SECRET_KEY``):
+    a process that does not belong to the job reached its rendezvous. The message names it
+    (:mod:`hvd_trainer.comm.membership`)."""

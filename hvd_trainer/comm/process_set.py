@@ -113,6 +113,7 @@ class ProcessSet:
             ranks=members,
             config=runtime.config if runtime else CommConfig(check_signatures=False),
             timeline=runtime.timeline if runtime else None,
+            peer_watch=getattr(runtime, "peer_watch", None),
         )
 
     @property

@@ -7,13 +7,16 @@ the runtime's config, store and timeline through ``World.runtime`` and never imp
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
 import torch.distributed as dist
 
 from hvd_trainer.comm.config import CommConfig
+from hvd_trainer.comm.heartbeat import PeerWatch
 from hvd_trainer.comm.liveness import publish
+from hvd_trainer.comm.membership import check_membership
 from hvd_trainer.comm.process_set import ProcessSet
 from hvd_trainer.comm.store import default_store
 from hvd_trainer.comm.timeline import Timeline, rank_path
@@ -59,16 +62,38 @@ class CommRuntime:
         self.sets: weakref.WeakValueDictionary[int, ProcessSet] = weakref.WeakValueDictionary()
         self._homogeneous: bool | None = None
         self._size = 1
+        self.peer_watch: PeerWatch | None = None
+        """The heartbeat of a job on several hosts (``None`` on one host or when disabled)."""
 
-    def attach(self, world: World) -> None:
-        """Create ``world``'s global process set (id 0) and publish this rank in the store
-        (its ``local_size`` for :meth:`homogeneous`, its host and pid for liveness)."""
+    def attach(self, world: World, store_endpoint: tuple[str | None, int | None] = (None, None)) -> None:
+        """Check that every rank holds the job's secret (:mod:`~hvd_trainer.comm.membership`),
+        create ``world``'s global process set (id 0) and publish this rank in the store
+        (its ``local_size`` for :meth:`homogeneous`, its host and pid for liveness); on several
+        hosts, start the heartbeat on the store at ``store_endpoint`` (``MASTER_ADDR``, ``MASTER_PORT``)."""
         self._size = world.size
+        if self.store is not None and world.size > 1:
+            # before anything is exchanged: a stranger in the rendezvous stops the job here
+            check_membership(self.store, world.rank, world.size, f"hvd_rt/{_runtimes_created}")
+        self.peer_watch = self._start_watch(world, store_endpoint)
         self.global_set = ProcessSet._for_world(world, 0)
         self.sets[0] = self.global_set
         if self.store is not None and world.size > 1:
             self.store.set(_LOCAL_SIZE_KEY.format(rank=world.rank), str(world.local_size))
             publish(self.store, world.rank)  # so a failed collective can name a dead rank
+
+    def _start_watch(self, world: World, endpoint: tuple[str | None, int | None]) -> PeerWatch | None:
+        """A started :class:`PeerWatch` when the world spans several hosts and a timeout is set."""
+        host, port = endpoint
+        if world.size <= world.local_size or not self.config.peer_timeout_seconds or not host or not port:
+            return None
+        # Unique per world: the agent's store outlives restarts and init/shutdown cycles.
+        prefix = (f"hvd_hb/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_runtimes_created}")
+        watch = PeerWatch(store_host=host, store_port=port, key_prefix=prefix, rank=world.rank,
+                          size=world.size, timeout_seconds=self.config.peer_timeout_seconds,
+                          job_dir=os.environ.get("HVDRUN_JOB_DIR"))
+        watch.start()
+        return watch
 
     @property
     def next_set_id(self) -> int:
@@ -94,7 +119,10 @@ class CommRuntime:
             pset.coordinator.timeline = timeline
 
     def close(self) -> None:
-        """Flush the timeline and drop every process set's group handles (see ``shutdown``)."""
+        """Stop the heartbeat, flush the timeline and drop every process set's group handles
+        (see ``shutdown``)."""
+        if self.peer_watch is not None:
+            self.peer_watch.stop()
         if self.timeline is not None:
             self.timeline.close()
         for pset in [*self.sets.values(), getattr(self, "global_set", None)]:

@@ -99,6 +99,7 @@ def _start_world(
     info = detect_launch_env(environ)
     device, backend = _pick_device(info.local_rank, backend, info.local_size)
     timeout = timedelta(seconds=timeout_seconds)
+    endpoint = (info.master_addr, info.master_port)  # the job's store, for the heartbeat
     if not dist.is_initialized():
         if info.size == 1 and info.master_addr is None:
             # A world of one needs no rendezvous: an in-process store keeps every collective
@@ -126,7 +127,7 @@ def _start_world(
     runtime = CommRuntime(config or CommConfig.from_env(environ), info.rank)
     world = replace(_world_from_group(info, device, backend), runtime=runtime)
     set_current(world)
-    runtime.attach(world)
+    runtime.attach(world, endpoint)
     _shutdown_at_exit()
     return world
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hvd_trainer.launch.failures import describe_exit, root_failure
+from hvd_trainer.launch.partition_watch import forget_partition_records
 
 __all__ = ["AgentWatch", "read_user_errors", "watch_supported"]
 
@@ -94,6 +95,7 @@ class AgentWatch:
         _forget(self.job_dir)  # a record written because a peer died must not stop the next attempt
         if agent._remaining_restarts <= 0 or not failures:
             return
+        forget_partition_records(self.job_dir)  # this agent is not stuck: it restarts the workers
         self.restarts_used += 1
         rank, first = root_failure(failures)[0]
         print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "

@@ -15,8 +15,10 @@ import uuid
 import zlib
 
 from hvd_trainer.comm.world import free_port
+from hvd_trainer.launch.agent_identity import AgentIdentity
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
+from hvd_trainer.launch.ssh import carried_env
 
 __all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args",
            "mpirun_command", "pick_port", "find_mpirun", "restarts"]
@@ -35,9 +37,7 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HOROVOD_CYCLE_TIME"] = f"{opts.cycle_time_ms:g}"
     if opts.timeline_filename is not None:
         env["HOROVOD_TIMELINE"] = os.path.abspath(opts.timeline_filename)
-    if opts.network_interface is not None:
-        env["GLOO_SOCKET_IFNAME"] = opts.network_interface
-        env["NCCL_SOCKET_IFNAME"] = opts.network_interface
+    env.update(_interface_env(opts))
     if opts.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if opts.output_filename is not None:
@@ -51,6 +51,18 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def _interface_env(opts: HvdrunOptions) -> dict[str, str]:
+    """The NIC of gloo/NCCL: ``--network-interface``, else ``lo`` on one host (where they would
+    otherwise listen on the address the hostname resolves to, reachable from other machines)
+    unless the user's environment already names one."""
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    if opts.network_interface is not None:
+        return dict.fromkeys(names, opts.network_interface)
+    if opts.multi_host:
+        return {}
+    return {name: "lo" for name in names if name not in os.environ}
 
 
 def restarts(opts: HvdrunOptions) -> int:
@@ -125,12 +137,15 @@ def _rdzv_id(opts: HvdrunOptions) -> str:
     return f"hvdrun-{zlib.crc32(key.encode()):08x}"
 
 
-def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
+def torchrun_args(opts: HvdrunOptions, port: int, agent: AgentIdentity | None = None) -> list[str]:
     """Arguments of ``python -m torch.distributed.run`` (without those three words).
 
     Single host without restarts: static rendezvous on ``127.0.0.1:port``. Restarts or several
     hosts: c10d rendezvous at ``<first host>:port`` (loopback on a single host) with
     ``--nnodes=MIN:MAX`` counted in hosts. ``--start-timeout`` becomes the rendezvous timeout.
+    ``agent`` (several hosts): which host this agent runs on; it says whether the agent hosts the
+    rendezvous (c10d ``is_host``, instead of torchrun's guess from hostnames) and which address it
+    announces (``--local-addr``).
     """
     wait = opts.start_timeout_seconds
     if opts.elastic and opts.elastic_timeout_seconds is not None:
@@ -140,10 +155,15 @@ def torchrun_args(opts: HvdrunOptions, port: int) -> list[str]:
     max_restarts = restarts(opts)
     if opts.multi_host or max_restarts > 0:
         host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
+        conf = f"join_timeout={timeout}"
+        if agent is not None:
+            conf += f",is_host={'true' if agent.index == 0 else 'false'}"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",
-                 f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf=join_timeout={timeout}"]
+                 f"--rdzv-id={_rdzv_id(opts)}", f"--rdzv-conf={conf}"]
         if not opts.multi_host:
             args.append("--local-addr=127.0.0.1")
+        elif agent is not None:
+            args.append(f"--local-addr={agent.address}")
     else:
         args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
     args.append(f"--max-restarts={max_restarts}")
@@ -178,9 +198,8 @@ def mpirun_command(opts: HvdrunOptions, port: int) -> list[str]:
            "-x", f"MASTER_ADDR={master}", "-x", f"MASTER_PORT={port}"]
     for key, value in sorted(worker_env(opts).items()):
         cmd += ["-x", f"{key}={value}"]
-    for key in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH"):
-        if key in os.environ:
-            cmd += ["-x", key]
+    for key in sorted(carried_env(os.environ)):  # what the ssh launch carries: PATH, HOROVOD_*, ...
+        cmd += ["-x", key]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         # Open MPI refuses to start as root unless told; containers commonly run as root.
         cmd += ["--allow-run-as-root"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-__all__ = ["ENV_FLAGS", "NOTES", "MPI_ONLY_NOTES", "add_horovod_flags", "flag_env", "notes_for",
+__all__ = ["ENV_FLAGS", "NOTES", "MPI_ONLY_NOTES", "SSH_NOTES", "add_horovod_flags", "flag_env", "notes_for",
            "mpirun_extra_args"]
 
 ENV_FLAGS: dict[str, str] = {
@@ -26,6 +26,7 @@ ENV_FLAGS: dict[str, str] = {
     "autotune_warmup_samples": "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
     "autotune_steps_per_sample": "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
     "autotune_bayes_opt_max_samples": "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    "gloo_timeout_seconds": "HOROVOD_GLOO_TIMEOUT_SECONDS",
 }
 """Flag (argparse dest) -> worker variable it is exported as (``--no-stall-check`` sets
 ``HOROVOD_STALL_CHECK_DISABLE=1``)."""
@@ -48,8 +49,6 @@ NOTES: dict[str, str] = {
     "mpi_threads_disable": "ignored: hvd_trainer does not run MPI collectives (mpirun only starts processes)",
     "num_nccl_streams": "ignored: NCCL streams are chosen by torch.distributed",
     "thread_affinity": "ignored: hvd_trainer starts no background thread to pin",
-    "gloo_timeout_seconds": "ignored: the collective timeout is init(timeout_seconds=...) and "
-                            "the stall check (--stall-check-shutdown-time-seconds)",
     "log_without_timestamp": "ignored: hvdrun's own lines carry no timestamp",
     "log_hide_timestamp": "ignored: hvdrun's own lines carry no timestamp",
     "host_discovery_script": "not run: torchrun's rendezvous admits the hosts that start the same "
@@ -59,14 +58,19 @@ NOTES: dict[str, str] = {
 }
 """Flag (argparse dest) -> why it has no effect under hvdrun (one line each)."""
 
+SSH_NOTES: dict[str, str] = {
+    "ssh_port": "ignored without --mpi or other hosts to start over ssh (-H, no --no-ssh)",
+    "ssh_identity_file": "ignored without --mpi or other hosts to start over ssh (-H, no --no-ssh)",
+}
+"""ssh flags, honoured with ``--mpi`` (mpirun arguments) or other hosts (hvdrun's ssh), else noted."""
+
 MPI_ONLY_NOTES: dict[str, str] = {
-    "ssh_port": "ignored without --mpi: hvdrun starts nothing over ssh (run it on every host)",
-    "ssh_identity_file": "ignored without --mpi: hvdrun starts nothing over ssh (run it on every host)",
     "mpi_args": "ignored without --mpi",
     "tcp": "ignored without --mpi: gloo and torchrun's rendezvous use TCP already",
     "binding_args": "ignored without --mpi: torchrun does not bind processes",
 }
 """Flags honoured with ``--mpi`` (as mpirun arguments) and noted without it."""
+
 
 
 def add_horovod_flags(p: argparse.ArgumentParser) -> None:
@@ -76,8 +80,8 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jsrun", action="store_true", help="accepted with a note (not supported)")
     p.add_argument("--disable-cache", action="store_true", help="accepted, no effect")
     p.add_argument("--config-file", help="accepted with a note (not read)")
-    p.add_argument("-p", "--ssh-port", type=int, help="--mpi: ssh port for mpirun's remote starts")
-    p.add_argument("-i", "--ssh-identity-file", help="--mpi: ssh key for mpirun's remote starts")
+    p.add_argument("-p", "--ssh-port", type=int, help="sshd port of the other hosts (hvdrun's/mpirun's ssh)")
+    p.add_argument("-i", "--ssh-identity-file", help="ssh private key for the other hosts")
     p.add_argument("--cache-capacity", type=int, help="accepted, no effect")
     for name in ("hierarchical-allreduce", "hierarchical-allgather", "torus-allreduce"):
         p.add_argument(f"--{name}", f"--no-{name}", action="store_true", help="accepted, no effect")
@@ -103,7 +107,8 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--binding-args", help="--mpi: replaces '--bind-to none --map-by slot'")
     p.add_argument("--num-nccl-streams", type=int, help="accepted, no effect")
     p.add_argument("--thread-affinity", type=int, help="accepted, no effect")
-    p.add_argument("--gloo-timeout-seconds", type=int, help="accepted, no effect")
+    p.add_argument("--gloo-timeout-seconds", type=float,
+                   help="several hosts: a peer silent S seconds is unreachable (default 20; 0: never)")
     p.add_argument("--log-level", choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
                    help="exported as HOROVOD_LOG_LEVEL")
     p.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_without_timestamp",
@@ -128,18 +133,21 @@ def flag_env(ns: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def notes_for(ns: argparse.Namespace) -> list[str]:
-    """``hvdrun: note: --flag ...`` lines for the given flags that do not apply."""
+def notes_for(ns: argparse.Namespace, ssh: bool = False) -> list[str]:
+    """``hvdrun: note: --flag ...`` lines for the given flags that do not apply (``ssh``: hvdrun
+    starts other hosts over ssh, so ``-p``/``-i`` apply)."""
     notes = dict(NOTES)
     if not ns.mpi:
         notes.update(MPI_ONLY_NOTES)
+        if not ssh:
+            notes.update(SSH_NOTES)
     return [f"hvdrun: note: --{dest.replace('_', '-')}: {why}." for dest, why in notes.items()
             if _given(ns, dest)]
 
 
 def mpirun_extra_args(ns: argparse.Namespace) -> tuple[list[str] | None, list[str]]:
     """``(binding, extra)`` mpirun arguments for ``--binding-args`` (``None``: the default binding)
-    and for ``-p``/``-i``/``--tcp``/``--mpi-args`` (appended before the command)."""
+    and for ``-p``/``-i``/``--ssh-option``/``--tcp``/``--mpi-args`` (appended before the command)."""
     binding = shlex.split(ns.binding_args) if ns.binding_args else None
     extra: list[str] = []
     ssh = []
@@ -147,6 +155,8 @@ def mpirun_extra_args(ns: argparse.Namespace) -> tuple[list[str] | None, list[st
         ssh += ["-p", str(ns.ssh_port)]
     if ns.ssh_identity_file:
         ssh += ["-i", ns.ssh_identity_file]
+    for option in getattr(ns, "ssh_option", None) or []:
+        ssh += ["-o", option]
     if ssh:
         extra += ["--mca", "plm_rsh_args", shlex.join(ssh)]
     if ns.tcp:

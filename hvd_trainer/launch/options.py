@@ -67,6 +67,18 @@ class HvdrunOptions:
     """``--prefix-output-with-timestamp``: every output line's prefix has a UTC time."""
     notes: list[str] = field(default_factory=list)
     """``hvdrun: note: ...`` lines for given flags that do not apply (printed at launch)."""
+    ssh_port: int | None = None
+    """``-p``: port of the other hosts' sshd (ssh mode; with ``--mpi``, mpirun's)."""
+    ssh_identity_file: str | None = None
+    """``-i``: private key for ssh to the other hosts."""
+    ssh_options: list[str] = field(default_factory=list)
+    """``--ssh-option K=V``: extra ``ssh -o`` options (e.g. ``UserKnownHostsFile=...``)."""
+    no_ssh: bool = False
+    """Same-line mode: start only this host's agent (the same hvdrun line runs on every host)."""
+    this_host: str | None = None
+    """The ``-H`` entry this machine is (set by the launching hvdrun over ssh; else detected)."""
+    argv: list[str] = field(default_factory=list)
+    """hvdrun's own arguments as given (the other hosts' agents get them over ssh)."""
 
     def __post_init__(self) -> None:
         if self.num_proc < 1:
@@ -86,8 +98,14 @@ class HvdrunOptions:
         if self.device not in ("auto", "cuda", "cpu"):
             raise HvdrunError(f"--device must be auto, cuda or cpu, got {self.device!r}.")
         self._check_elastic()
-        self.hosts = assign_processes(self.hosts or [HostSlots(host="localhost", slots=self.num_proc)],
-                                      self.num_proc)
+        self._assign_hosts()
+
+    def _assign_hosts(self) -> None:
+        given = self.hosts or [HostSlots(host="localhost", slots=self.num_proc)]
+        # Elastic: every listed host may take part (torchrun admits up to --max-np worth of hosts;
+        # the others wait as spares and replace a lost one), so none is dropped.
+        wanted = max(self.num_proc, sum(h.slots for h in given)) if self.elastic else self.num_proc
+        self.hosts = assign_processes(given, wanted)
         counts = {h.slots for h in self.hosts}
         if len(counts) > 1:
             raise HvdrunError(
@@ -95,6 +113,8 @@ class HvdrunOptions:
                 "host; torchrun runs the same number on every host. "
                 "HINT: make -np a multiple of the slots per host, or give every host the same slots."
             )
+        if self.this_host is not None and self.this_host not in [h.host for h in self.hosts]:
+            raise HvdrunError(f"--this-host {self.this_host!r} is not one of the hosts {self.hosts_spec}.")
 
     def _check_elastic(self) -> None:
         lo = self.min_np if self.min_np is not None else self.num_proc
@@ -155,12 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rdzv-id", help="job id shared by all hosts of a multi-host run")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
                    help="auto: CUDA when available; cpu hides GPUs from the workers")
+    p.add_argument("--no-ssh", action="store_true",
+                   help="same-line mode: start only this host's share; run this line on every host")
+    p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra 'ssh -o' option for starting the other hosts (repeatable)")
+    p.add_argument("--this-host", help=argparse.SUPPRESS)
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="print the available frameworks and transports, then exit")
     p.add_argument("--dry-run", action="store_true", help="print the underlying command and exit")
     add_horovod_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each rank runs")
     return p
+
+
+def _uses_ssh(ns: argparse.Namespace, hosts: list[HostSlots]) -> bool:
+    """Whether hvdrun itself starts other hosts over ssh (torchrun mode, a non-loopback host)."""
+    return not (ns.mpi or ns.no_ssh or ns.this_host) and any(not h.is_local for h in hosts)
 
 
 def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.Namespace]:
@@ -170,7 +200,8 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
         HvdrunError: unknown flags, missing ``-np``, both ``-H`` and ``--hostfile``, or
             impossible values (see :class:`HvdrunOptions`).
     """
-    ns = build_parser().parse_args(list(argv))
+    argv = list(argv)
+    ns = build_parser().parse_args(argv)
     if ns.check_build or ns.version:
         return None, ns
     if ns.mpi and (ns.gloo or ns.jsrun):
@@ -193,6 +224,8 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
         max_restarts=ns.max_restarts, port=ns.port, rdzv_id=ns.rdzv_id, device=ns.device,
         dry_run=ns.dry_run, extra_env=flag_env(ns), mpi_binding=binding, mpi_extra=extra,
         elastic_timeout_seconds=ns.elastic_timeout, prefix_timestamp=ns.prefix_timestamp,
-        notes=notes_for(ns),
+        notes=notes_for(ns, ssh=_uses_ssh(ns, hosts)), ssh_port=ns.ssh_port,
+        ssh_identity_file=ns.ssh_identity_file, ssh_options=list(ns.ssh_option), no_ssh=ns.no_ssh,
+        this_host=ns.this_host, argv=list(argv),
     )
     return opts, ns

@@ -18,9 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvd_trainer.comm.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
 from hvd_trainer.launch.failures import describe_exit, exit_status, root_failure
 from hvd_trainer.launch.loopback import use_loopback_store
+from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
 
 __all__ = ["run_torchrun", "run_mpirun", "describe_exit"]
 
@@ -87,7 +89,8 @@ def run_torchrun(
         os.environ[JOB_DIR_ENV] = job_dir
         watch = AgentWatch(Path(job_dir), max_restarts)
         try:
-            return _run_watched(args, watch, start_timeout_seconds)
+            with PartitionWatch(Path(job_dir)):
+                return _run_watched(args, watch, start_timeout_seconds)
         finally:
             os.environ.pop(JOB_DIR_ENV, None)
 
@@ -105,6 +108,9 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
             return _report_user_error(watch.user_error, exc.failures, watch)
         if watch.max_restarts > 0:
             print(watch.summary(), file=sys.stderr, flush=True)
+        partition = partition_line(read_records(watch.job_dir))
+        if partition is not None:  # the ranks' exit codes only say "a peer failed"
+            print(partition, file=sys.stderr, flush=True)
         return _report_failures(exc.failures, time.monotonic() - start)
     except SignalException as exc:
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",

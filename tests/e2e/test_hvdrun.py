@@ -66,8 +66,8 @@ def test_busy_forced_port_is_reported_before_start() -> None:
 
 
 def test_missing_host_is_reported_within_start_timeout() -> None:
-    # localhost hosts the c10d rendezvous; the second host never starts its hvdrun.
-    res = hvdrun(["-np", "4", "-H", "localhost:2,host-that-never-joins:2", "--start-timeout", "3",
+    # localhost hosts the c10d rendezvous; the second host never starts its hvdrun (same-line mode).
+    res = hvdrun(["-np", "4", "-H", "localhost:2,host-that-never-joins:2", "--no-ssh", "--start-timeout", "3",
                   "python", WORKER, "none", "0", "0"], timeout=90)
     assert res.returncode == 1, res.explain()
     assert "not every host joined the rendezvous within 3 s" in res.output, res.explain()

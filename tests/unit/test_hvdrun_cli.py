@@ -21,6 +21,8 @@ DRY_RUNS = [
     ("single-host", ["-np", "2", "train.py", "--lr", "1"],
      ["-m torch.distributed.run", "--nproc-per-node=2", "--nnodes=1", "--master-addr=127.0.0.1",
       "--rdzv-conf=timeout=30", "--max-restarts=0", f"--no-python {RUN} train.py --lr 1"]),
+    ("single-host-listens-on-loopback", ["-np", "2", "x.py"],
+     ["GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=lo"]),
     ("python-word-uses-our-interpreter", ["-np", "1", "--", "python", "-c", "pass"],
      [f"--no-python {RUN} -c pass"]),
     ("worker-env", ["-np", "1", "--fusion-threshold-mb", "1.5", "--cycle-time-ms", "5",

@@ -68,7 +68,7 @@ FLAGS = [
     (["--binding-args=--bind-to core"], "err", "note: --binding-args:"),
     (["--num-nccl-streams", "2"], "err", "note: --num-nccl-streams:"),
     (["--thread-affinity", "1"], "err", "note: --thread-affinity:"),
-    (["--gloo-timeout-seconds", "60"], "err", "note: --gloo-timeout-seconds:"),
+    (["--gloo-timeout-seconds", "60"], "out", "HOROVOD_GLOO_TIMEOUT_SECONDS=60"),
     (["--log-level", "DEBUG"], "out", "HOROVOD_LOG_LEVEL=DEBUG"),
     (["--log-without-timestamp"], "err", "note: --log-without-timestamp:"),
     (["--log-hide-timestamp"], "err", "note: --log-without-timestamp:"),

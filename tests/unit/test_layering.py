@@ -57,7 +57,8 @@ COMM_ROWS = (
     ("process_set",),
     ("checks",),
     ("timeline", "build_info", "optimizer_args"),
-    ("world", "liveness", "join_board", "flatten", "ops", "arguments", "compression", "autotune"),
+    ("world", "liveness", "heartbeat", "membership", "join_board", "flatten", "ops", "arguments",
+     "compression", "autotune"),
     ("store", "config", "launch_env", "errors", "fatal"),
     ("_torch_compat",),
 )
