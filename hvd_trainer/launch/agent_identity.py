@@ -30,6 +30,7 @@ class AgentIdentity:
     address it announces."""
 
     index: int
+    """Position in ``-H`` (0: the rendezvous host; -1: an elastic host not listed in ``-H``)."""
     host: str
     address: str
 
@@ -98,17 +99,23 @@ def _check_rendezvous_host(hosts: list[HostSlots], index: int) -> None:
             ) from None
 
 
-def identify(hosts: list[HostSlots], this_host: str | None, network_interface: str | None) -> AgentIdentity:
+def identify(hosts: list[HostSlots], this_host: str | None, network_interface: str | None,
+             elastic: bool = False) -> AgentIdentity:
     """The identity of the agent started here for ``hosts`` (``this_host``: given by the launching
-    hvdrun over ssh, else detected).
+    hvdrun over ssh, else detected). ``elastic``: a machine not in ``hosts`` may join (as a host
+    that does not host the rendezvous, announcing its hostname).
 
     Raises:
-        HvdrunError: this machine is none of ``hosts``, is the first host only by a hostname that
-            does not resolve to it, the first host does not resolve, or ``network_interface``
-            does not exist here.
+        HvdrunError: this machine is none of ``hosts`` (and the job is not elastic), is the first
+            host only by a hostname that does not resolve to it, the first host does not resolve,
+            or ``network_interface`` does not exist here.
     """
     names = [h.host for h in hosts]
     index = names.index(this_host) if this_host is not None else find_this_host(hosts)
+    if index is None and elastic:
+        _check_rendezvous_host(hosts, -1)
+        address = socket.gethostname() if network_interface is None else interface_address(network_interface)
+        return AgentIdentity(index=-1, host=socket.gethostname(), address=address)
     if index is None:
         mine = ", ".join(local_addresses()) or "none"
         raise HvdrunError(

@@ -160,7 +160,8 @@ def _launch(opts: HvdrunOptions) -> int:
             opts.argv = ["--rdzv-id", opts.rdzv_id, *opts.argv]
         agent = _ssh_agent(opts)
     else:
-        agent = identify(opts.hosts, opts.this_host, opts.network_interface) if opts.multi_host else None
+        agent = (identify(opts.hosts, opts.this_host, opts.network_interface, opts.elastic)
+                 if opts.multi_host else None)
     if agent is not None and opts.network_interface is None:
         env.update(interface_env(agent, {**os.environ, **env}))
     cmd = build_torchrun_command(opts, port, agent)

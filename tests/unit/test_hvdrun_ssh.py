@@ -89,6 +89,12 @@ def test_same_line_on_a_machine_not_in_the_list_is_one_line(capsys) -> None:
     assert len(err.splitlines()) == 1 and "is none of the hosts hvd-no-such-a,hvd-no-such-b" in err
 
 
+def test_elastic_same_line_on_an_unlisted_machine_joins_without_hosting(capsys) -> None:
+    lines, _ = _dry(["-np", "2", "-H", "10.255.255.1:1,10.255.255.2:1", "--no-ssh", "--min-np", "1",
+                     "--max-np", "3", "x.py"], capsys)
+    assert "is_host=false" in lines[-1] and f"--local-addr={socket.gethostname()}" in lines[-1]
+
+
 def test_first_host_by_hostname_only_is_named_with_the_fix(monkeypatch) -> None:
     monkeypatch.setattr(socket, "gethostname", lambda: "hvd-unresolvable-name")
     hosts = [HostSlots("hvd-unresolvable-name", 2), HostSlots("b", 2)]
