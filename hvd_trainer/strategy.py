@@ -47,7 +47,7 @@ from torch.distributed.nn.functional import all_gather as differentiable_all_gat
 from typing_extensions import override
 
 from hvd_trainer import comm
-from hvd_trainer.comm.autotune import AutotuneConfig
+from hvd_trainer.comm.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.flatten import flat_collective_
 from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
@@ -551,11 +551,10 @@ def _fusion_config(threshold: int | None, first: int | None,
                    autotune: bool | AutotuneConfig | None = None) -> FusionConfig:
     kwargs: dict[str, Any] = {}
     if autotune is not None:
-        if not isinstance(autotune, bool | AutotuneConfig):
-            raise StrategyConfigError(
-                f"autotune={autotune!r} must be True, False, None or an AutotuneConfig."
-            )
-        kwargs["autotune"] = (AutotuneConfig() if autotune is True else autotune) or None
+        try:
+            kwargs["autotune"] = resolve_autotune(autotune)
+        except TypeError as exc:
+            raise StrategyConfigError(str(exc)) from None
     for name, value in (("fusion_threshold_bytes", threshold), ("first_bucket_bytes", first)):
         if value is None:
             continue

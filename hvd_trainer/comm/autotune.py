@@ -35,13 +35,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["AutotuneConfig", "Candidate", "Autotuner", "candidate_thresholds", "LOG_COLUMNS"]
+__all__ = ["AutotuneConfig", "Candidate", "Autotuner", "candidate_thresholds", "resolve_autotune",
+           "LOG_COLUMNS"]
 
 _MIB = 1024 * 1024
 
 LOG_COLUMNS = ("sample", "round", "fusion_threshold_bytes", "first_bucket_bytes", "num_buckets",
                "step_seconds", "status")
-"""Columns of the autotune CSV log. ``status``: ``warmup`` (discarded), ``sample``, ``best``."""
+"""Columns of the autotune CSV log. ``status``: ``warmup`` (discarded), ``sample``, ``best``, or
+``only_layout`` (every candidate buckets the gradients the same way: nothing to search)."""
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -85,14 +87,16 @@ class AutotuneConfig:
                 raise ValueError(f"AutotuneConfig.{name}={getattr(self, name)} must be >= 0.")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> AutotuneConfig | None:
-        """The config ``HOROVOD_AUTOTUNE*`` asks for; ``None`` when ``HOROVOD_AUTOTUNE`` is unset/0.
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, force: bool = False
+                 ) -> AutotuneConfig | None:
+        """The config ``HOROVOD_AUTOTUNE*`` asks for; ``None`` when ``HOROVOD_AUTOTUNE`` is unset/0
+        (``force``: the settings of the other variables even then).
 
         Raises:
             ValueError: a variable that is not an integer or is out of range.
         """
         env = os.environ if environ is None else environ
-        if env.get("HOROVOD_AUTOTUNE", "") in ("", "0"):
+        if not force and env.get("HOROVOD_AUTOTUNE", "") in ("", "0"):
             return None
         return cls(
             warmup_samples=_env_int(env, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, 0),
@@ -100,6 +104,25 @@ class AutotuneConfig:
             max_samples=_env_int(env, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, 1),
             log_file=env.get("HOROVOD_AUTOTUNE_LOG") or None,
         )
+
+
+def resolve_autotune(value: bool | AutotuneConfig | None) -> AutotuneConfig | None:
+    """The one reading of an ``autotune=`` option: ``None`` -> ``HOROVOD_AUTOTUNE`` decides;
+    ``True`` -> on, with the ``HOROVOD_AUTOTUNE_*`` settings (``hvdrun --autotune-log-file`` etc.);
+    ``False`` -> off; an :class:`AutotuneConfig` -> itself.
+
+    Raises:
+        TypeError: any other value. ValueError: a bad ``HOROVOD_AUTOTUNE_*`` variable.
+    """
+    if value is None:
+        return AutotuneConfig.from_env()
+    if value is True:
+        return AutotuneConfig.from_env(force=True)
+    if value is False:
+        return None
+    if isinstance(value, AutotuneConfig):
+        return value
+    raise TypeError(f"autotune={value!r} must be True, False, None or an AutotuneConfig.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +174,12 @@ class Autotuner:
         self._skip = config.warmup_steps_per_sample
         self._times: list[float] = []
         self._sample_no = 0
-        if not self.done and config.log_file and rank == 0:
+        if config.log_file and rank == 0:
             Path(config.log_file).parent.mkdir(parents=True, exist_ok=True)
             with open(config.log_file, "w", newline="") as f:
                 csv.writer(f).writerow(LOG_COLUMNS)
+            if self.done:  # nothing to search: say so instead of leaving no file
+                self._log(self.candidates[0], float("nan"), "only_layout")
 
     @property
     def current(self) -> int:

@@ -594,10 +594,14 @@ class Coordinator:
         self._checked_seqs = keep
 
     def _diagnose_failure(self, op: Op, exc: BaseException) -> None:
-        """The transport failed (e.g. a peer exited): raise a mismatch instead if one is known."""
+        """The transport failed (e.g. a peer exited): raise a mismatch instead if one is known,
+        else name the dead peer; when the store is gone too, its host died (RankFailedError)."""
         try:
             entries = self._read_entries(op.seq)
             entries.setdefault(self.rank, op.sig.encode())
+        except dist.DistNetworkError:  # the store went with the failed peer: say so
+            with self._store_lost(op):
+                raise
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
         if len(set(entries.values())) > 1:

@@ -45,7 +45,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvd_trainer.comm.autotune import AutotuneConfig, Autotuner, Candidate, candidate_thresholds
+from hvd_trainer.comm.autotune import (
+    AutotuneConfig,
+    Autotuner,
+    Candidate,
+    candidate_thresholds,
+    resolve_autotune,
+)
 from hvd_trainer.comm.checks import Signature
 from hvd_trainer.comm.compression import Compression, Compressor
 from hvd_trainer.comm.config import default_fusion_threshold_bytes
@@ -70,9 +76,10 @@ class FusionConfig:
     first_bucket_bytes: int = 1 * _MIB
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
     early in backward."""
-    autotune: AutotuneConfig | None = field(default_factory=AutotuneConfig.from_env)
-    """Search the bucket layout during the first steps (:mod:`hvd_trainer.comm.autotune`);
-    ``None``: the layout above, fixed. Default: from ``HOROVOD_AUTOTUNE*``."""
+    autotune: AutotuneConfig | bool | None = field(default_factory=AutotuneConfig.from_env)
+    """Search the bucket layout during the first steps (:mod:`hvd_trainer.comm.autotune`):
+    an ``AutotuneConfig``, ``True`` (on, settings from ``HOROVOD_AUTOTUNE_*``), ``False``/``None``
+    (the layout above, fixed). Default: from ``HOROVOD_AUTOTUNE*``. Stored resolved."""
 
     def __post_init__(self) -> None:
         if self.fusion_threshold_bytes < 0:
@@ -81,6 +88,8 @@ class FusionConfig:
             )
         if self.first_bucket_bytes < 0:
             raise ValueError(f"first_bucket_bytes={self.first_bucket_bytes} must be >= 0.")
+        if self.autotune is not None:
+            self.autotune = resolve_autotune(self.autotune)
 
 
 class _Bucket:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-import pkgutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,13 +148,15 @@ def _import_recipe(name: str) -> ModuleType:
         ConfigError: there is no such recipe (the message lists the available ones).
     """
     package = _recipe_package()
+    parent = importlib.import_module(package)
+    available = [n for n, _ in list_recipes(list(parent.__path__))]
+    if name.startswith("_"):  # a recipe's helper module, not a recipe
+        raise ConfigError(f"no recipe {name!r}; available: {available}")
     try:
         return importlib.import_module(f"{package}.{name}")
     except ModuleNotFoundError as exc:
         if exc.name != f"{package}.{name}":
             raise
-        parent = importlib.import_module(package)
-        available = sorted(m.name for m in pkgutil.iter_modules(parent.__path__))
         raise ConfigError(f"no recipe {name!r}; available: {available}") from None
 
 

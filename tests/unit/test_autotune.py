@@ -103,3 +103,27 @@ def test_strategy_option(monkeypatch) -> None:
     assert HorovodStrategy(autotune=False)._fusion.autotune is None
     with pytest.raises(StrategyConfigError, match="autotune="):
         HorovodStrategy(autotune="yes")
+
+
+def test_true_takes_the_hvdrun_settings_and_fusion_config_accepts_it(monkeypatch, tmp_path) -> None:
+    from hvd_trainer.comm import FusionConfig
+
+    log = str(tmp_path / "at.csv")
+    monkeypatch.delenv("HOROVOD_AUTOTUNE", raising=False)
+    monkeypatch.setenv("HOROVOD_AUTOTUNE_LOG", log)               # hvdrun --autotune-log-file
+    monkeypatch.setenv("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "4")
+    want = AutotuneConfig(steps_per_sample=4, log_file=log)
+    assert HorovodStrategy(autotune=True)._fusion.autotune == want
+    assert FusionConfig(autotune=True).autotune == want
+    assert FusionConfig(autotune=False).autotune is None
+    assert FusionConfig().autotune is None                           # HOROVOD_AUTOTUNE unset
+    with pytest.raises(TypeError, match="autotune="):
+        FusionConfig(autotune="yes")
+
+
+def test_a_single_layout_still_writes_the_log(tmp_path) -> None:
+    log = tmp_path / "one.csv"
+    tuner = Autotuner([Candidate(MIB, MIB, 1)], AutotuneConfig(log_file=str(log)), rank=0)
+    assert tuner.done
+    rows = list(csv.reader(log.open()))
+    assert tuple(rows[0]) == LOG_COLUMNS and rows[1][-1] == "only_layout" and len(rows) == 2

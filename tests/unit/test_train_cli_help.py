@@ -95,3 +95,12 @@ def test_result_line_carries_the_gpt_fields() -> None:
                           "tokens_per_s": 16709.14, "steps": 500})
     assert line == ("RESULT world_size=2 val_acc=0.40 epochs=0 samples_per_s=130.6 wall_s=78.1 "
                     "val_loss=2.4081 unigram_loss=3.3222 tokens_per_s=16709.1 steps=500")
+
+
+def test_unknown_or_helper_recipe_names_list_only_recipes() -> None:
+    for name in ("nope", "_gpt_data"):
+        with pytest.raises(train_cli.ConfigError) as info:
+            train_cli._import_recipe(name)
+        message = str(info.value)
+        said, _, available = message.partition("available:")
+        assert f"no recipe {name!r}" in said and "'gpt'" in available and "_gpt" not in available
