@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +34,13 @@ pytestmark = pytest.mark.timeout(240)
 def spark() -> Iterator[SparkSession]:
     """A local[2] Spark session without UI, stopped (JVM included) at the end. Its JVM, Python
     workers and torchrun's processes get this checkout on PYTHONPATH (they import
-    tests.engines._loops) and no launcher variables of the test process."""
+    tests.engines._loops), this interpreter, and no launcher variables of the test process."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        # executors start Python workers with PYSPARK_PYTHON (default: the first python3 on PATH,
+        # which under `make test` is not the venv's and lacks pyarrow, torch and hvd_trainer)
+        patch.setenv("PYSPARK_PYTHON", sys.executable)
+        patch.setenv("PYSPARK_DRIVER_PYTHON", sys.executable)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             patch.delenv(name, raising=False)
         session = (SparkSession.builder.master("local[2]").appName("hvd_trainer-tests")
