@@ -1,20 +1,27 @@
 """Per-step cost of DistributedOptimizer's allreduce in Keras ``fit``, per backend.
 
-For each backend, two processes (hvdrun) fit the same MLP twice, alternating: with
-``DistributedOptimizer`` (gradients averaged over the 2 ranks every step) and with the plain
-optimizer (no allreduce). Both runs use the same processes, data and thread settings, so the
-ratio isolates the communication path (TF: numpy bridge + one fused gloo allreduce; torch:
-hook-driven buckets). Prints the median per-step times and one line:
+For each backend, two processes (hvdrun) fit the same MLP, alternating ``--repeats`` times in
+the same processes (so machine noise hits all variants alike):
 
-    RATIO keras_tf_comm_overhead=<x> keras_tf_overhead_vs_bare_allreduce=<y> ...
+* ``plain``: the plain optimizer (no allreduce), the compute of a step;
+* ``dist``: ``hvd_trainer.keras.DistributedOptimizer`` (gradients averaged over the 2 ranks
+  every step; TF: the graph/numpy bridge and one fused gloo allreduce; torch: hook-driven
+  buckets);
+* ``inline``: the plain fit plus one blocking ``hvd_trainer.allreduce_`` of a flat float32
+  buffer as large as all gradients in every step (a callback at the batch's end): the cost of a
+  distributed step with no bridge, hooks or copies (see ``bench/step_overhead.py`` for why it
+  exceeds ``plain + bare``);
+* ``bare``: that allreduce alone, back to back.
 
-``*_overhead_vs_bare_allreduce`` is ``(t_dist - t_plain) / t_allreduce`` (goal <= 1.10): what
-distribution adds to a step, in units of one bare allreduce of the same bytes.
+Step times are medians over epoch 2 (tracing excluded); each ratio is computed per repetition
+and its median printed, per backend (``tf``, ``torch``):
 
-Also printed: the time of one bare comm allreduce of the same number of bytes (the transport
-floor; on a 2-core CPU machine it dominates the overhead).
+    RATIO keras_<b>_comm_overhead=t_dist / t_plain
+    RATIO keras_<b>_overhead_vs_bare_allreduce=(t_dist - t_plain) / t_bare     (goal <= 1.10)
+    RATIO keras_<b>_overhead_vs_inline_allreduce=(t_dist - t_plain) / (t_inline - t_plain)
+    RATIO keras_<b>_inline_overhead_vs_bare_allreduce=(t_inline - t_plain) / t_bare
 
-Usage: python bench/keras_overhead.py [--steps 40] [--hidden 1024] [--batch 128] [--repeats 3]
+Usage: python bench/keras_overhead.py [--steps 40] [--hidden 1024] [--batch 128] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -33,14 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def _worker(args: argparse.Namespace) -> None:
     import keras
     import numpy as np
+    import torch
 
     import hvd_trainer
     import hvd_trainer.keras as hvd_keras
 
     world = hvd_trainer.init()
     if keras.backend.backend() == "torch":
-        import torch
-
         torch.set_num_threads(1)
 
     class StepTimer(keras.callbacks.Callback):
@@ -58,7 +65,16 @@ def _worker(args: argparse.Namespace) -> None:
     x = rs.randn(args.steps * args.batch, 784).astype("float32")
     y = rs.randint(0, 10, size=len(x))
 
-    def median_step(distributed: bool) -> float:
+    params = sum(int(np.prod(s)) for s in [(784, args.hidden), (args.hidden,),
+                                            (args.hidden, args.hidden), (args.hidden,),
+                                            (args.hidden, 10), (10,)])
+    flat = torch.randn(params)
+
+    class InlineAllreduce(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            hvd_trainer.allreduce_(flat, op=hvd_trainer.Sum)
+
+    def median_step(mode: str) -> float:
         keras.utils.set_random_seed(0)
         model = keras.Sequential([
             keras.Input((784,)),
@@ -67,36 +83,30 @@ def _worker(args: argparse.Namespace) -> None:
             keras.layers.Dense(10),
         ])
         opt = keras.optimizers.SGD(0.01, momentum=0.9)
-        model.compile(optimizer=hvd_keras.DistributedOptimizer(opt) if distributed else opt,
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(opt) if mode == "dist" else opt,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         timer = StepTimer()
-        model.fit(x, y, batch_size=args.batch, epochs=2, verbose=0, shuffle=False, callbacks=[timer])
+        callbacks = [InlineAllreduce(), timer] if mode == "inline" else [timer]
+        model.fit(x, y, batch_size=args.batch, epochs=2, verbose=0, shuffle=False, callbacks=callbacks)
         return float(np.median(timer.times[args.steps:]))  # epoch 2 only: tracing excluded
 
-    plain, dist = [], []
+    out: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        plain.append(median_step(False))
-        dist.append(median_step(True))
-    params = sum(int(np.prod(s)) for s in [(784, args.hidden), (args.hidden,),
-                                            (args.hidden, args.hidden), (args.hidden,),
-                                            (args.hidden, 10), (10,)])
-    floor = _raw_allreduce_s(params)
+        for mode in ("plain", "dist", "inline"):
+            out.setdefault(mode, []).append(median_step(mode))
+        out.setdefault("bare", []).append(_raw_allreduce_s(flat))
     if world.rank == 0:
-        print("BENCH " + json.dumps({"plain_s": min(plain), "dist_s": min(dist), "params": params,
-                                     "raw_allreduce_s": floor}), flush=True)
+        print("BENCH " + json.dumps({"params": params, **out}), flush=True)
 
 
-def _raw_allreduce_s(numel: int) -> float:
-    """Median time of one bare comm allreduce of ``numel`` float32 (the transport floor)."""
-    import torch
-
+def _raw_allreduce_s(buf) -> float:
+    """Median time of one bare comm allreduce of the float32 tensor ``buf`` (the transport floor)."""
     import hvd_trainer
 
-    buf = torch.randn(numel)
     times = []
     for i in range(23):
         start = time.perf_counter()
-        hvd_trainer.allreduce_(buf)
+        hvd_trainer.allreduce_(buf, op=hvd_trainer.Sum)
         if i >= 3:
             times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
@@ -120,7 +130,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch (2 epochs per fit)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3, help="alternating fits per variant")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating fits per variant")
     parser.add_argument("--backends", default="tensorflow,torch", help="comma-separated subset")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
@@ -130,19 +140,25 @@ def main() -> None:
     argv = [f"--steps={args.steps}", f"--hidden={args.hidden}", f"--batch={args.batch}",
             f"--repeats={args.repeats}"]
     ratios = {}
-    keys = {"tensorflow": "keras_tf_comm_overhead", "torch": "keras_torch_comm_overhead"}
     for backend in args.backends.split(","):
-        key = keys[backend]
+        key = {"tensorflow": "keras_tf", "torch": "keras_torch"}[backend]
         r = _run_backend(backend, argv)
-        ratios[key] = r["dist_s"] / r["plain_s"]
-        print(f"{backend}: params={r['params']} plain={r['plain_s'] * 1e3:.2f} ms/step "
-              f"distributed={r['dist_s'] * 1e3:.2f} ms/step "
-              f"(bare allreduce of the gradients: {r['raw_allreduce_s'] * 1e3:.2f} ms)", flush=True)
-        # the physical minimum on this machine: one bare fused allreduce of the gradient bytes
-        floor_key = key.replace("_comm_overhead", "_overhead_vs_bare_allreduce")
-        ratios[floor_key] = (r["dist_s"] - r["plain_s"]) / r["raw_allreduce_s"]
+        med = {k: statistics.median(r[k]) * 1e3 for k in ("plain", "dist", "inline", "bare")}
+        print(f"{backend}: params={r['params']} " + " ".join(f"{k}={v:.2f}" for k, v in med.items())
+              + " (ms, medians over repetitions)", flush=True)
+        added = {m: [t - p for t, p in zip(r[m], r["plain"], strict=True)] for m in ("dist", "inline")}
+        rows = {
+            "comm_overhead": (r["dist"], r["plain"]),
+            "overhead_vs_bare_allreduce": (added["dist"], r["bare"]),
+            "overhead_vs_inline_allreduce": (added["dist"], added["inline"]),
+            "inline_overhead_vs_bare_allreduce": (added["inline"], r["bare"]),
+        }
+        for name, (num, den) in rows.items():
+            per_rep = [n / d for n, d in zip(num, den, strict=True)]
+            ratios[f"{key}_{name}"] = statistics.median(per_rep)
+            print(f"  {key}_{name} per repetition: " + " ".join(f"{v:.2f}" for v in per_rep))
+    print(f"load average: {os.getloadavg()[0]:.2f}")
     print("RATIO " + " ".join(f"{k}={v:.3f}" for k, v in ratios.items()), flush=True)
-
 
 if __name__ == "__main__":
     main()

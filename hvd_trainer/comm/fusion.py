@@ -25,15 +25,24 @@ Algorithm:
    same step; then it keeps the fastest layout. Re-bucketing copies the current gradients into
    the new buffers, so results equal a fixed layout's up to summation order.
 
-Copies: every ``.grad`` *is* its bucket view after the hook, and the reduction happens in the
-bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose default
-is ``set_to_none=True``), autograd hands over a fresh tensor and the hook writes it into the
-bucket *scaled by the pre-sum factor* in one pass (``torch.mul(g, f, out=view)``): the copy
-DDP's ``gradient_as_bucket_view`` makes, with the division by N folded in, so no separate pass
-divides the bucket afterwards. With ``zero_grad(set_to_none=False)`` autograd accumulates into
-the view in place and the hook only scales it. Re-pointing ``.grad`` at a zeroed view before
-backward (a tensor pre-hook) was measured too: memset + in-place add cost as much as the copy
-and need one more pass for the scale, so it is not used.
+Copies: every ``.grad`` *is* its bucket view once its bucket launches, and the reduction happens
+in the bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose
+default is ``set_to_none=True``), autograd hands over a fresh tensor, and the bucket copies it in
+*scaled by the pre-sum factor* when its last gradient is ready: the copy DDP's
+``gradient_as_bucket_view`` makes, with the division by N folded in, so no pass divides the
+reduced bucket afterwards. A bucket of few large tensors copies each with ``torch.mul(g, f,
+out=view)`` (one memory pass); a bucket of many small ones with one ``torch._foreach_copy_`` and
+one in-place scale of the bucket (one dispatch instead of one per tensor; ``_FUSE_SCALE_BYTES``).
+With ``zero_grad(set_to_none=False)`` autograd accumulates into the view in place and the bucket
+only scales it. Re-pointing ``.grad`` at a zeroed view before backward (a tensor pre-hook) was
+measured too: memset + in-place add cost as much as the copy and need one more pass for the
+scale, so it is not used.
+
+Hook cost: the per-parameter hook only marks the parameter ready and counts down its bucket
+(``bench/hook_overhead.py``: 14.1 us per parameter per step when each hook copied its own
+gradient, 5.7-6.0 us with the per-bucket copy, of which ~3.7 us is the two buckets' allreduces
+themselves, 101-122 us each in a world of one). Autograd has no hook that fires once for a set of leaves: ``register_multi_grad_hook``
+registers one Python hook per tensor as well, and fires before accumulation into ``.grad``.
 """
 
 from __future__ import annotations
@@ -64,6 +73,11 @@ from hvd_trainer.comm.world import World
 __all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
 
 _MIB = 1024 * 1024
+_FUSE_SCALE_BYTES = 256 * 1024
+"""Mean gradient size per parameter (bytes) from which a bucket copies each gradient with its own
+``torch.mul(..., out=view)`` (one memory pass) instead of one ``torch._foreach_copy_`` of the whole
+bucket plus one in-place scale (two passes, but one dispatch instead of one per parameter). On this
+2-core machine the per-tensor ``mul`` costs ~3.4 us of dispatch, the extra pass ~13 ns per KiB."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,7 +109,7 @@ class FusionConfig:
 class _Bucket:
     __slots__ = (
         "index", "params", "names", "offsets", "flat", "views", "used", "used_flags", "ready",
-        "work", "sig", "grad_numel",
+        "work", "sig", "grad_numel", "grad_flat", "pending", "fuse_scale",
     )
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
@@ -116,8 +130,13 @@ class _Bucket:
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
         self.used = self.flat[self.grad_numel :]
+        self.grad_flat = self.flat[: self.grad_numel]
         self.used_flags = [1.0] * len(params)  # written into ``used`` once per launch
         self.ready = [False] * len(params)
+        self.pending = len(params)  # hooks still to fire before the bucket can launch
+        # Large tensors: copy and scale in one pass each (memory-bound); many small ones: one
+        # multi-tensor copy, then one scale of the whole bucket (dispatch-bound).
+        self.fuse_scale = self.grad_numel * self.flat.element_size() >= _FUSE_SCALE_BYTES * len(params)
         self.work: Reduction | None = None
         self.sig: Signature | None = None
 
@@ -304,45 +323,70 @@ class GradientReducer:
 
     # -- hooks ------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        bucket, pos = self._slot[id(param)]
+        # Runs once per parameter per backward: kept to bookkeeping. The copy into the bucket
+        # happens once per bucket (:meth:`_adopt_bucket`) when its last gradient is ready.
         if not self.require_sync:
             return
-        if bucket.ready[pos] or bucket.work is not None:
+        bucket, pos = self._slot[id(param)]
+        ready = bucket.ready
+        if ready[pos] or bucket.work is not None:
             raise RuntimeError(
                 f"gradient of {bucket.names[pos]!r} was produced twice before the reducer's "
                 "wait(). HINT: call backward once per step, or wrap extra backward passes in "
                 "no_sync() (gradient accumulation)."
             )
-        self._adopt_grad(bucket, pos)
-        bucket.ready[pos] = True
-        self._launch_ready()
+        ready[pos] = True
+        bucket.pending -= 1
+        if not bucket.pending and bucket.index == self._next_launch:
+            self._launch_ready()
 
-    def _adopt_grad(self, bucket: _Bucket, pos: int) -> None:
-        """Make ``param.grad`` the bucket view, multiplied by the pre-sum factor.
+    def _adopt_bucket(self, bucket: _Bucket) -> None:
+        """Make every ``param.grad`` of ``bucket`` its bucket view, multiplied by the pre-sum factor.
 
-        A new tensor from autograd (``.grad`` was ``None``) is copied in and scaled in one pass
-        (``torch.mul(..., out=view)``); a gradient already in the view is scaled in place.
+        A new tensor from autograd (``.grad`` was ``None`` before backward) is copied in; a
+        gradient already in its view (accumulated in place) stays; a missing one becomes zeros
+        (and its "used" flag 0). Few large tensors: ``torch.mul(g, f, out=view)`` each, copy and
+        scale in one pass; many small ones: one ``torch._foreach_copy_`` and one scale of the
+        bucket.
         """
-        param, view = bucket.params[pos], bucket.views[pos]
-        grad = param.grad
         factor = self._pre_factor
-        bucket.used_flags[pos] = 0.0 if grad is None else 1.0
-        self._saw_missing_grad |= grad is None
-        if grad is None:
-            view.zero_()
-            if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
+        flags = bucket.used_flags
+        fresh_views: list[torch.Tensor] = []
+        fresh_grads: list[torch.Tensor] = []
+        fuse = bucket.fuse_scale
+        with torch.no_grad():
+            for pos, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+                grad = param.grad
+                if grad is None:
+                    flags[pos] = 0.0
+                    self._saw_missing_grad = True
+                    view.zero_()
+                    if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
+                        param.grad = view
+                    continue
+                flags[pos] = 1.0
+                if grad.data_ptr() == view.data_ptr():
+                    if fuse and factor != 1.0:
+                        view.mul_(factor)
+                    continue
+                if fuse:
+                    torch.mul(grad.view_as(view), factor, out=view)
+                else:
+                    fresh_views.append(view)
+                    fresh_grads.append(grad)
                 param.grad = view
-        elif grad.data_ptr() != view.data_ptr():
-            torch.mul(grad.detach().view_as(view), factor, out=view)
-            param.grad = view
-        elif factor != 1.0:
-            view.mul_(factor)
+            if not fuse:
+                if fresh_views:
+                    torch._foreach_copy_(fresh_views, fresh_grads)
+                if factor != 1.0:
+                    bucket.grad_flat.mul_(factor)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
-            if not all(bucket.ready):
+            if bucket.pending:
                 return
+            self._adopt_bucket(bucket)
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -381,10 +425,8 @@ class GradientReducer:
         if not self.active:
             return
         for bucket in self._buckets[self._next_launch :]:
-            for pos in range(len(bucket.params)):
-                if not bucket.ready[pos]:
-                    self._adopt_grad(bucket, pos)
-                    bucket.ready[pos] = True
+            bucket.ready = [True] * len(bucket.params)
+            bucket.pending = 0
         self._launch_ready()
         try:
             for bucket in self._buckets:
@@ -397,6 +439,7 @@ class GradientReducer:
             for bucket in self._buckets:
                 bucket.work = None
                 bucket.ready = [False] * len(bucket.params)
+                bucket.pending = len(bucket.params)
             self._next_launch = 0
         if self._tuner is not None and not self._tuner.done:
             self._autotune_step()

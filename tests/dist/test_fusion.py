@@ -124,6 +124,32 @@ def _layout_mismatch(hvd) -> dict:
         return {"layout_error": str(exc), "layout_seconds": time.monotonic() - t0}
 
 
+def _copy_path_case(hvd, side: int) -> dict:
+    """Two ``side x side`` weights, three steps: ``.grad`` set to None twice, then zeroed in place
+    (autograd accumulates into the bucket view). ``side=256`` (256 KiB each) takes the per-tensor
+    fused copy-and-scale; ``side=8`` the one multi-tensor copy plus a bucket-wide scale."""
+    from hvd_trainer.comm import GradientReducer
+
+    ws = [torch.nn.Parameter(torch.zeros(side, side)) for _ in range(2)]
+    reducer = GradientReducer([(f"w{i}", w) for i, w in enumerate(ws)], world=hvd.get_world())
+    errs = []
+    for step, to_none in enumerate((True, True, False)):
+        for w in ws:
+            if to_none:
+                w.grad = None
+            elif w.grad is not None:
+                w.grad.zero_()
+        c = hvd.rank() + 1.0 + step
+        sum((w * c * (i + 1)).sum() for i, w in enumerate(ws)).backward()
+        reducer.wait()
+        mean_c = sum(r + 1.0 + step for r in range(hvd.size())) / hvd.size()
+        errs.append(max(float((w.grad - mean_c * (i + 1)).abs().max()) for i, w in enumerate(ws)))
+    out = {"fuse_scale": [b.fuse_scale for b in reducer._buckets], "errs": errs,
+           "views": all(_in_bucket(reducer, w) for w in ws)}
+    reducer.remove()
+    return out
+
+
 def _fusion_checks() -> dict:
     import hvd_trainer as hvd
     from hvd_trainer.comm import FusionConfig, GradientReducer
@@ -142,6 +168,8 @@ def _fusion_checks() -> dict:
     out["bucket_sizes"] = r.bucket_sizes_bytes
     out["bucket_names"] = r.bucket_names
     r.remove()
+    out["copy_large"] = _copy_path_case(hvd, 256)
+    out["copy_small"] = _copy_path_case(hvd, 8)
     out.update(_accumulation_and_frozen(hvd))
     out.update(_process_set_case(hvd))
     out.update(_layout_mismatch(hvd))  # last: leaves a collective unfinished on purpose
@@ -162,6 +190,10 @@ def test_fused_reducer() -> None:
         _check_case(res["avg1m"])
         assert res["avg1m"]["n_buckets"] == 1
         _check_case(res["sum_scaled"])
+        for key, fused in (("copy_large", True), ("copy_small", False)):
+            case = res[key]
+            assert set(case["fuse_scale"]) == {fused}, case
+            assert max(case["errs"]) <= 1e-6 and case["views"], case
         _check_case(res["bf16"], tol=5e-2)
         _check_case(res["fp16"], tol=5e-3)
         # first bucket capped at 300 KiB (one 256 KiB tensor), the rest at 1 MiB
