@@ -18,13 +18,19 @@ bucket 1 MiB) runs ``--steps`` timed steps after 2 untimed ones; then an optimiz
 ``FusionConfig(autotune=...)`` trains until the search has chosen, and runs ``--steps`` timed
 steps on its choice. A step's time is rank 0's wall time (the ranks run in lock step). Prints one
 ``SAMPLE`` line per repetition, then per workload ``RATIO autotune_vs_best_fixed_<w>=<x>``: the
-median over repetitions of (autotuned median step) / (best fixed median step of the same
-repetition), and ``RATIO autotune_vs_best_fixed=<x>``, the larger of the two. Goal: <= 1.05.
+median over repetitions of (autotuned median step) / (median step of the sweep's best fixed
+threshold, measured again right after the autotuned run), and ``RATIO autotune_vs_best_fixed=<x>``,
+the larger of the two. Goal: <= 1.05. The best threshold is re-measured because the sweep's own
+time for it is the minimum of five noisy measurements, biased low (the winner's curse; on the
+MLP all thresholds are within noise of each other, so the minimum is mostly noise); the ratio
+against that minimum is printed too. All ranks pick the threshold from the slowest rank's
+sweep times, so they build the same buckets.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -112,6 +118,14 @@ def _autotuned(model, steps: int) -> tuple[float, int, int]:
     return t, threshold, search_steps
 
 
+def _agreed_best(fixed: dict[int, float]) -> int:
+    """The sweep's fastest threshold (MiB) by the slowest rank's times, the same on every rank."""
+    import hvd_trainer as hvd
+
+    times = hvd.allreduce(torch.tensor(list(fixed.values()), dtype=torch.float64), op=hvd.Max)
+    return list(fixed)[int(times.argmin())]
+
+
 def _bench(reps: int, steps: int) -> list[dict]:
     torch.manual_seed(0)
     models = {"resnet50": _Resnet50Shapes(), "mlp": _Mlp()}
@@ -120,8 +134,11 @@ def _bench(reps: int, steps: int) -> list[dict]:
         rep: dict = {}
         for name, model in models.items():
             fixed = {mib: _fixed(model, mib * _MIB, steps) for mib in SWEEP_MIB}
+            best_mib = _agreed_best(fixed)
             auto, chosen, search = _autotuned(model, steps)
-            rep[name] = {"fixed": fixed, "auto": auto, "chosen_mib": chosen / _MIB, "search_steps": search}
+            best_again = _fixed(model, best_mib * _MIB, steps)
+            rep[name] = {"fixed": fixed, "auto": auto, "chosen_mib": chosen / _MIB, "search_steps": search,
+                         "best_mib": best_mib, "best_again": best_again}
         out.append(rep)
     return out
 
@@ -134,19 +151,24 @@ def main() -> None:
     args = ap.parse_args()
     reps = run_workers(_bench, args.np, args=(args.reps, args.steps), timeout_seconds=3600)[0]
     ratios: dict[str, list[float]] = {}
+    sweep_min: dict[str, list[float]] = {}
     for i, rep in enumerate(reps):
         for name, r in rep.items():
-            best_mib = min(r["fixed"], key=r["fixed"].get)
-            ratio = r["auto"] / r["fixed"][best_mib]
+            ratio = r["auto"] / r["best_again"]
             ratios.setdefault(name, []).append(ratio)
+            sweep_min.setdefault(name, []).append(r["auto"] / min(r["fixed"].values()))
             fixed = " ".join(f"{m}MiB={t * 1e3:.1f}ms" for m, t in r["fixed"].items())
             print(f"SAMPLE rep={i} {name} {fixed} autotuned={r['auto'] * 1e3:.1f}ms "
-                  f"(chose {r['chosen_mib']:g} MiB after {r['search_steps']} steps) best_fixed={best_mib}MiB "
+                  f"(chose {r['chosen_mib']:g} MiB after {r['search_steps']} steps) "
+                  f"best_fixed={r['best_mib']}MiB re-measured={r['best_again'] * 1e3:.1f}ms "
                   f"ratio={ratio:.3f}")
+    for name, rs in sweep_min.items():
+        print(f"autotuned / fastest sweep time ({name}; biased low by the min over {len(SWEEP_MIB)} noisy "
+              f"runs): median {statistics.median(rs):.3f}")
+    print(f"load average: {os.getloadavg()[0]:.2f}")
     for name, rs in ratios.items():
         print(f"RATIO autotune_vs_best_fixed_{name}={statistics.median(rs):.3f}")
     print(f"RATIO autotune_vs_best_fixed={max(statistics.median(rs) for rs in ratios.values()):.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -119,7 +119,7 @@ def _lightning_step_s(args, x, y, mode: str, flat) -> float:
     timer = Timer()
     distributed = mode in ("dist", "ddp")
     strategy = {"dist": "horovod", "ddp": "ddp"}.get(mode) or SingleDeviceStrategy(torch.device("cpu"))
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1 if not distributed else "auto",
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=hvd.size() if distributed else 1,
                          max_steps=args.steps + 5, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=[timer],
                          use_distributed_sampler=False)
