@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
 from hvd_trainer.launch.failures import describe_exit, exit_status, root_failure
@@ -30,7 +31,12 @@ JOB_DIR_ENV = "HVDRUN_JOB_DIR"
 """The job directory exported to workers (read by :mod:`hvd_trainer.elastic.user_error`)."""
 
 
-def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
+def _report_failures(failures: dict[int, Any], elapsed: float, world_size: int | None = None) -> int:
+    """Print hvdrun's one-line verdict on torchrun's ``{rank: ProcessFailure}``; return the status.
+
+    ``world_size``: the job's ranks when they all ran under this agent (one host), so ranks
+    missing from ``failures`` are known to have ended with status 0.
+    """
     ordered = root_failure(failures)
     rank, first = ordered[0]
     detail = ""
@@ -40,11 +46,40 @@ def _report_failures(failures: dict[int, Any], elapsed: float) -> int:
     print(
         f"hvdrun: error: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
         f"{describe_exit(first.exitcode)}{detail}; the other ranks were stopped; "
-        f"job ran {elapsed:.1f} s." + (f" Also failed: {others}." if others else ""),
+        f"job ran {elapsed:.1f} s." + (f" Also failed: {others}." if others else "")
+        + _early_exit_note(failures, rank, world_size),
         file=sys.stderr,
         flush=True,
     )
     return exit_status(first.exitcode)
+
+
+def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None) -> str:
+    """When every failure only says "a peer failed": name the ranks that ended with status 0
+    (torchrun does not list them), the cause hvdrun would otherwise hide behind their victim."""
+    if any(f.exitcode != PEER_FAILED_EXIT_CODE for f in failures.values()):
+        return ""
+    finished = sorted(set(range(world_size)) - set(failures)) if world_size else []
+    if finished:
+        names = ", ".join(str(r) for r in finished)
+        who = f"rank{'s' if len(finished) > 1 else ''} {names} had already ended with exit code 0"
+    else:
+        who = "a rank not listed here had already ended (e.g. with exit code 0)"
+    return (f" No rank failed on its own: {who} while rank {rank} still ran collectives. HINT: every "
+            "rank must run the same collectives in the same order; do not return early on some "
+            f"ranks. Rank {rank}'s RankFailedError above names the collective.")
+
+
+def _single_host_world_size(args: list[str]) -> int | None:
+    """``--nproc-per-node`` of torchrun ``args`` when ``--nnodes=1`` (hvdrun's own format), else None."""
+    own = args[: args.index("--no-python")] if "--no-python" in args else args  # not the script's
+    opts = dict(a[2:].split("=", 1) for a in own if a.startswith("--") and "=" in a)
+    if opts.get("nnodes") != "1":
+        return None
+    try:
+        return int(opts.get("nproc-per-node", ""))
+    except ValueError:
+        return None
 
 
 def _report_user_error(record: dict[str, Any], failures: dict[int, Any], watch: AgentWatch) -> int:
@@ -111,7 +146,7 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
         partition = partition_line(read_records(watch.job_dir))
         if partition is not None:  # the ranks' exit codes only say "a peer failed"
             print(partition, file=sys.stderr, flush=True)
-        return _report_failures(exc.failures, time.monotonic() - start)
+        return _report_failures(exc.failures, time.monotonic() - start, _single_host_world_size(args))
     except SignalException as exc:
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
               file=sys.stderr, flush=True)
