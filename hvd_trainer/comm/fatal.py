@@ -5,6 +5,8 @@ complete, and gloo's process group cannot be destroyed then: its destructor join
 that waits forever for the missing rank. So the process would raise a clear error and then hang at
 exit, and the launcher would never learn that it failed. :func:`exit_hard_at_exit` makes the
 interpreter leave with status 1 right after the ``atexit`` handlers, before that destructor runs.
+
+:func:`pid_alive` is the other side: whether a peer process on this host has ended.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["exit_hard_at_exit", "flush_before_hard_exit", "PEER_FAILED_EXIT_CODE"]
+__all__ = ["exit_hard_at_exit", "flush_before_hard_exit", "pid_alive", "PEER_FAILED_EXIT_CODE"]
 
 PEER_FAILED_EXIT_CODE = 75
 """Exit status of a rank that stopped because *another* rank failed (it raised
@@ -54,3 +56,19 @@ def exit_hard_at_exit(code: int = 1) -> None:
         # atexit runs handlers last-in first-out, so this one runs before those registered
         # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, killed but not yet reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

@@ -55,7 +55,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hvd_trainer.comm.errors import HostUnreachableError
-from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE, pid_alive
 
 __all__ = [
     "PeerWatch", "PeerState", "Failure", "UNREACHABLE_RECORD", "TIMEOUT_ENV", "read_records",
@@ -148,16 +148,6 @@ def judge(
         f"{longest:.1f} s (the limit is {timeout_seconds:g} s): the network to "
         f"{', '.join(hosts)} is cut, or the host is down or frozen. {hint}",
         hosts, tuple(silent), now)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_records(job_dir: Path) -> list[dict[str, Any]]:
@@ -302,7 +292,7 @@ class PeerWatch:
         while time.monotonic() < deadline:
             raising = {int(rec.get("rank", -1)) for rec in read_records(Path(self._job_dir))
                        if rec.get("raising")}
-            if all(r in raising or not _running(self.peers[r].pid) for r in local):
+            if all(r in raising or not pid_alive(self.peers[r].pid) for r in local):
                 time.sleep(0.5)  # the last to raise is printing its error now
                 return
             time.sleep(0.05)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hvd_trainer.comm.fatal import pid_alive
 from hvd_trainer.comm.store import try_get
 
 __all__ = [
@@ -60,22 +61,6 @@ def _lookup(store: Any, rank: int) -> Peer | None:
     return Peer(rank, host, int(pid))
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs on this host (a zombie, killed but not yet reaped, counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            state = fh.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state not in ("Z", "X")
-
-
 def find_dead_peers(
     store: Any, ranks: Sequence[int], me: int, *, grace_seconds: float = 1.0
 ) -> tuple[list[Peer], list[Peer]]:
@@ -96,7 +81,7 @@ def find_dead_peers(
 
 def _is_gone(store: Any, peer: Peer, host: str) -> bool:
     """``peer`` left its "exited" mark, or runs on this ``host`` and its process has ended."""
-    return _exited(store, peer.rank) or (peer.host == host and not _alive(peer.pid))
+    return _exited(store, peer.rank) or (peer.host == host and not pid_alive(peer.pid))
 
 
 def _named(peers: Sequence[Peer]) -> str:
@@ -124,7 +109,7 @@ def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> Non
     host = socket.gethostname()
     local = [p for p in peers if p.host == host]
     deadline = time.monotonic() + timeout_seconds
-    while any(_alive(p.pid) for p in local) and time.monotonic() < deadline:
+    while any(pid_alive(p.pid) for p in local) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
