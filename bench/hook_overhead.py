@@ -11,6 +11,7 @@ microseconds and ``RATIO reducer_vs_plain_step=<x>``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -50,8 +51,9 @@ def main() -> None:
         fused.append(_step_ms(model, x, args.steps, reducer))
         reducer.remove()
     p, f = statistics.median(plain), statistics.median(fused)
-    print(f"params={n_params} plain={p:.3f} ms/step reducer={f:.3f} ms/step "
-          f"hook_cost_per_param={(f - p) / n_params * 1e3:.1f} us")
+    print(f"params={n_params} buckets={len(reducer.bucket_sizes_bytes)} plain={p:.3f} ms/step "
+          f"reducer={f:.3f} ms/step hook_cost_per_param={(f - p) / n_params * 1e3:.1f} us "
+          f"(load average {os.getloadavg()[0]:.2f})")
     print(f"RATIO reducer_vs_plain_step={f / p:.3f}")
     hvd.shutdown()
 

@@ -40,8 +40,8 @@ scale, so it is not used.
 
 Hook cost: the per-parameter hook only marks the parameter ready and counts down its bucket
 (``bench/hook_overhead.py``: 14.1 us per parameter per step when each hook copied its own
-gradient, 5.7-6.0 us with the per-bucket copy, of which ~3.7 us is the two buckets' allreduces
-themselves, 101-122 us each in a world of one). Autograd has no hook that fires once for a set
+gradient, 5.7-6.0 us with the per-bucket copy on a quiet machine, of which ~1.8 us is the one
+bucket's allreduce itself, 101-122 us in a world of one). Autograd has no hook that fires once for a set
 of leaves: ``register_multi_grad_hook`` registers one Python hook per tensor as well, and fires
 before accumulation into ``.grad``.
 """
