@@ -25,21 +25,25 @@ Algorithm:
    same step; then it keeps the fastest layout. Re-bucketing copies the current gradients into
    the new buffers, so results equal a fixed layout's up to summation order.
 
-Copies: every ``.grad`` *is* its bucket view once its bucket launches, and the reduction happens
-in the bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose
-default is ``set_to_none=True``), autograd hands over a fresh tensor, and the bucket copies it in
-*scaled by the pre-sum factor* when its last gradient is ready: the copy DDP's
-``gradient_as_bucket_view`` makes, with the division by N folded in, so no pass divides the
-reduced bucket afterwards. A bucket of few large tensors copies each with ``torch.mul(g, f,
-out=view)`` (one memory pass); a bucket of many small ones with one ``torch._foreach_copy_`` and
-one in-place scale of the bucket (one dispatch instead of one per tensor; ``_FUSE_SCALE_BYTES``).
-With ``zero_grad(set_to_none=False)`` autograd accumulates into the view in place and the bucket
-only scales it. Re-pointing ``.grad`` at a zeroed view before backward (a tensor pre-hook) was
-measured too: memset + in-place add cost as much as the copy and need one more pass for the
-scale, so it is not used.
+Copies: every ``.grad`` *is* its bucket view by the end of backward, and the reduction happens in
+the bucket, so nothing is copied out. When ``.grad`` was ``None`` (``zero_grad()``, whose default
+is ``set_to_none=True``), autograd hands over a fresh tensor, and the reducer copies it in *scaled
+by the pre-sum factor*: the copy DDP's ``gradient_as_bucket_view`` makes, with the division by N
+folded in, so no pass divides the reduced bucket afterwards. A bucket of large tensors (at least
+``_FUSE_SCALE_BYTES`` each on average) copies each gradient as its hook fires, with ``torch.mul(g,
+f, out=view)`` (one memory pass, nothing held); a bucket of many small ones copies all of them
+when its last gradient is ready, with one ``torch._foreach_copy_`` and one ``torch._foreach_mul_``
+(one dispatch instead of one per tensor). A callback queued on the autograd engine copies in what
+is ready in buckets that did not complete (a parameter unused on this rank) at the end of
+backward, so a ``.grad`` reference taken after ``backward()`` is the view that :meth:`wait`
+reduces in place, as in Horovod. With ``zero_grad(set_to_none=False)`` autograd accumulates into
+the view in place and the reducer only scales it. Re-pointing ``.grad`` at a zeroed view before
+backward (a tensor pre-hook) was measured too: memset + in-place add cost as much as the copy and
+need one more pass for the scale, so it is not used. Sparse gradients (``Embedding(sparse=True)``)
+are densified into their bucket.
 
-Hook cost: the per-parameter hook only marks the parameter ready and counts down its bucket
-(``bench/hook_overhead.py``: 14.1 us per parameter per step when each hook copied its own
+Hook cost: for small tensors the per-parameter hook only marks the parameter ready and counts down
+its bucket (``bench/hook_overhead.py``: 14.1 us per parameter per step when each hook copied its own
 gradient, 5.7-6.0 us with the per-bucket copy on a quiet machine, of which ~1.8 us is the one
 bucket's allreduce itself, 101-122 us in a world of one). Autograd has no hook that fires once for a set
 of leaves: ``register_multi_grad_hook`` registers one Python hook per tensor as well, and fires
@@ -50,7 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +114,7 @@ class FusionConfig:
 class _Bucket:
     __slots__ = (
         "index", "params", "names", "offsets", "flat", "views", "used", "used_flags", "ready",
-        "work", "sig", "grad_numel", "grad_flat", "pending", "fuse_scale",
+        "work", "sig", "grad_numel", "pending", "fuse_scale", "adopted",
     )
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
@@ -131,10 +135,10 @@ class _Bucket:
             for o, n, p in zip(self.offsets, numels, params, strict=True)
         ]
         self.used = self.flat[self.grad_numel :]
-        self.grad_flat = self.flat[: self.grad_numel]
         self.used_flags = [1.0] * len(params)  # written into ``used`` once per launch
         self.ready = [False] * len(params)
         self.pending = len(params)  # hooks still to fire before the bucket can launch
+        self.adopted = [False] * len(params)  # .grad is the (scaled) bucket view this step
         # Large tensors: copy and scale in one pass each (memory-bound); many small ones: one
         # multi-tensor copy, then one scale of the whole bucket (dispatch-bound).
         self.fuse_scale = self.grad_numel * self.flat.element_size() >= _FUSE_SCALE_BYTES * len(params)
@@ -234,6 +238,7 @@ class GradientReducer:
         self._last_wait: float | None = None
         self._next_launch = 0
         self._saw_missing_grad = False
+        self._end_queued = False  # the end-of-backward callback is queued for this backward
         self._handles = []
         if self.active:
             self._handles = [
@@ -255,7 +260,8 @@ class GradientReducer:
             for pos, p in enumerate(bucket.params):
                 self._slot[id(p)] = (bucket, pos)
                 if p.grad is not None:
-                    bucket.views[pos].copy_(p.grad)
+                    with torch.no_grad():  # a gradient from create_graph=True requires grad
+                        bucket.views[pos].copy_(p.grad)
                     p.grad = bucket.views[pos]
         for bucket in self._buckets:
             bucket.sig = self._bucket_signature(bucket)
@@ -324,8 +330,10 @@ class GradientReducer:
 
     # -- hooks ------------------------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        # Runs once per parameter per backward: kept to bookkeeping. The copy into the bucket
-        # happens once per bucket (:meth:`_adopt_bucket`) when its last gradient is ready.
+        # Runs once per parameter per backward, so it stays lean: a bucket of large tensors
+        # copies each gradient in at once (one pass each, nothing held); a bucket of small ones
+        # copies them all in one dispatch when its last gradient is ready. At the end of backward
+        # the ready gradients of incomplete buckets are copied in too (see _after_backward).
         if not self.require_sync:
             return
         bucket, pos = self._slot[id(param)]
@@ -338,56 +346,77 @@ class GradientReducer:
             )
         ready[pos] = True
         bucket.pending -= 1
+        if bucket.fuse_scale:
+            self._adopt(bucket, (pos,))
+        elif not bucket.pending:
+            self._adopt(bucket, range(len(bucket.params)))
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         if not bucket.pending and bucket.index == self._next_launch:
             self._launch_ready()
 
-    def _adopt_bucket(self, bucket: _Bucket) -> None:
-        """Make every ``param.grad`` of ``bucket`` its bucket view, multiplied by the pre-sum factor.
+    def _after_backward(self) -> None:
+        """End of a backward pass: copy in the gradients that are ready in buckets that cannot
+        launch yet (a parameter unused on this rank), so that after ``backward()`` every produced
+        ``.grad`` is its bucket view (reduced in place by :meth:`wait`, as in Horovod) and no
+        autograd-owned gradient is held until then."""
+        self._end_queued = False
+        for bucket in self._buckets[self._next_launch :]:
+            if bucket.pending:
+                self._adopt(bucket, [i for i, r in enumerate(bucket.ready) if r])
+
+    def _adopt(self, bucket: _Bucket, positions: Iterable[int]) -> None:
+        """Make ``param.grad`` the bucket view, multiplied by the pre-sum factor, at ``positions``
+        not adopted yet this step.
 
         A new tensor from autograd (``.grad`` was ``None`` before backward) is copied in; a
-        gradient already in its view (accumulated in place) stays; a missing one becomes zeros
-        (and its "used" flag 0). Few large tensors: ``torch.mul(g, f, out=view)`` each, copy and
-        scale in one pass; many small ones: one ``torch._foreach_copy_`` and one scale of the
-        bucket.
+        gradient already in its view (accumulated in place) is scaled there; a missing one becomes
+        zeros (and its "used" flag 0). Large tensors: ``torch.mul(g, f, out=view)``, copy and scale
+        in one pass; small ones: one ``torch._foreach_copy_`` and one ``torch._foreach_mul_`` for
+        all of ``positions``.
         """
         factor = self._pre_factor
-        flags = bucket.used_flags
-        fresh_views: list[torch.Tensor] = []
-        fresh_grads: list[torch.Tensor] = []
         fuse = bucket.fuse_scale
+        copy_views: list[torch.Tensor] = []
+        copy_grads: list[torch.Tensor] = []
+        scale_views: list[torch.Tensor] = []
         with torch.no_grad():
-            for pos, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
+            for pos in positions:
+                if bucket.adopted[pos]:
+                    continue
+                bucket.adopted[pos] = True
+                param, view = bucket.params[pos], bucket.views[pos]
                 grad = param.grad
+                bucket.used_flags[pos] = 0.0 if grad is None else 1.0
                 if grad is None:
-                    flags[pos] = 0.0
                     self._saw_missing_grad = True
                     view.zero_()
                     if param.requires_grad:  # frozen on this step (e.g. toggle_optimizer): keep None
                         param.grad = view
                     continue
-                flags[pos] = 1.0
-                if grad.data_ptr() == view.data_ptr():
-                    if fuse and factor != 1.0:
-                        view.mul_(factor)
+                if grad.is_sparse:  # e.g. Embedding(sparse=True): reduced densely, in the bucket
+                    grad = grad.to_dense()
+                elif grad.data_ptr() == view.data_ptr():
+                    scale_views.append(view)
                     continue
                 if fuse:
                     torch.mul(grad.view_as(view), factor, out=view)
                 else:
-                    fresh_views.append(view)
-                    fresh_grads.append(grad)
+                    copy_views.append(view)
+                    copy_grads.append(grad)
                 param.grad = view
-            if not fuse:
-                if fresh_views:
-                    torch._foreach_copy_(fresh_views, fresh_grads)
-                if factor != 1.0:
-                    bucket.grad_flat.mul_(factor)
+            if copy_views:
+                torch._foreach_copy_(copy_views, copy_grads)
+            if factor != 1.0 and (copy_views or scale_views):
+                torch._foreach_mul_(copy_views + scale_views, factor)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
             if bucket.pending:
                 return
-            self._adopt_bucket(bucket)
+            self._adopt(bucket, range(len(bucket.params)))
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -437,9 +466,11 @@ class GradientReducer:
                 self._drop_globally_unused()
         finally:
             self._saw_missing_grad = False
+            self._end_queued = False  # a backward that raised never ran its callback
             for bucket in self._buckets:
                 bucket.work = None
                 bucket.ready = [False] * len(bucket.params)
+                bucket.adopted = [False] * len(bucket.params)
                 bucket.pending = len(bucket.params)
             self._next_launch = 0
         if self._tuner is not None and not self._tuner.done:

@@ -150,6 +150,56 @@ def _copy_path_case(hvd, side: int) -> dict:
     return out
 
 
+def _after_backward_case(hvd) -> dict:
+    """A bucket that cannot launch during backward (a parameter unused on rank 1): right after
+    ``backward()`` every produced ``.grad`` is already its bucket view, so a reference taken then
+    holds the average after ``wait()`` (Horovod reduces ``p.grad`` in place)."""
+    from hvd_trainer.comm import GradientReducer
+
+    torch.manual_seed(0)
+    extra, used = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    named = [(f"extra.{n}", p) for n, p in extra.named_parameters()]
+    named += [(f"used.{n}", p) for n, p in used.named_parameters()]
+    reducer = GradientReducer(named, world=hvd.get_world())  # one bucket: extra is in it
+    x = torch.ones(2, 4) * (hvd.rank() + 1)
+    loss = used(x).sum() + (extra(x).sum() if hvd.rank() == 0 else 0.0)
+    loss.backward()
+    refs = {n: p.grad for n, p in named if p.grad is not None}
+    views = all(_in_bucket(reducer, p) for n, p in named if n in refs)
+    reducer.wait()
+    n = hvd.size()
+    # d/dW of sum(W x + b) over 2 rows: every weight entry 2 * (rank + 1), every bias entry 2
+    expected = {"used.weight": sum(2.0 * (r + 1) for r in range(n)) / n, "used.bias": 2.0,
+                "extra.weight": 2.0 / n, "extra.bias": 2.0 / n}
+    err = max(float((ref - expected[k]).abs().max()) for k, ref in refs.items())
+    reducer.remove()
+    return {"refs": sorted(refs), "views_after_backward": views, "ref_err": err,
+            "refs_are_grads": all(refs[k] is p.grad for k, p in named if k in refs)}
+
+
+def _sparse_and_create_graph(hvd) -> dict:
+    """A sparse Embedding gradient is reduced densely in its bucket; a ``create_graph=True``
+    backward before the optimizer's first ``synchronize()`` (the reducer is built then, copying
+    gradients that require grad)."""
+    from hvd_trainer.comm import GradientReducer
+
+    emb = torch.nn.Embedding(4, 2, sparse=True)
+    reducer = GradientReducer(list(emb.named_parameters()), world=hvd.get_world())
+    emb(torch.tensor([hvd.rank() % 4])).sum().backward()  # row r gets ones on rank r
+    reducer.wait()
+    dense = emb.weight.grad.to_dense()
+    n = hvd.size()
+    sparse_err = max(abs(float(dense[r].max()) - 1.0 / n) for r in range(min(n, 4)))
+    reducer.remove()
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("p", p)])
+    ((p * (hvd.rank() + 1.0)) ** 2).sum().backward(create_graph=True)
+    opt.synchronize()
+    expected = sum(2.0 * (r + 1) ** 2 for r in range(n)) / n  # d/dp (c p)^2 = 2 c^2 p, p = 1
+    return {"sparse_err": sparse_err, "sparse_grad_dense": not emb.weight.grad.is_sparse,
+            "create_graph_err": float((p.grad - expected).abs().max())}
+
+
 def _fusion_checks() -> dict:
     import hvd_trainer as hvd
     from hvd_trainer.comm import FusionConfig, GradientReducer
@@ -170,6 +220,9 @@ def _fusion_checks() -> dict:
     r.remove()
     out["copy_large"] = _copy_path_case(hvd, 256)
     out["copy_small"] = _copy_path_case(hvd, 8)
+    out["rank"] = hvd.rank()
+    out["after_backward"] = _after_backward_case(hvd)
+    out.update(_sparse_and_create_graph(hvd))
     out.update(_accumulation_and_frozen(hvd))
     out.update(_process_set_case(hvd))
     out.update(_layout_mismatch(hvd))  # last: leaves a collective unfinished on purpose
@@ -194,6 +247,14 @@ def test_fused_reducer() -> None:
             case = res[key]
             assert set(case["fuse_scale"]) == {fused}, case
             assert max(case["errs"]) <= 1e-6 and case["views"], case
+        ab = res["after_backward"]
+        expected_refs = ["used.bias", "used.weight"]
+        if res["rank"] == 0:  # extra is unused on rank 1: no gradient there, so no reference
+            expected_refs += ["extra.bias", "extra.weight"]
+        assert ab["refs"] == sorted(expected_refs), ab
+        assert ab["views_after_backward"] and ab["refs_are_grads"] and ab["ref_err"] <= 1e-6, ab
+        assert res["sparse_err"] <= 1e-6 and res["sparse_grad_dense"], res
+        assert res["create_graph_err"] <= 1e-5, res
         _check_case(res["bf16"], tol=5e-2)
         _check_case(res["fp16"], tol=5e-3)
         # first bucket capped at 300 KiB (one 256 KiB tensor), the rest at 1 MiB
