@@ -233,6 +233,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for _, p in self._named
             if p.requires_grad
         ]
+        # Reduced: what required grad at construction (Horovod registers its hooks then), even
+        # if frozen when the first synchronize() builds the buckets.
+        self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
 
     # -- delegation ---------------------------------------------------------------------------
     @property
@@ -292,6 +295,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._named.append((self._names[id(p)], p))
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._trainable_ids.add(id(p))
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None  # rebuilt at the next synchronize()
@@ -376,7 +380,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
 
     def _build_reducer(self) -> None:
-        trainable = [(n, p) for n, p in self._named if p.requires_grad]
+        trainable = [(n, p) for n, p in self._named if id(p) in self._trainable_ids]
+        frozen = [p for _, p in trainable if not p.requires_grad]
+        for p in frozen:  # frozen since construction: hooks need requires_grad to register
+            p.requires_grad_(True)
+        try:
+            self._build_reducer_over(trainable)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+
+    def _build_reducer_over(self, trainable: list[tuple[str, torch.Tensor]]) -> None:
         sparse_ids = self._agree_sparse(trainable)
         self._sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
         dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]

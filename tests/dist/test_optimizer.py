@@ -296,6 +296,19 @@ def _semantics_worker() -> dict:
         o.step()
     res["resume_equal"] = torch.equal(_flat(model), _flat(model2))
     res["resume_lr"] = opt2.param_groups[0]["lr"]
+    # Frozen after construction until after the first synchronize() (which builds the buckets):
+    # still averaged once unfrozen, as Horovod registers its hooks at construction.
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    opt3 = hvd.DistributedOptimizer(torch.optim.SGD([a, b], lr=0.1), [("a", a), ("b", b)])
+    a.requires_grad_(False)
+    (b * (rank + 1.0)).sum().backward()
+    opt3.step()
+    res["frozen_grad_none"] = a.grad is None
+    opt3.zero_grad()
+    a.requires_grad_(True)
+    ((a + b) * (rank + 1.0)).sum().backward()
+    opt3.synchronize()
+    res["unfrozen_grad"] = a.grad.tolist()
     return res
 
 
@@ -483,6 +496,8 @@ def test_semantics(results: list[dict]) -> None:
         assert sem["after_skipped_step"] == [[3.0, 3.0, 3.0]]
         assert sem["resume_equal"]
         assert sem["resume_lr"] == 0.01
+        assert sem["frozen_grad_none"]
+        assert sem["unfrozen_grad"] == [1.5, 1.5, 1.5]  # mean of rank + 1 over 2 ranks
 
 
 def test_sparse_gradients(results: list[dict]) -> None:
