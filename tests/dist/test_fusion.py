@@ -177,6 +177,27 @@ def _after_backward_case(hvd) -> dict:
             "refs_are_grads": all(refs[k] is p.grad for k, p in named if k in refs)}
 
 
+def _large_adopted_at_hook(hvd) -> dict:
+    """Large gradients go into their bucket as their hook fires, even when the bucket cannot
+    launch during backward (``spare`` gets no gradient): autograd's own gradient tensors are not
+    held until the end of backward. A hook registered after the reducer's sees the bucket view."""
+    from hvd_trainer.comm import GradientReducer
+
+    ws = [torch.nn.Parameter(torch.zeros(256, 256)) for _ in range(3)]  # 256 KiB each
+    spare = torch.nn.Parameter(torch.zeros(256, 256))
+    named = [("spare", spare)] + [(f"w{i}", w) for i, w in enumerate(ws)]
+    reducer = GradientReducer(named, world=hvd.get_world())  # one 1 MiB bucket
+    seen: list[bool] = []
+    for w in ws:  # post-accumulate hooks run in registration order: after the reducer's
+        w.register_post_accumulate_grad_hook(lambda p: seen.append(_in_bucket(reducer, p)))
+    sum((w * (i + 1.0)).sum() for i, w in enumerate(ws)).backward()
+    reducer.wait()
+    err = max(float((w.grad - (i + 1.0)).abs().max()) for i, w in enumerate(ws))
+    out = {"buckets": len(reducer.bucket_sizes_bytes), "seen": seen, "err": err}
+    reducer.remove()
+    return out
+
+
 def _sparse_and_create_graph(hvd) -> dict:
     """A sparse Embedding gradient is reduced densely in its bucket; a ``create_graph=True``
     backward before the optimizer's first ``synchronize()`` (the reducer is built then, copying
@@ -223,6 +244,7 @@ def _fusion_checks() -> dict:
     out["rank"] = hvd.rank()
     out["after_backward"] = _after_backward_case(hvd)
     out.update(_sparse_and_create_graph(hvd))
+    out["large_at_hook"] = _large_adopted_at_hook(hvd)
     out.update(_accumulation_and_frozen(hvd))
     out.update(_process_set_case(hvd))
     out.update(_layout_mismatch(hvd))  # last: leaves a collective unfinished on purpose
@@ -255,6 +277,8 @@ def test_fused_reducer() -> None:
         assert ab["views_after_backward"] and ab["refs_are_grads"] and ab["ref_err"] <= 1e-6, ab
         assert res["sparse_err"] <= 1e-6 and res["sparse_grad_dense"], res
         assert res["create_graph_err"] <= 1e-5, res
+        large = res["large_at_hook"]
+        assert large["buckets"] == 1 and large["seen"] == [True] * 3 and large["err"] <= 1e-6, large
         _check_case(res["bf16"], tol=5e-2)
         _check_case(res["fp16"], tol=5e-3)
         # first bucket capped at 300 KiB (one 256 KiB tensor), the rest at 1 MiB
