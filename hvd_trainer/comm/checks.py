@@ -67,6 +67,7 @@ from hvd_trainer.comm.liveness import (
     describe_gone,
     find_dead_peers,
     find_gone,
+    stopped_for_peers,
     wait_until_ended,
 )
 from hvd_trainer.comm.store import try_get
@@ -571,12 +572,16 @@ class Coordinator:
         op.extra["next_probe"] = now + 0.5
         try:
             gone = find_gone(self.store, missing)
+            relayed = stopped_for_peers(self.store, gone)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
         if gone:
             wait_until_ended(gone)  # so the launcher sees the gone rank's own exit first
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # a transport call may be in flight
-            raise RankFailedError(describe_gone(f"{op.sig.label()} (collective #{op.seq})", gone))
+            what = f"{op.sig.label()} (collective #{op.seq})"
+            if len(relayed) == len(gone):  # they did not skip it: they lost a peer first
+                raise RankFailedError(describe_failure(what, gone, [], relayed))
+            raise RankFailedError(describe_gone(what, gone))
 
     def _unpublish(self, seq: int) -> None:
         with contextlib.suppress(RuntimeError):
@@ -614,9 +619,10 @@ class Coordinator:
         """The transport failed and no mismatch is known: name the rank that died, if any."""
         try:
             dead, remote = find_dead_peers(self.store, self.ranks, self.rank)
+            relayed = stopped_for_peers(self.store, dead)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
-        message = describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote)
+        message = describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote, relayed)
         if message is not None:
             wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)

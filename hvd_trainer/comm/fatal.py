@@ -17,7 +17,9 @@ import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["exit_hard_at_exit", "flush_before_hard_exit", "pid_alive", "PEER_FAILED_EXIT_CODE"]
+__all__ = [
+    "exit_hard_at_exit", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer", "PEER_FAILED_EXIT_CODE",
+]
 
 PEER_FAILED_EXIT_CODE = 75
 """Exit status of a rank that stopped because *another* rank failed (it raised
@@ -56,6 +58,13 @@ def exit_hard_at_exit(code: int = 1) -> None:
         # atexit runs handlers last-in first-out, so this one runs before those registered
         # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)
+
+
+def stopped_for_a_peer() -> bool:
+    """Whether this process is on its way out because *another* rank failed (it raised
+    RankFailedError or HostUnreachableError, so its exit status will be
+    :data:`PEER_FAILED_EXIT_CODE`)."""
+    return _registered and _exit_code == PEER_FAILED_EXIT_CODE
 
 
 def pid_alive(pid: int) -> bool:

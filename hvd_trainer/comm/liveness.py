@@ -6,6 +6,8 @@ mark there. A rank waiting for peers that never arrive at a collective, or whose
 failed ("Connection closed by peer" and an address is all gloo says), looks for those marks and
 probes the peers on its own host for liveness, so the error can say *which* rank is gone, on any
 host that left its mark. A peer on another host that died without one is listed as a candidate.
+A rank that left only because it lost a peer itself says so in its mark, so that its neighbours
+do not blame it: the error then points past it, at the other hosts.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hvd_trainer.comm.fatal import pid_alive
+from hvd_trainer.comm.fatal import pid_alive, stopped_for_a_peer
 from hvd_trainer.comm.store import try_get
 
 __all__ = [
-    "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "wait_until_ended",
-    "describe_failure", "describe_gone",
+    "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "stopped_for_peers",
+    "wait_until_ended", "describe_failure", "describe_gone",
 ]
 
 _KEY = "hvd/proc/{rank}"
 _EXITED = "hvd/exited/{rank}"
+_FOR_A_PEER = "|peer"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +46,27 @@ def publish(store: Any, rank: int) -> None:
     store.delete_key(_EXITED.format(rank=rank))
 
 
-def mark_exited(store: Any, rank: int) -> None:
-    """Leave the "exited" mark of ``rank`` (at shutdown); never raises (the store may be gone)."""
+def mark_exited(store: Any, rank: int, for_a_peer: bool | None = None) -> None:
+    """Leave the "exited" mark of ``rank`` (at shutdown); never raises (the store may be gone).
+
+    ``for_a_peer``: the rank leaves because another rank failed (default: whether this process
+    raised such an error, :func:`~hvd_trainer.comm.fatal.stopped_for_a_peer`).
+    """
+    if for_a_peer is None:
+        for_a_peer = stopped_for_a_peer()
     with contextlib.suppress(Exception):  # the process hosting the store may have exited first
-        store.set(_EXITED.format(rank=rank), str(os.getpid()))
+        store.set(_EXITED.format(rank=rank), f"{os.getpid()}{_FOR_A_PEER if for_a_peer else ''}")
+
+
+def stopped_for_peers(store: Any, peers: Sequence[Peer]) -> list[Peer]:
+    """The ``peers`` whose "exited" mark says they left because another rank failed."""
+    found = []
+    for p in peers:
+        with contextlib.suppress(Exception):
+            mark = try_get(store, _EXITED.format(rank=p.rank))
+            if mark is not None and mark.endswith(_FOR_A_PEER):
+                found.append(p)
+    return found
 
 
 def _exited(store: Any, rank: int) -> bool:
@@ -125,8 +145,27 @@ def describe_gone(what: str, gone: Sequence[Peer]) -> str:
     )
 
 
-def describe_failure(what: str, dead: Sequence[Peer], remote: Sequence[Peer]) -> str | None:
-    """The message for a failed collective ``what``; ``None`` when nothing useful is known."""
+def describe_failure(
+    what: str, dead: Sequence[Peer], remote: Sequence[Peer], relayed: Sequence[Peer] = ()
+) -> str | None:
+    """The message for a failed collective ``what``; ``None`` when nothing useful is known.
+
+    ``relayed``: those of ``dead`` that only left because they lost a peer themselves
+    (:func:`stopped_for_peers`); they are named as such, not as the cause.
+    """
+    own = [p for p in dead if p not in relayed]
+    if dead and not own:
+        names, verb = _named(dead), "has" if len(dead) == 1 else "have"
+        candidates = ", ".join(f"rank {p.rank} on {p.host}" for p in remote)
+        elsewhere = f": one of the ranks on other hosts ({candidates}) died or cannot be reached" \
+            if remote else ""
+        return (
+            f"{what} failed: {names} {verb} stopped because {'it' if len(dead) == 1 else 'they'} "
+            f"lost a peer too, so the first failure is elsewhere{elsewhere}. HINT: the error of "
+            f"{'that rank' if len(dead) == 1 else 'those ranks'} names the peer it lost; check the "
+            "other hosts' output (hvdrun --output-filename DIR keeps one log per rank)."
+        )
+    dead = own
     if dead:
         names, verb = _named(dead), "is" if len(dead) == 1 else "are"
         return (

@@ -31,11 +31,13 @@ JOB_DIR_ENV = "HVDRUN_JOB_DIR"
 """The job directory exported to workers (read by :mod:`hvd_trainer.elastic.user_error`)."""
 
 
-def _report_failures(failures: dict[int, Any], elapsed: float, world_size: int | None = None) -> int:
+def _report_failures(failures: dict[int, Any], elapsed: float, world_size: int | None = None,
+                     multi_host: bool = False) -> int:
     """Print hvdrun's one-line verdict on torchrun's ``{rank: ProcessFailure}``; return the status.
 
     ``world_size``: the job's ranks when they all ran under this agent (one host), so ranks
-    missing from ``failures`` are known to have ended with status 0.
+    missing from ``failures`` are known to have ended with status 0. ``multi_host``: the job
+    spans several hosts, so a cause this agent did not see may be on another one.
     """
     ordered = root_failure(failures)
     rank, first = ordered[0]
@@ -47,18 +49,26 @@ def _report_failures(failures: dict[int, Any], elapsed: float, world_size: int |
         f"hvdrun: error: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
         f"{describe_exit(first.exitcode)}{detail}; the other ranks were stopped; "
         f"job ran {elapsed:.1f} s." + (f" Also failed: {others}." if others else "")
-        + _early_exit_note(failures, rank, world_size),
+        + _early_exit_note(failures, rank, world_size, multi_host),
         file=sys.stderr,
         flush=True,
     )
     return exit_status(first.exitcode)
 
 
-def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None) -> str:
+def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None,
+                     multi_host: bool = False) -> str:
     """When every failure only says "a peer failed": name the ranks that ended with status 0
-    (torchrun does not list them), the cause hvdrun would otherwise hide behind their victim."""
+    (torchrun does not list them), the cause hvdrun would otherwise hide behind their victim.
+    In a job over several hosts the cause is on another host (a rank there died, was killed or
+    ended early): this host's agent never saw it, so the note sends the user there."""
     if any(f.exitcode != PEER_FAILED_EXIT_CODE for f in failures.values()):
         return ""
+    if multi_host:
+        return (" No rank on this host failed on its own: the first failure was on another host (a "
+                "rank there crashed, was killed, or ended early, or the host went down). HINT: read "
+                f"the other hosts' hvdrun output; rank {rank}'s RankFailedError above names the "
+                "collective and the ranks it lost.")
     finished = sorted(set(range(world_size)) - set(failures)) if world_size else []
     if finished:
         names = ", ".join(str(r) for r in finished)
@@ -70,10 +80,21 @@ def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None
             f"ranks. Rank {rank}'s RankFailedError above names the collective.")
 
 
+def _agent_options(args: list[str]) -> dict[str, str]:
+    """``--key=value`` options of torchrun ``args`` (hvdrun's own format), not the script's."""
+    own = args[: args.index("--no-python")] if "--no-python" in args else args
+    return dict(a[2:].split("=", 1) for a in own if a.startswith("--") and "=" in a)
+
+
+def _multi_host(args: list[str]) -> bool:
+    """Whether torchrun ``args`` start an agent of a job over several hosts (``--nnodes`` not 1)."""
+    nnodes = _agent_options(args).get("nnodes")
+    return nnodes is not None and nnodes not in ("1", "1:1")
+
+
 def _single_host_world_size(args: list[str]) -> int | None:
     """``--nproc-per-node`` of torchrun ``args`` when ``--nnodes=1`` (hvdrun's own format), else None."""
-    own = args[: args.index("--no-python")] if "--no-python" in args else args  # not the script's
-    opts = dict(a[2:].split("=", 1) for a in own if a.startswith("--") and "=" in a)
+    opts = _agent_options(args)
     if opts.get("nnodes") != "1":
         return None
     try:
@@ -146,7 +167,8 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
         partition = partition_line(read_records(watch.job_dir))
         if partition is not None:  # the ranks' exit codes only say "a peer failed"
             print(partition, file=sys.stderr, flush=True)
-        return _report_failures(exc.failures, time.monotonic() - start, _single_host_world_size(args))
+        return _report_failures(exc.failures, time.monotonic() - start, _single_host_world_size(args),
+                                _multi_host(args))
     except SignalException as exc:
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
               file=sys.stderr, flush=True)

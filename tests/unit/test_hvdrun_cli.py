@@ -123,17 +123,18 @@ def test_check_build_lists_frameworks_and_transports(capsys) -> None:
         assert needle in out, out
 
 
-@pytest.mark.parametrize(("argv", "size"), [
-    (["-np", "3", "x.py", "--nnodes=4", "--nproc-per-node=9"], 3),  # the script's own flags: ignored
-    (["-np", "2", "--max-restarts", "2", "x.py"], 2),
-    (["-np", "4", "-H", "a:2,b:2", "x.py"], None),  # several hosts: this agent sees only its own
+@pytest.mark.parametrize(("argv", "size", "multi"), [
+    (["-np", "3", "x.py", "--nnodes=4", "--nproc-per-node=9"], 3, False),  # the script's own flags
+    (["-np", "2", "--max-restarts", "2", "x.py"], 2, False),
+    (["-np", "4", "-H", "a:2,b:2", "x.py"], None, True),  # several hosts: this agent sees only its own
 ])
-def test_single_host_world_size(argv: list[str], size: int | None) -> None:
+def test_single_host_world_size(argv: list[str], size: int | None, multi: bool) -> None:
     """hvdrun can name the ranks that ended with status 0 (torchrun lists only failures) when the
-    whole job ran under one agent."""
+    whole job ran under one agent; over several hosts it sends the user to the other hosts."""
     from hvd_trainer.launch.commands import torchrun_args
     from hvd_trainer.launch.options import parse_options
-    from hvd_trainer.launch.runner import _single_host_world_size
+    from hvd_trainer.launch.runner import _multi_host, _single_host_world_size
 
     opts, _ = parse_options(argv)
     assert _single_host_world_size(torchrun_args(opts, 29400)) == size
+    assert _multi_host(torchrun_args(opts, 29400)) is multi

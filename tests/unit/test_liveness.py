@@ -62,3 +62,27 @@ def test_exited_mark_names_a_rank_on_any_host_until_it_publishes_again() -> None
     assert "has exited" in message and "HINT:" in message
     liveness.publish(store, 1)  # a re-initialised rank 1 clears its old mark
     assert liveness.find_gone(store, [1]) == []
+
+
+def test_a_rank_that_left_for_a_peer_is_not_blamed_and_the_error_points_at_other_hosts() -> None:
+    host = socket.gethostname()
+    store = _store_with({1: f"{host}|{os.getpid() + 1}", 2: "far-away|7", 3: "far-away|8"})
+    liveness.mark_exited(store, 1, for_a_peer=True)
+    dead, remote = liveness.find_dead_peers(store, [0, 1, 2, 3], me=0, grace_seconds=0.0)
+    assert dead == [liveness.Peer(1, host, os.getpid() + 1)]
+    relayed = liveness.stopped_for_peers(store, dead)
+    assert relayed == dead
+    message = liveness.describe_failure("allreduce 'x' (collective #4)", dead, remote, relayed)
+    assert "stopped because it lost a peer too, so the first failure is elsewhere" in message
+    assert "one of the ranks on other hosts (rank 2 on far-away, rank 3 on far-away)" in message
+    assert "no longer running" not in message
+    # a rank that failed on its own is still named as the cause, next to a relayed one
+    liveness.mark_exited(store, 2, for_a_peer=False)
+    dead = [liveness.Peer(1, host, os.getpid() + 1), liveness.Peer(2, "far-away", 7)]
+    relayed = liveness.stopped_for_peers(store, dead)
+    assert relayed == dead[:1]
+    message = liveness.describe_failure("allreduce 'x' (collective #4)", dead, [], relayed)
+    assert message.startswith("allreduce 'x' (collective #4) failed because rank 2 (pid 7 on far-away)")
+    # the default reads this process's own state: it raised no peer failure
+    liveness.mark_exited(store, 3)
+    assert liveness.stopped_for_peers(store, [liveness.Peer(3, "far-away", 8)]) == []
