@@ -485,14 +485,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Synchronize (unless done already or skipped), then step the inner optimizer.
 
+        ``closure`` (as ``torch.optim.LBFGS`` needs: it zeroes the gradients, runs backward and
+        returns the loss) is wrapped so that each evaluation is distributed: the gradients its
+        backward computes are averaged (or summed) before the inner optimizer reads them, and
+        the loss it returns is averaged over the ranks (a 0-dim float tensor, or a float when
+        the closure returned a number). So the inner optimizer sees the global objective on
+        every rank and takes the same decisions (LBFGS's line search and stopping tests), and
+        every rank evaluates the closure the same number of times. Horovod passes the closure
+        through, so there its gradients stay local and ranks drift apart.
+
+        Returns:
+            What the inner ``step`` returns (with a closure: the averaged loss of its first
+            evaluation, as torch's optimizers return it).
+
         Raises:
-            OptimizerConfigError: a ``closure`` was passed (its gradients could not be averaged).
+            OptimizerConfigError: a ``closure`` with ``op=Adasum`` (Adasum combines weight
+                changes of one local step; pass no closure).
             GradientSyncError: inside ``skip_synchronize()`` without a prior ``synchronize()``.
         """
-        if closure is not None:
+        if closure is not None and self._op is ReduceOp.ADASUM:
             raise OptimizerConfigError(
-                "DistributedOptimizer.step() does not take a closure: gradients computed inside "
-                "it would not be averaged. HINT: run backward() before step()."
+                "DistributedOptimizer(op=Adasum).step() does not take a closure: Adasum combines "
+                "the weight changes of one local step. HINT: run backward() before step() and "
+                "call step() without a closure."
             )
         if self._user_synced and not self._skip:
             warnings.warn(
@@ -508,15 +523,54 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "being averaged. HINT: call optimizer.synchronize() before entering "
                 "skip_synchronize()."
             )
-        if not self._skip and not self._synced:
-            self._synchronize()
+        if not self._skip and not self._synced and (closure is None or self._backward_on_any_rank()):
+            self._synchronize()  # with a closure: only when a backward ran before step()
         self._synced = False
         self._user_synced = False
         if self._op is ReduceOp.ADASUM:
             params = [p for _, p in self._named if p.requires_grad]
             return adasum_step(self._inner, params, compression=self._compression,
                                process_set=self._process_set, world=self._world)
+        if closure is not None:
+            return self._inner.step(self._distributed_closure(closure))
         return self._inner.step()
+
+    def _backward_on_any_rank(self) -> bool:
+        """Whether a backward pass ran since the last step on some rank (a collective)."""
+        flag = torch.tensor([1.0 if self._counts else 0.0], dtype=torch.float64)
+        return bool(allreduce(flag, op=Max, name="hvd.closure_backward",
+                              process_set=self._process_set, world=self._world).item() > 0)
+
+    def _distributed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` whose gradients are reduced and whose loss is averaged over the ranks.
+
+        One small allreduce per evaluation carries the loss and whether a backward ran (a
+        closure that only returns the loss computes no gradients, and the ones already reduced
+        must not be reduced again); the gradient buckets follow when one did.
+        """
+
+        def evaluate() -> Any:
+            with torch.enable_grad():  # torch's optimizers call the closure under no_grad
+                loss = closure()
+            if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+                raise OptimizerConfigError(
+                    f"the closure passed to DistributedOptimizer.step() returned a tensor of "
+                    f"shape {tuple(loss.shape)}; it must return the scalar loss (or None)."
+                )
+            value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+            both = torch.tensor([value, 1.0 if self._counts else 0.0], dtype=torch.float64)
+            both = allreduce(both, op=Average, name="hvd.closure_loss",
+                             process_set=self._process_set, world=self._world)
+            if both[1].item() > 0:
+                self._synchronize()
+                self._synced = False
+            if loss is None:
+                return None
+            if isinstance(loss, torch.Tensor):
+                return both[0].to(loss.dtype).reshape(loss.shape)
+            return float(both[0])
+
+        return evaluate
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients (inner ``zero_grad``) and restart backward-pass counting.

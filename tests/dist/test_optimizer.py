@@ -515,3 +515,79 @@ def test_sparse_gradients(results: list[dict]) -> None:
     for mode in ("False", "True"):
         assert results[0]["sparse"][f"{mode}-w"] == results[1]["sparse"][f"{mode}-w"]
 
+
+
+def _lbfgs_run(distributed: bool) -> tuple[torch.Tensor, list[float], int]:
+    import hvd_trainer as hvd
+
+    model = _model().double()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, line_search_fn="strong_wolfe")
+    if distributed:
+        opt = hvd.DistributedOptimizer(opt, model.named_parameters())
+    evaluations, losses = [0], []
+    for step in range(STEPS):
+        x, y = _batch(step, 2 * B)
+        if distributed:
+            x, y = _local(x, y, hvd.rank())
+
+        def closure() -> torch.Tensor:
+            evaluations[0] += 1
+            opt.zero_grad()
+            loss = _loss(model, x.double(), y.double())
+            loss.backward()
+            return loss
+
+        losses.append(float(opt.step(closure)))
+    return _flat(model), losses, evaluations[0]
+
+
+def _closure_worker() -> dict:
+    import hvd_trainer as hvd
+    from hvd_trainer.torch.optimizer import OptimizerConfigError
+
+    res: dict = {}
+    w, losses, n = _lbfgs_run(distributed=True)
+    w1, losses1, n1 = _lbfgs_run(distributed=False)
+    res["lbfgs_err"] = float((w - w1).abs().max())
+    res["lbfgs_loss_err"] = max(abs(a - b) for a, b in zip(losses, losses1, strict=True))
+    res["lbfgs_evals"], res["lbfgs_evals_single"], res["lbfgs_w"] = n, n1, w
+    # Horovod's pattern: backward before step(closure), a closure that only returns the loss.
+    # Its gradients are reduced once (op=Sum would show a second reduction as a factor 2).
+    rank = hvd.rank()
+    for mode in ("closure", "plain"):
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       model.named_parameters(), op=hvd.Sum)
+        for step in range(STEPS):
+            opt.zero_grad()
+            loss = _loss(model, *_local(*_batch(step, 2 * B), rank))
+            loss.backward()
+            if mode == "closure":
+                got = opt.step(lambda loss=loss: float(loss))
+                res["float_loss_type"] = type(got).__name__
+            else:
+                opt.step()
+        res[f"sum-{mode}"] = _flat(model)
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), op=hvd.Adasum)
+    try:
+        opt.step(lambda: None)
+    except OptimizerConfigError as exc:
+        res["adasum_error"] = str(exc)
+    return _plain(res)
+
+
+def test_step_with_a_closure_is_distributed_lbfgs_equals_the_single_process_run() -> None:
+    """LBFGS (strong Wolfe line search, several closure evaluations per step): the closure's
+    gradients and loss are averaged, so every rank takes the steps the single process takes on
+    the global batch, with the same number of evaluations."""
+    results = run_workers(_closure_worker, 2, timeout_seconds=120)
+    for res in results:
+        assert res["lbfgs_err"] <= 1e-9, res["lbfgs_err"]
+        assert res["lbfgs_loss_err"] <= 1e-9
+        assert res["lbfgs_evals"] == res["lbfgs_evals_single"] > STEPS  # the line search ran
+        assert res["sum-closure"] == res["sum-plain"]
+        assert res["float_loss_type"] == "float"
+        assert "does not take a closure" in res["adasum_error"]
+    assert results[0]["lbfgs_w"] == results[1]["lbfgs_w"]
