@@ -8,7 +8,14 @@ root, so its Python type is kept (tuples stay tuples, ints stay ints).
 
 No optimizer step is run: a rank whose optimizer has no state yet gets empty tensors shaped
 like the root's and receives their values, so the next step computes exactly what the root's
-optimizer would compute.
+optimizer would compute, and a fresh optimizer stays fresh (Horovod's zero-gradient step gives
+Adam a ``step`` of 1 and SGD a momentum buffer of ``weight_decay * p`` before training starts,
+horovod/horovod#2805).
+
+Before any value travels, the ranks agree on what they send: the names, shapes and dtypes of
+the tensors (the parameters of the optimizer's groups), compared with the root's. A model that
+differs between ranks raises ``ValueError`` on every rank, naming the first tensor that differs
+and its shape on each rank, instead of copying the root's values into tensors of another layout.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import World, broadcast_, broadcast_object, get_world
+from hvd_trainer.comm import World, allgather_object, broadcast_, broadcast_object, get_world
 from hvd_trainer.comm.flatten import flat_collective_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors_"]
@@ -30,6 +37,48 @@ def _check_root(root_rank: int, world: World) -> None:
             f"root_rank={root_rank!r} is not a rank of a world of size {world.size}. "
             "HINT: use root_rank=0."
         )
+
+
+Layout = list[tuple[str, tuple[int, ...], str]]
+"""(name, shape, dtype) of each tensor a rank is about to send or receive, in order."""
+
+
+def _first_difference(mine: Layout, root: Layout, root_rank: int) -> str | None:
+    """How this rank's layout differs from the root's (its first differing entry), or None."""
+    for i, (a, b) in enumerate(zip(mine, root, strict=False)):
+        if a != b:
+            return (f"tensor #{i} is {a[0]!r} {list(a[1])} {a[2]} here, {b[0]!r} {list(b[1])} {b[2]} "
+                    f"on rank {root_rank}")
+    if len(mine) != len(root):
+        return f"{len(mine)} tensors here, {len(root)} on rank {root_rank}"
+    return None
+
+
+def agree_on_layout(layout: Layout, root_rank: int, what: str, *, world: World) -> None:
+    """Raise ``ValueError`` on every rank unless every rank's ``layout`` equals the root's.
+
+    Two small object collectives: the root's layout goes out, and each rank's verdict (None,
+    or its first difference) comes back, so every rank raises the same error.
+
+    Raises:
+        ValueError: some rank's tensors differ from the root's in name, shape, dtype or count.
+    """
+    root = broadcast_object(layout if world.rank == root_rank else None, root_rank,
+                            name=f"{what}.layout", world=world)
+    verdicts = allgather_object(_first_difference(layout, root, root_rank), name=f"{what}.verdict",
+                                world=world)
+    wrong = [(r, v) for r, v in enumerate(verdicts) if v is not None]
+    if wrong:
+        detail = "; ".join(f"rank {r}: {v}" for r, v in wrong)
+        raise ValueError(
+            f"{what}: the ranks' models differ, so rank {root_rank}'s values cannot be copied "
+            f"({detail}). Nothing was changed. HINT: build the same model (and optimizer) on every "
+            "rank, from the same configuration, before broadcasting."
+        )
+
+
+def _layout(named: list[tuple[str, torch.Tensor]]) -> Layout:
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in named]
 
 
 def broadcast_tensors_(tensors: list[torch.Tensor], root_rank: int, *, world: World) -> None:
@@ -46,7 +95,7 @@ def broadcast_tensors_(tensors: list[torch.Tensor], root_rank: int, *, world: Wo
                      what="broadcast_parameters")
 
 
-def _as_tensor_list(params: Any) -> list[torch.Tensor]:
+def _as_named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
     if isinstance(params, Mapping):
         items = sorted(params.items(), key=lambda kv: kv[0])
     elif isinstance(params, Iterable):
@@ -56,15 +105,15 @@ def _as_tensor_list(params: Any) -> list[torch.Tensor]:
             f"params must be a state_dict, a list of (name, tensor) or a list of tensors, got "
             f"{type(params).__name__}. HINT: broadcast_parameters(model.state_dict(), 0)."
         )
-    out: list[torch.Tensor] = []
-    for item in items:
-        tensor = item[1] if isinstance(item, tuple) else item
+    out: list[tuple[str, torch.Tensor]] = []
+    for i, item in enumerate(items):
+        name, tensor = (str(item[0]), item[1]) if isinstance(item, tuple) else (f"#{i}", item)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(
                 f"broadcast_parameters got a {type(tensor).__name__} entry ({item!r:.60}); "
                 "expected tensors. HINT: pass model.state_dict() or model.named_parameters()."
             )
-        out.append(tensor)
+        out.append((name, tensor))
     return out
 
 
@@ -78,11 +127,15 @@ def broadcast_parameters(params: Any, root_rank: int = 0, *, world: World | None
 
     Raises:
         TypeError: ``params`` holds something other than tensors.
-        ValueError: ``root_rank`` is not a rank.
+        ValueError: ``root_rank`` is not a rank; on every rank, when the ranks' tensors differ
+            in name, shape, dtype or count (the message names the first one that differs).
     """
     w = get_world() if world is None else world
     _check_root(root_rank, w)
-    broadcast_tensors_(_as_tensor_list(params), root_rank, world=w)
+    named = _as_named_tensors(params)
+    if w.size > 1:
+        agree_on_layout(_layout(named), root_rank, "broadcast_parameters", world=w)
+    broadcast_tensors_([t for _, t in named], root_rank, world=w)
 
 
 def _spec(value: Any) -> tuple[str, Any]:
@@ -91,25 +144,24 @@ def _spec(value: Any) -> tuple[str, Any]:
     return ("object", value)
 
 
-def _initialise_empty_state(optimizer: torch.optim.Optimizer) -> None:
-    """Horovod's first step: an optimizer without state takes one step on zero gradients, so
-    its state (e.g. Adam's ``exp_avg``, ``step``) exists before it is broadcast. The step runs
-    on the wrapped optimizer (a DistributedOptimizer would allreduce). As in Horovod, every
-    trainable parameter keeps the zero ``.grad`` (frozen ones keep ``None``); unlike Horovod,
-    the parameter values are put back, so e.g. weight decay does not move them."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    if optimizer.state_dict()["state"] or isinstance(inner, torch.optim.LBFGS):  # LBFGS: closure
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's visible side effect on an optimizer without state: every trainable parameter
+    without a ``.grad`` gets a zero one (frozen ones keep ``None``). No step is taken."""
+    if optimizer.state_dict()["state"]:
         return
-    params = [p for g in inner.param_groups for p in g["params"] if p.requires_grad]
-    saved = [(p, p.detach().clone()) for p in params]
     with torch.no_grad():
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        try:
-            inner.step()
-        finally:
-            for p, value in saved:
-                p.copy_(value)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+
+
+def _optimizer_layout(optimizer: torch.optim.Optimizer) -> Layout:
+    names = getattr(optimizer, "_names", {})  # DistributedOptimizer knows the parameter names
+    return [
+        (names.get(id(p), f"param_groups[{g}][{i}]"), tuple(p.shape), str(p.dtype))
+        for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
+    ]
 
 
 def broadcast_optimizer_state(
@@ -119,18 +171,20 @@ def broadcast_optimizer_state(
     """Give every rank ``root_rank``'s optimizer hyperparameters and state buffers.
 
     Works for any ``torch.optim`` optimizer (and :class:`~hvd_trainer.DistributedOptimizer`),
-    stateless ones included, and for parameters that are frozen or have no state yet. As in
-    Horovod, an optimizer whose state is empty first takes one step on zero gradients (the
-    trainable parameters keep those zero ``.grad``, as in Horovod; their values are restored),
-    so e.g. Adam's ``step`` and moments exist on every rank after the broadcast. The root's
-    state is then sent; the others load the root's ``state_dict``. ``model`` is Horovod's
+    stateless ones included, and for parameters that are frozen or have no state yet. The
+    root's state is sent and the others load the root's ``state_dict``: a rank without state
+    receives the root's buffers, and when the root has no state yet (a fresh optimizer) every
+    rank ends with none, so training starts exactly as a single process's would. Unlike Horovod
+    no zero-gradient step is taken (it would give Adam a ``step`` of 1 and SGD with weight decay
+    a momentum buffer, horovod/horovod#2805); as in Horovod, an optimizer without state leaves
+    trainable parameters with a zero ``.grad`` instead of ``None``. ``model`` is Horovod's
     argument for sparse embeddings; it is accepted and not needed here (sparse state travels
     like any other tensor).
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
-        ValueError: ``root_rank`` is not a rank; the ranks' optimizers have different
-            parameter groups (from ``load_state_dict``).
+        ValueError: ``root_rank`` is not a rank; on every rank, when the ranks' optimizers hold
+            parameters of different shapes, dtypes or numbers (named in the message).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -140,7 +194,9 @@ def broadcast_optimizer_state(
     w = get_world() if world is None else world
     _check_root(root_rank, w)
     del model  # accepted for Horovod's signature
-    _initialise_empty_state(optimizer)
+    if w.size > 1:
+        agree_on_layout(_optimizer_layout(optimizer), root_rank, "broadcast_optimizer_state", world=w)
+    _zero_missing_grads(optimizer)
     is_root = w.rank == root_rank
     meta = None
     if is_root:

@@ -530,7 +530,7 @@ def _lbfgs_run(distributed: bool) -> tuple[torch.Tensor, list[float], int]:
         if distributed:
             x, y = _local(x, y, hvd.rank())
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             evaluations[0] += 1
             opt.zero_grad()
             loss = _loss(model, x.double(), y.double())

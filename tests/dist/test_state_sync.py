@@ -148,3 +148,89 @@ def test_types_and_structure_kept(results: list[dict]) -> None:
 def test_broadcast_through_distributed_optimizer(results: list[dict]) -> None:
     assert results[0]["dopt"] == results[1]["dopt"]
     assert results[1]["dopt"]["groups"][0]["lr"] == ("float", "0.01")
+
+
+def _fresh_and_drift_worker() -> dict:
+    """A fresh optimizer stays fresh (training equals a run without the broadcast), and models
+    that differ between ranks are refused on every rank, naming the tensor, before any copy."""
+    import hvd_trainer as hvd
+
+    rank, res = hvd.rank(), {}
+    for kind, make in (("adam", lambda p: torch.optim.Adam(p, lr=0.01)),
+                       ("sgd_wd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1))):
+        runs = []
+        for broadcast in (True, False):
+            model = _model()
+            opt = make(model.parameters())
+            if broadcast:
+                hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+                hvd.broadcast_optimizer_state(opt, root_rank=0)
+                res[f"{kind}-state_after_broadcast"] = len(opt.state)
+                res[f"{kind}-grads_zero"] = [None if p.grad is None else float(p.grad.abs().sum())
+                                             for p in model.parameters()]
+            for s in range(3):
+                _step(model, opt, seed=s)
+            runs.append(_flat(model))
+        res[f"{kind}-equal_to_unbroadcast"] = runs[0] == runs[1]
+
+    # Same element count, other shapes: the flat buffer would fit, the layout does not.
+    torch.manual_seed(rank)
+    lin = torch.nn.Linear(2, 6) if rank == 0 else torch.nn.Linear(3, 4)
+    before = lin.weight.detach().clone()
+    for form in ("state_dict", "named_parameters"):
+        params = lin.state_dict() if form == "state_dict" else lin.named_parameters()
+        try:
+            hvd.broadcast_parameters(params, root_rank=0)
+            res[f"same_numel-{form}"] = None
+        except ValueError as exc:
+            res[f"same_numel-{form}"] = str(exc)
+    res["same_numel-untouched"] = torch.equal(lin.weight, before)
+    # An extra layer on one rank; then the optimizers of models that differ.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), *([torch.nn.Linear(4, 4)] if rank == 1 else []))
+    try:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        res["extra_layer"] = None
+    except ValueError as exc:
+        res["extra_layer"] = str(exc)
+    model = torch.nn.Linear(3, 5 if rank == 0 else 4)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _step_any(model, opt)
+    dopt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    for name, o in (("opt_state", opt), ("dopt_state", dopt)):
+        try:
+            hvd.broadcast_optimizer_state(o, root_rank=0)
+            res[name] = None
+        except ValueError as exc:
+            res[name] = str(exc)
+    res["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).tolist()  # still in step
+    return res
+
+
+def _step_any(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.ones(2, model.in_features)).sum().backward()
+    opt.step()
+
+
+def test_fresh_optimizer_stays_fresh_and_model_drift_is_refused_on_every_rank() -> None:
+    results = run_workers(_fresh_and_drift_worker, 2, timeout_seconds=120)
+    for rank, res in enumerate(results):
+        for kind in ("adam", "sgd_wd"):
+            assert res[f"{kind}-state_after_broadcast"] == 0, kind
+            # Horovod's visible side effect: trainable parameters get zero grads, frozen keep None
+            assert res[f"{kind}-grads_zero"] == [0.0, None, 0.0, 0.0], kind
+            assert res[f"{kind}-equal_to_unbroadcast"], kind
+        for form, want in (  # a state_dict travels in sorted key order, named_parameters as listed
+            ("state_dict", "rank 1: tensor #0 is 'bias' [4] torch.float32 here, 'bias' [6] torch.float32 on"),
+            ("named_parameters", "rank 1: tensor #0 is 'weight' [4, 3] torch.float32 here, 'weight' [6, 2]"),
+        ):
+            msg = res[f"same_numel-{form}"]
+            assert msg is not None, form
+            assert want in msg, msg
+            assert "Nothing was changed" in msg and "HINT" in msg
+        if rank == 1:
+            assert res["same_numel-untouched"]
+        assert "rank 1: 4 tensors here, 2 on rank 0" in res["extra_layer"]
+        assert "rank 1: tensor #0 is 'param_groups[0][0]' [4, 3]" in res["opt_state"]
+        assert "rank 1: tensor #0 is 'weight' [4, 3] torch.float32 here, 'weight' [5, 3]" in res["dopt_state"]
+        assert res["after"] == [2.0]
