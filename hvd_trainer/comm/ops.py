@@ -9,6 +9,7 @@ reduction rejects it with :class:`UnsupportedOpError` (:func:`reject_adasum`).
 from __future__ import annotations
 
 import enum
+import warnings
 
 import torch.distributed as dist
 
@@ -122,7 +123,8 @@ def reject_adasum(op: ReduceOp, where: str) -> ReduceOp:
 
 
 def op_or_average(op: ReduceOp | str | None, average: bool | None) -> ReduceOp | str | None:
-    """Merge Horovod's older ``average=`` keyword into ``op``.
+    """Merge Horovod's older ``average=`` keyword into ``op``; ``average`` warns with a
+    ``DeprecationWarning``, as Horovod does since 0.21 (it still works).
 
     Raises:
         ValueError: both were given.
@@ -134,4 +136,9 @@ def op_or_average(op: ReduceOp | str | None, average: bool | None) -> ReduceOp |
             f"got both average={average!r} and op={op!r}. HINT: pass only op= (average= is "
             "Horovod's older spelling: True means op=Average, False op=Sum)."
         )
+    warnings.warn(
+        f"average={average!r} is Horovod's older spelling of op=: use "
+        f"op=hvd.{'Average' if average else 'Sum'} instead.",
+        DeprecationWarning, stacklevel=3,
+    )
     return ReduceOp.AVERAGE if average else ReduceOp.SUM

@@ -161,8 +161,10 @@ def test_average_keyword_and_positional_bool_as_in_horovod() -> None:
     from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
 
     assert to_reduce_op(True) is ReduceOp.AVERAGE and to_reduce_op(False) is ReduceOp.SUM
-    assert op_or_average(None, True) is ReduceOp.AVERAGE
-    assert op_or_average(None, False) is ReduceOp.SUM
+    with pytest.warns(DeprecationWarning, match="use op=hvd.Average"):
+        assert op_or_average(None, True) is ReduceOp.AVERAGE
+    with pytest.warns(DeprecationWarning, match="use op=hvd.Sum"):
+        assert op_or_average(None, False) is ReduceOp.SUM
     assert op_or_average("sum", None) == "sum"
     with pytest.raises(ValueError, match="both average=True and op="):
         op_or_average(hvd.Sum, True)
