@@ -62,7 +62,10 @@ def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None
     (torchrun does not list them), the cause hvdrun would otherwise hide behind their victim.
     In a job over several hosts the cause is on another host (a rank there died, was killed or
     ended early): this host's agent never saw it, so the note sends the user there."""
-    if any(f.exitcode != PEER_FAILED_EXIT_CODE for f in failures.values()):
+    # Ranks the agent SIGTERMed after the first failure are victims too, not causes.
+    victims = (PEER_FAILED_EXIT_CODE, -signal.SIGTERM)
+    if any(f.exitcode not in victims for f in failures.values()) or \
+            all(f.exitcode != PEER_FAILED_EXIT_CODE for f in failures.values()):
         return ""
     if multi_host:
         return (" No rank on this host failed on its own: the first failure was on another host (a "

@@ -42,6 +42,7 @@ from hvd_trainer.comm import (
     GradientReducer,
     Max,
     ReduceOp,
+    Sum,
     World,
     allreduce,
     get_world,
@@ -488,10 +489,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``closure`` (as ``torch.optim.LBFGS`` needs: it zeroes the gradients, runs backward and
         returns the loss) is wrapped so that each evaluation is distributed: the gradients its
         backward computes are averaged (or summed) before the inner optimizer reads them, and
-        the loss it returns is averaged over the ranks (a 0-dim float tensor, or a float when
-        the closure returned a number). So the inner optimizer sees the global objective on
-        every rank and takes the same decisions (LBFGS's line search and stopping tests), and
-        every rank evaluates the closure the same number of times. Horovod passes the closure
+        the loss it returns is averaged (or summed, with ``op=Sum``) over the ranks, in its own
+        shape and dtype (a float when the closure returned a number). So the inner optimizer
+        sees the global objective on every rank and takes the same decisions (LBFGS's line
+        search and stopping tests), and every rank evaluates the closure the same number of
+        times. Horovod passes the closure
         through, so there its gradients stay local and ranks drift apart.
 
         Returns:
@@ -549,25 +551,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         must not be reduced again); the gradient buckets follow when one did.
         """
 
+        # The loss is combined like the gradients: averaged for Average, summed for Sum, so
+        # the line search sees the loss of the objective whose gradient it gets.
+        op = Sum if self._op is ReduceOp.SUM else Average
+
         def evaluate() -> Any:
             with torch.enable_grad():  # torch's optimizers call the closure under no_grad
                 loss = closure()
-            if isinstance(loss, torch.Tensor) and loss.numel() != 1:
-                raise OptimizerConfigError(
-                    f"the closure passed to DistributedOptimizer.step() returned a tensor of "
-                    f"shape {tuple(loss.shape)}; it must return the scalar loss (or None)."
-                )
-            value = 0.0 if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
-            both = torch.tensor([value, 1.0 if self._counts else 0.0], dtype=torch.float64)
-            both = allreduce(both, op=Average, name="hvd.closure_loss",
+            if isinstance(loss, torch.Tensor):
+                values = loss.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+            else:
+                values = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
+            flag = torch.tensor([1.0 if self._counts else 0.0], dtype=torch.float64)
+            both = allreduce(torch.cat([values, flag]), op=op, name="hvd.closure_loss",
                              process_set=self._process_set, world=self._world)
-            if both[1].item() > 0:
+            if both[-1].item() > 0:  # some rank's closure ran backward
                 self._synchronize()
                 self._synced = False
             if loss is None:
                 return None
             if isinstance(loss, torch.Tensor):
-                return both[0].to(loss.dtype).reshape(loss.shape)
+                return both[:-1].reshape(loss.shape).to(device=loss.device, dtype=loss.dtype)
             return float(both[0])
 
         return evaluate

@@ -43,10 +43,16 @@ Layout = list[tuple[str, tuple[int, ...], str]]
 """(name, shape, dtype) of each tensor a rank is about to send or receive, in order."""
 
 
-def _first_difference(mine: Layout, root: Layout, root_rank: int) -> str | None:
-    """How this rank's layout differs from the root's (its first differing entry), or None."""
+def _first_difference(mine: Layout | str, root: Layout | str, root_rank: int,
+                      compare_names: bool) -> str | None:
+    """How this rank's layout differs from the root's (its first differing entry), or None.
+    A ``str`` layout is a rank's own argument error."""
+    if isinstance(mine, str):
+        return mine
+    if isinstance(root, str):
+        return None  # the root's own verdict says why
     for i, (a, b) in enumerate(zip(mine, root, strict=False)):
-        if a != b:
+        if (a if compare_names else a[1:]) != (b if compare_names else b[1:]):
             return (f"tensor #{i} is {a[0]!r} {list(a[1])} {a[2]} here, {b[0]!r} {list(b[1])} {b[2]} "
                     f"on rank {root_rank}")
     if len(mine) != len(root):
@@ -54,19 +60,30 @@ def _first_difference(mine: Layout, root: Layout, root_rank: int) -> str | None:
     return None
 
 
-def agree_on_layout(layout: Layout, root_rank: int, what: str, *, world: World) -> None:
-    """Raise ``ValueError`` on every rank unless every rank's ``layout`` equals the root's.
+def agree_on_layout(layout: Layout | Exception, root_rank: int, what: str, *, world: World,
+                    compare_names: bool = True) -> None:
+    """Raise on every rank unless every rank's ``layout`` equals the root's.
 
     Two small object collectives: the root's layout goes out, and each rank's verdict (None,
-    or its first difference) comes back, so every rank raises the same error.
+    or its first difference) comes back, so every rank raises the same error. A rank whose
+    own arguments were wrong passes its exception as ``layout``: it still takes its turn (so
+    no peer waits in a broadcast it never joins), re-raises that exception, and the others
+    raise ``ValueError`` naming it.
+
+    Args:
+        compare_names: names must match too (a state_dict's keys); else only shapes, dtypes
+            and count (an optimizer's parameters, named or not), the names only say which.
 
     Raises:
         ValueError: some rank's tensors differ from the root's in name, shape, dtype or count.
     """
-    root = broadcast_object(layout if world.rank == root_rank else None, root_rank,
+    mine: Layout | str = f"{type(layout).__name__}: {layout}" if isinstance(layout, Exception) else layout
+    root = broadcast_object(mine if world.rank == root_rank else None, root_rank,
                             name=f"{what}.layout", world=world)
-    verdicts = allgather_object(_first_difference(layout, root, root_rank), name=f"{what}.verdict",
-                                world=world)
+    verdicts = allgather_object(_first_difference(mine, root, root_rank, compare_names),
+                                name=f"{what}.verdict", world=world)
+    if isinstance(layout, Exception):
+        raise layout
     wrong = [(r, v) for r, v in enumerate(verdicts) if v is not None]
     if wrong:
         detail = "; ".join(f"rank {r}: {v}" for r, v in wrong)
@@ -100,6 +117,8 @@ def _as_named_tensors(params: Any) -> list[tuple[str, torch.Tensor]]:
         items = sorted(params.items(), key=lambda kv: kv[0])
     elif isinstance(params, Iterable):
         items = list(params)
+        if items and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items):
+            items.sort(key=lambda kv: kv[0])  # matched by name, as Horovod does: order-free
     else:
         raise TypeError(
             f"params must be a state_dict, a list of (name, tensor) or a list of tensors, got "
@@ -121,8 +140,9 @@ def broadcast_parameters(params: Any, root_rank: int = 0, *, world: World | None
     """Copy ``root_rank``'s values into every rank's tensors, in place.
 
     Args:
-        params: ``model.state_dict()`` (sent in sorted key order), or a list of
-            ``(name, tensor)`` pairs or tensors (sent in list order). Same on every rank.
+        params: ``model.state_dict()`` or a list of ``(name, tensor)`` pairs (both matched
+            by name: sent in sorted name order, as Horovod matches them by name), or a list of
+            tensors (sent in list order). The same tensors on every rank.
         root_rank: the global rank whose values win.
 
     Raises:
@@ -132,9 +152,14 @@ def broadcast_parameters(params: Any, root_rank: int = 0, *, world: World | None
     """
     w = get_world() if world is None else world
     _check_root(root_rank, w)
-    named = _as_named_tensors(params)
-    if w.size > 1:
-        agree_on_layout(_layout(named), root_rank, "broadcast_parameters", world=w)
+    if w.size == 1:
+        _as_named_tensors(params)  # the argument errors
+        return
+    try:
+        named = _as_named_tensors(params)
+    except TypeError as exc:  # still take this rank's turn, then raise it
+        agree_on_layout(exc, root_rank, "broadcast_parameters", world=w)
+    agree_on_layout(_layout(named), root_rank, "broadcast_parameters", world=w)
     broadcast_tensors_([t for _, t in named], root_rank, world=w)
 
 
@@ -149,15 +174,18 @@ def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
     without a ``.grad`` gets a zero one (frozen ones keep ``None``). No step is taken."""
     if optimizer.state_dict()["state"]:
         return
+    inner = getattr(optimizer, "optimizer", optimizer)
+    sparse = isinstance(inner, torch.optim.SparseAdam)  # it only takes sparse gradients
     with torch.no_grad():
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
 
 
 def _optimizer_layout(optimizer: torch.optim.Optimizer) -> Layout:
-    names = getattr(optimizer, "_names", {})  # DistributedOptimizer knows the parameter names
+    names = getattr(optimizer, "_names", None)  # DistributedOptimizer knows the parameter names
+    names = names if isinstance(names, dict) else {}
     return [
         (names.get(id(p), f"param_groups[{g}][{i}]"), tuple(p.shape), str(p.dtype))
         for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])
@@ -195,7 +223,8 @@ def broadcast_optimizer_state(
     _check_root(root_rank, w)
     del model  # accepted for Horovod's signature
     if w.size > 1:
-        agree_on_layout(_optimizer_layout(optimizer), root_rank, "broadcast_optimizer_state", world=w)
+        agree_on_layout(_optimizer_layout(optimizer), root_rank, "broadcast_optimizer_state", world=w,
+                        compare_names=False)
     _zero_missing_grads(optimizer)
     is_root = w.rank == root_rank
     meta = None

@@ -517,13 +517,15 @@ def test_sparse_gradients(results: list[dict]) -> None:
 
 
 
-def _lbfgs_run(distributed: bool) -> tuple[torch.Tensor, list[float], int]:
+def _lbfgs_run(distributed: bool, summed: bool = False) -> tuple[torch.Tensor, list[float], int]:
+    """LBFGS for STEPS steps; ``summed``: op=Sum, whose single-process objective is the sum of
+    the ranks' losses (the mean loss of each rank's half of the global batch)."""
     import hvd_trainer as hvd
 
     model = _model().double()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, line_search_fn="strong_wolfe")
     if distributed:
-        opt = hvd.DistributedOptimizer(opt, model.named_parameters())
+        opt = hvd.DistributedOptimizer(opt, model.named_parameters(), op=hvd.Sum if summed else hvd.Average)
     evaluations, losses = [0], []
     for step in range(STEPS):
         x, y = _batch(step, 2 * B)
@@ -533,7 +535,10 @@ def _lbfgs_run(distributed: bool) -> tuple[torch.Tensor, list[float], int]:
         def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
             evaluations[0] += 1
             opt.zero_grad()
-            loss = _loss(model, x.double(), y.double())
+            if summed and not distributed:
+                loss = sum(_loss(model, *(t.double() for t in _local(x, y, r))) for r in range(2))
+            else:
+                loss = _loss(model, x.double(), y.double())
             loss.backward()
             return loss
 
@@ -551,6 +556,15 @@ def _closure_worker() -> dict:
     res["lbfgs_err"] = float((w - w1).abs().max())
     res["lbfgs_loss_err"] = max(abs(a - b) for a, b in zip(losses, losses1, strict=True))
     res["lbfgs_evals"], res["lbfgs_evals_single"], res["lbfgs_w"] = n, n1, w
+    w, losses, n = _lbfgs_run(distributed=True, summed=True)
+    w1, losses1, n1 = _lbfgs_run(distributed=False, summed=True)
+    res["lbfgs_sum_err"] = float((w - w1).abs().max())
+    res["lbfgs_sum_loss_err"] = max(abs(a - b) for a, b in zip(losses, losses1, strict=True))
+    res["lbfgs_sum_evals"] = (n, n1)
+    # a closure that returns a non-scalar tensor: averaged element-wise, in its own shape
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    res["vector_loss"] = opt.step(lambda: torch.full((2,), float(hvd.rank()))).tolist()
     # Horovod's pattern: backward before step(closure), a closure that only returns the loss.
     # Its gradients are reduced once (op=Sum would show a second reduction as a factor 2).
     rank = hvd.rank()
@@ -587,6 +601,11 @@ def test_step_with_a_closure_is_distributed_lbfgs_equals_the_single_process_run(
         assert res["lbfgs_err"] <= 1e-9, res["lbfgs_err"]
         assert res["lbfgs_loss_err"] <= 1e-9
         assert res["lbfgs_evals"] == res["lbfgs_evals_single"] > STEPS  # the line search ran
+        # op=Sum: the loss is summed like the gradients, so the single process on the summed
+        # objective is matched
+        assert res["lbfgs_sum_err"] <= 1e-9 and res["lbfgs_sum_loss_err"] <= 1e-9, res["lbfgs_sum_err"]
+        assert res["lbfgs_sum_evals"][0] == res["lbfgs_sum_evals"][1]
+        assert res["vector_loss"] == [0.5, 0.5]
         assert res["sum-closure"] == res["sum-plain"]
         assert res["float_loss_type"] == "float"
         assert "does not take a closure" in res["adasum_error"]

@@ -5,6 +5,7 @@ optimizer would have taken without the broadcast."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -203,6 +204,49 @@ def _fresh_and_drift_worker() -> dict:
         except ValueError as exc:
             res[name] = str(exc)
     res["after"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).tolist()  # still in step
+
+    res.update(_by_name_and_local_errors(hvd, rank))
+    return res
+
+
+def _by_name_and_local_errors(hvd: Any, rank: int) -> dict:
+    res: dict = {}
+    # (name, tensor) lists are matched by name, as in Horovod: another order on one rank works
+    torch.manual_seed(rank)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    pairs = list(net.named_parameters())
+    hvd.broadcast_parameters(pairs if rank == 0 else pairs[::-1], root_rank=0)
+    torch.manual_seed(0)
+    root_net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    res["reordered_equal_root"] = all(
+        torch.equal(a, b) for a, b in zip(net.parameters(), root_net.parameters(), strict=True))
+    # DistributedOptimizer with names on one rank only: the same parameters, so it works
+    model = torch.nn.Linear(3, 2)
+    dopt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                    model.named_parameters() if rank == 0 else None)
+    hvd.broadcast_optimizer_state(dopt, root_rank=0)
+    res["named_on_root_only"] = "ok"
+    # a local argument error on one rank: it raises its TypeError, the root a ValueError naming it
+    sd = dict(net.state_dict())
+    if rank == 1:
+        sd["zzz"] = 3
+    try:
+        hvd.broadcast_parameters(sd, root_rank=0)
+        res["local_error"] = None
+    except (TypeError, ValueError) as exc:
+        res["local_error"] = (type(exc).__name__, str(exc))
+    # SparseAdam: the zero gradients Horovod gives a fresh optimizer are sparse, so it trains
+    emb = torch.nn.Embedding(6, 2, sparse=True)
+    sopt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    hvd.broadcast_parameters(emb.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(sopt, root_rank=0, model=emb)
+    res["sparse_zero_grad"] = emb.weight.grad.is_sparse
+    for _ in range(2):
+        emb(torch.tensor([1, 4])).sum().backward()
+        sopt.step()
+        sopt.zero_grad()
+    res["sparse_trained"] = len(sopt.state)
+    res["after2"] = hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).tolist()
     return res
 
 
@@ -220,10 +264,8 @@ def test_fresh_optimizer_stays_fresh_and_model_drift_is_refused_on_every_rank() 
             # Horovod's visible side effect: trainable parameters get zero grads, frozen keep None
             assert res[f"{kind}-grads_zero"] == [0.0, None, 0.0, 0.0], kind
             assert res[f"{kind}-equal_to_unbroadcast"], kind
-        for form, want in (  # a state_dict travels in sorted key order, named_parameters as listed
-            ("state_dict", "rank 1: tensor #0 is 'bias' [4] torch.float32 here, 'bias' [6] torch.float32 on"),
-            ("named_parameters", "rank 1: tensor #0 is 'weight' [4, 3] torch.float32 here, 'weight' [6, 2]"),
-        ):
+        want = "rank 1: tensor #0 is 'bias' [4] torch.float32 here, 'bias' [6] torch.float32 on"
+        for form in ("state_dict", "named_parameters"):  # both travel in sorted name order
             msg = res[f"same_numel-{form}"]
             assert msg is not None, form
             assert want in msg, msg
@@ -234,3 +276,13 @@ def test_fresh_optimizer_stays_fresh_and_model_drift_is_refused_on_every_rank() 
         assert "rank 1: tensor #0 is 'param_groups[0][0]' [4, 3]" in res["opt_state"]
         assert "rank 1: tensor #0 is 'weight' [4, 3] torch.float32 here, 'weight' [5, 3]" in res["dopt_state"]
         assert res["after"] == [2.0]
+        assert res["reordered_equal_root"]
+        assert res["named_on_root_only"] == "ok"
+        kind, msg = res["local_error"]
+        if rank == 1:
+            assert kind == "TypeError" and "got a int entry" in msg, msg
+        else:
+            assert kind == "ValueError", msg
+            assert "rank 1: TypeError: broadcast_parameters got a int entry" in msg, msg
+        assert res["sparse_zero_grad"] and res["sparse_trained"] == 1
+        assert res["after2"] == [2.0]

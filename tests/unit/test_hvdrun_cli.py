@@ -138,3 +138,19 @@ def test_single_host_world_size(argv: list[str], size: int | None, multi: bool) 
     opts, _ = parse_options(argv)
     assert _single_host_world_size(torchrun_args(opts, 29400)) == size
     assert _multi_host(torchrun_args(opts, 29400)) is multi
+
+
+def test_early_exit_note_counts_ranks_the_agent_sigtermed_as_victims() -> None:
+    """Rank 1 exits 0 early; rank 0 raises RankFailedError (75) and the agent SIGTERMs rank 2,
+    still waiting: the note still names rank 1, the cause (a helper's finding)."""
+    import signal
+    from types import SimpleNamespace
+
+    from hvd_trainer.launch.runner import _early_exit_note
+
+    peer, term = SimpleNamespace(exitcode=75), SimpleNamespace(exitcode=-signal.SIGTERM)
+    note = _early_exit_note({0: peer, 2: term}, 0, 3)
+    assert "rank 1 had already ended with exit code 0" in note
+    assert _early_exit_note({0: term, 2: term}, 0, 3) == ""  # nobody reported a lost peer
+    assert _early_exit_note({0: peer, 2: SimpleNamespace(exitcode=1)}, 0, 3) == ""  # rank 2 failed
+    assert "on another host" in _early_exit_note({0: peer, 1: term}, 0, None, multi_host=True)
