@@ -63,9 +63,8 @@ def _early_exit_note(failures: dict[int, Any], rank: int, world_size: int | None
     In a job over several hosts the cause is on another host (a rank there died, was killed or
     ended early): this host's agent never saw it, so the note sends the user there."""
     # Ranks the agent SIGTERMed after the first failure are victims too, not causes.
-    victims = (PEER_FAILED_EXIT_CODE, -signal.SIGTERM)
-    if any(f.exitcode not in victims for f in failures.values()) or \
-            all(f.exitcode != PEER_FAILED_EXIT_CODE for f in failures.values()):
+    codes = {f.exitcode for f in failures.values()}
+    if PEER_FAILED_EXIT_CODE not in codes or not codes <= {PEER_FAILED_EXIT_CODE, -signal.SIGTERM}:
         return ""
     if multi_host:
         return (" No rank on this host failed on its own: the first failure was on another host (a "

@@ -493,11 +493,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         shape and dtype (a float when the closure returned a number). So the inner optimizer
         sees the global objective on every rank and takes the same decisions (LBFGS's line
         search and stopping tests), and every rank evaluates the closure the same number of
-        times. Horovod passes the closure
-        through, so there its gradients stay local and ranks drift apart.
+        times. Horovod passes the closure through, so there its gradients stay local and ranks
+        drift apart.
 
         Returns:
-            What the inner ``step`` returns (with a closure: the averaged loss of its first
+            What the inner ``step`` returns (with a closure: the combined loss of its first
             evaluation, as torch's optimizers return it).
 
         Raises:
@@ -537,14 +537,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._inner.step(self._distributed_closure(closure))
         return self._inner.step()
 
+    def _backward_flag(self) -> torch.Tensor:
+        """1.0 when a backward pass ran on this rank since the last reset, else 0.0 (float64)."""
+        return torch.tensor([1.0 if self._counts else 0.0], dtype=torch.float64)
+
     def _backward_on_any_rank(self) -> bool:
         """Whether a backward pass ran since the last step on some rank (a collective)."""
-        flag = torch.tensor([1.0 if self._counts else 0.0], dtype=torch.float64)
-        return bool(allreduce(flag, op=Max, name="hvd.closure_backward",
+        return bool(allreduce(self._backward_flag(), op=Max, name="hvd.closure_backward",
                               process_set=self._process_set, world=self._world).item() > 0)
 
     def _distributed_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` whose gradients are reduced and whose loss is averaged over the ranks.
+        """``closure`` whose gradients are reduced and whose loss is combined over the ranks.
 
         One small allreduce per evaluation carries the loss and whether a backward ran (a
         closure that only returns the loss computes no gradients, and the ones already reduced
@@ -562,8 +565,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 values = loss.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
             else:
                 values = torch.tensor([0.0 if loss is None else float(loss)], dtype=torch.float64)
-            flag = torch.tensor([1.0 if self._counts else 0.0], dtype=torch.float64)
-            both = allreduce(torch.cat([values, flag]), op=op, name="hvd.closure_loss",
+            both = allreduce(torch.cat([values, self._backward_flag()]), op=op, name="hvd.closure_loss",
                              process_set=self._process_set, world=self._world)
             if both[-1].item() > 0:  # some rank's closure ran backward
                 self._synchronize()

@@ -60,7 +60,7 @@ def _first_difference(mine: Layout | str, root: Layout | str, root_rank: int,
     return None
 
 
-def agree_on_layout(layout: Layout | Exception, root_rank: int, what: str, *, world: World,
+def _agree_on_layout(layout: Layout | Exception, root_rank: int, what: str, *, world: World,
                     compare_names: bool = True) -> None:
     """Raise on every rank unless every rank's ``layout`` equals the root's.
 
@@ -155,11 +155,13 @@ def broadcast_parameters(params: Any, root_rank: int = 0, *, world: World | None
     if w.size == 1:
         _as_named_tensors(params)  # the argument errors
         return
+    layout: Layout | Exception
     try:
         named = _as_named_tensors(params)
-    except TypeError as exc:  # still take this rank's turn, then raise it
-        agree_on_layout(exc, root_rank, "broadcast_parameters", world=w)
-    agree_on_layout(_layout(named), root_rank, "broadcast_parameters", world=w)
+        layout = _layout(named)
+    except TypeError as exc:  # this rank still takes its turn; the agreement re-raises it
+        layout = exc
+    _agree_on_layout(layout, root_rank, "broadcast_parameters", world=w)
     broadcast_tensors_([t for _, t in named], root_rank, world=w)
 
 
@@ -223,7 +225,7 @@ def broadcast_optimizer_state(
     _check_root(root_rank, w)
     del model  # accepted for Horovod's signature
     if w.size > 1:
-        agree_on_layout(_optimizer_layout(optimizer), root_rank, "broadcast_optimizer_state", world=w,
+        _agree_on_layout(_optimizer_layout(optimizer), root_rank, "broadcast_optimizer_state", world=w,
                         compare_names=False)
     _zero_missing_grads(optimizer)
     is_root = w.rank == root_rank
