@@ -1,0 +1,7 @@
+"""``python -m bench.lab``: see :mod:`bench.lab.run`."""
+
+import sys
+
+from bench.lab.run import main
+
+sys.exit(main())

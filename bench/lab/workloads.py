@@ -1,0 +1,178 @@
+"""The lab's workloads: how each is launched on the hosts, and the lines it prints.
+
+Every workload runs its distributed modes under ``hvdrun`` (same-line mode: the same command on
+every host, ``-H h1:P,h2:P,... --no-ssh``) and its ``local`` mode (no communication: the compute
+time) as the same script on every host at once without a launcher, so the CPU is as busy as in
+the distributed run. Rounds are interleaved: round 1 of every mode, then round 2, ...
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+from bench.lab.net import LinkMeasure
+from bench.lab.records import Summary, parse, summarise, wire_efficiency
+from tests.e2e.hvdrun_helpers import clean_env
+from tests.multihost.helpers import HVDRUN, explain, run_on_hosts
+from tests.multihost.netns import Cluster
+
+__all__ = ["LabArgs", "WORKLOADS", "run_workload"]
+
+WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras")
+DEFAULT_SIZES = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
+
+
+@dataclass
+class LabArgs:
+    """What one lab run does (the command line's options)."""
+
+    hosts: int = 2
+    procs: int = 1
+    rounds: int = 2
+    steps: int = 10
+    warmup: int = 3
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    seconds_per_size: float = 8.0
+    loop_modes: tuple[str, ...] = ("hvd", "ddp", "hvd_bf16", "ddp_bf16")
+    keras_backends: tuple[str, ...] = ("torch", "tensorflow")
+    timeout_seconds: float = 1200.0
+
+
+class _Launcher:
+    """Starts a worker on every host, with or without hvdrun; a fresh rendezvous port each time."""
+
+    def __init__(self, c: Cluster, args: LabArgs) -> None:
+        self.c, self.args, self.port = c, args, 29400
+
+    def run(self, module: list[str], distributed: bool, **env: str) -> list[dict]:
+        worker = [sys.executable, "-m", *module]
+        if distributed:
+            self.port += 1
+            spec = ",".join(f"{h.name}:{self.args.procs}" for h in self.c.hosts)
+            argv = [*HVDRUN, "-np", str(self.args.procs * len(self.c.hosts)), "-H", spec, "--port",
+                    str(self.port), "--no-ssh", *worker]
+        else:
+            argv = worker
+        runs = run_on_hosts(self.c.hosts, argv, timeout=self.args.timeout_seconds, env=clean_env(**env))
+        if any(r.returncode != 0 for r in runs):
+            raise RuntimeError(f"lab worker failed: {' '.join(argv)}\n{explain(runs)}")
+        return parse([r.output for r in runs])
+
+
+def _ratio(name: str, value: float) -> None:
+    print(f"RATIO {name}={value:.3f}", flush=True)
+
+
+def _report_steps(tag: str, workload: str, summaries: dict[tuple, Summary], compute: Summary,
+                  link: LinkMeasure) -> dict[str, Summary]:
+    out: dict[str, Summary] = {}
+    for (wl, mode), s in sorted(summaries.items()):
+        if wl != workload or mode.endswith("local"):
+            continue
+        eff = wire_efficiency(s.step_s, compute.step_s, s.bytes_per_step, link.wire_bytes_per_s)
+        print(f"STEP {tag} {workload} {mode} step_s={s.step_s:.3f} samples_per_s={s.samples_per_s:.1f} "
+              f"wire_bytes_per_step={s.bytes_per_step:.0f} compute_s={compute.step_s:.3f} "
+              f"wire_limit_s={s.bytes_per_step / link.wire_bytes_per_s:.3f} efficiency={eff:.3f} "
+              f"rounds={s.rounds}", flush=True)
+        _ratio(f"{tag}_{workload}_{mode}_wire_efficiency", eff)
+        out[mode] = s
+    return out
+
+
+def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[str, str]]) -> None:
+    for a, b in pairs:
+        if a in got and b in got:
+            _ratio(f"{tag}_{workload}_{a}_vs_{b}", got[a].samples_per_s / got[b].samples_per_s)
+
+
+def _allreduce(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
+    args, plan = launch.args, []
+    for size in args.sizes:
+        est = size / link.goodput_bytes_per_s  # a 2-host ring sends about the message each way
+        if est > args.seconds_per_size:
+            print(f"SKIP {tag} allreduce size={size}: ~{est:.0f} s per call at this rate "
+                  f"(> --seconds-per-size {args.seconds_per_size:g})", flush=True)
+            continue
+        plan.append(f"{size}:{max(2, min(50, math.ceil(args.seconds_per_size / 2 / est)))}")
+    if not plan:
+        return []
+    recs = launch.run(["bench.lab.workers.allreduce", "--sizes", ",".join(plan), "--rounds",
+                       str(args.rounds)], distributed=True)
+    summaries = summarise(recs, key=("size_bytes", "mode"))
+    n = args.hosts * args.procs
+    for size in sorted({k[0] for k in summaries}):
+        bus = {mode: size / summaries[(size, mode)].step_s * 2 * (n - 1) / n for mode in ("hvd", "torch")}
+        print(f"BW {tag} allreduce size_bytes={size} hvd_busbw_bytes_per_s={bus['hvd']:.0f} "
+              f"torch_busbw_bytes_per_s={bus['torch']:.0f} iperf3_goodput_bytes_per_s="
+              f"{link.goodput_bytes_per_s:.0f}", flush=True)
+        _ratio(f"{tag}_allreduce_{size}_busbw_vs_iperf3", bus["hvd"] / link.goodput_bytes_per_s)
+        _ratio(f"{tag}_allreduce_{size}_hvd_vs_torch", bus["hvd"] / bus["torch"])
+    return recs
+
+
+def _common(args: LabArgs) -> list[str]:
+    return ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+
+
+def _loop(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
+    args = launch.args
+    recs: list[dict] = []
+    for r in range(args.rounds):  # the local round between distributed ones: interleaved
+        new = launch.run(["bench.lab.workers.loop", "--modes", ",".join(args.loop_modes), "--rounds", "1",
+                          *_common(args)], distributed=True)
+        new += launch.run(["bench.lab.workers.loop", "--modes", "local", *_common(args)], distributed=False)
+        recs += [{**rec, "round": r} for rec in new]
+    s = summarise(recs)
+    got = _report_steps(tag, "loop", s, s[("loop", "local")], link)
+    _versus(tag, "loop", got, [("hvd", "ddp"), ("hvd_bf16", "ddp_bf16"), ("hvd_bf16", "hvd"),
+                                ("ddp_bf16", "ddp")])
+    return recs
+
+
+def _lightning(tag: str, launch: _Launcher, link: LinkMeasure, model: str) -> list[dict]:
+    args, recs = launch.args, []
+    worker = ["bench.lab.workers.lightning_fit", "--model", model, *_common(args)]
+    for r in range(args.rounds):
+        for mode in ("horovod", "ddp", "local"):
+            recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
+    workload = f"lightning_{model}"
+    s = summarise(recs)
+    got = _report_steps(tag, workload, s, s[(workload, "local")], link)
+    _versus(tag, workload, got, [("horovod", "ddp")])
+    return recs
+
+
+def _keras(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
+    args, recs = launch.args, []
+    worker = ["bench.lab.workers.keras_fit", *_common(args)]
+    for r in range(args.rounds):
+        for backend in args.keras_backends:
+            for mode in ("hvd", "local"):
+                recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode == "hvd",
+                                   KERAS_BACKEND=backend)
+    s = summarise(recs)
+    for backend in args.keras_backends:
+        sub = {k: v for k, v in s.items() if k[1].startswith(backend)}
+        _report_steps(tag, "keras", sub, s[("keras", f"{backend}_local")], link)
+    return recs
+
+
+def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasure) -> list[dict]:
+    """Run workload ``name`` on ``c`` (already shaped); print its lines; return its records.
+
+    Raises:
+        ValueError: an unknown workload.
+        RuntimeError: a worker failed (every host's output tail is in the message).
+    """
+    launch = _Launcher(c, args)
+    if name == "allreduce":
+        return _allreduce(tag, launch, link)
+    if name == "loop":
+        return _loop(tag, launch, link)
+    if name in ("lightning", "gpt"):
+        return _lightning(tag, launch, link, "cnn" if name == "lightning" else "gpt")
+    if name == "keras":
+        return _keras(tag, launch, link)
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
