@@ -170,7 +170,7 @@ def main() -> None:
     shapes = resnet50_shapes()
     total = sum(torch.Size(s).numel() for s in shapes)
     assert len(shapes) == 161 and total == 25_557_032, (len(shapes), total)
-    from hvd_trainer.comm.config import DEFAULT_FUSION_THRESHOLD_BYTES
+    from hvd_trainer.comm.base.config import DEFAULT_FUSION_THRESHOLD_BYTES
 
     thresholds = sorted({int(m * _MIB) for m in args.thresholds_mib} | {DEFAULT_FUSION_THRESHOLD_BYTES})
     res = run_workers(_bench, 2, args=(args.reps, thresholds, DEFAULT_FUSION_THRESHOLD_BYTES),

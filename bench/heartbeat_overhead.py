@@ -1,4 +1,4 @@
-"""Step cost of the partition heartbeat (comm.heartbeat): 2 namespace hosts x 2 processes.
+"""Step cost of the partition heartbeat (comm.world.heartbeat): 2 namespace hosts x 2 processes.
 
 Run as root (network namespaces, as tests/multihost): ``.venv/bin/python bench/heartbeat_overhead.py``
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm.world import get_world, is_initialized
+from hvd_trainer.comm.world.world import get_world, is_initialized
 
 __all__ = ["atomic_save", "save_checkpoint", "load_checkpoint"]
 
@@ -77,7 +77,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, rank: int | None 
         obj: anything ``torch.save`` accepts (tensors keep their dtype/device tags).
         path: target file; its directory is created.
         rank: this process's global rank; ``None`` reads it from the initialised
-            :class:`~hvd_trainer.comm.world.World` (0 when there is none).
+            :class:`~hvd_trainer.comm.world.world.World` (0 when there is none).
     """
     if rank is None:
         rank = get_world().rank if is_initialized() else 0

@@ -47,12 +47,12 @@ from torch.distributed.nn.functional import all_gather as differentiable_all_gat
 from typing_extensions import override
 
 from hvd_trainer import comm
-from hvd_trainer.comm.autotune import AutotuneConfig, resolve_autotune
-from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.flatten import flat_collective_
-from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.launch_env import torchelastic_env
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.base.launch_env import torchelastic_env
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.flatten import flat_collective_
+from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
+from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.world.world import World
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -103,7 +103,7 @@ class _HorovodStrategyLogic:
         first_bucket_bytes: cap of the first bucket (last layers), bytes, so communication
             starts early in backward (``None``: the comm default, 1 MiB).
         autotune: search the bucket layout during the first steps and keep the fastest
-            (:mod:`hvd_trainer.comm.autotune`): ``True``, an ``AutotuneConfig``, ``False``, or
+            (:mod:`hvd_trainer.comm.reduce.autotune`): ``True``, an ``AutotuneConfig``, ``False``, or
             ``None`` (the default: ``HOROVOD_AUTOTUNE`` decides, as ``hvdrun --autotune`` sets it).
         timeout_seconds: timeout of process-group creation and of every collective, seconds.
         compression: wire format of gradient buckets: ``Compression.none`` (default),
@@ -607,7 +607,7 @@ def _check_group(group: Any | None) -> None:
 def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: int = 0) -> None:
     """Overwrite every parameter and buffer with ``root_rank``'s values.
 
-    Tensors are flattened per (device, dtype) (:mod:`hvd_trainer.comm.flatten`) so the
+    Tensors are flattened per (device, dtype) (:mod:`hvd_trainer.comm.ops.flatten`) so the
     broadcast is one collective per group, not one per tensor.
     """
     if world.size == 1:

@@ -51,9 +51,9 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 
 import hvd_trainer  # noqa: F401  (registers strategy="horovod")
-from hvd_trainer.comm.launch_env import launcher_rank
-from hvd_trainer.comm.timeline import Timeline, merge_timelines, stop_timeline
-from hvd_trainer.comm.world import get_world, is_initialized
+from hvd_trainer.comm.base.launch_env import launcher_rank
+from hvd_trainer.comm.ops.timeline import Timeline, merge_timelines, stop_timeline
+from hvd_trainer.comm.world.world import get_world, is_initialized
 
 from ._gpt_data import VOCAB_SIZE, ByteWindows, load_split, unigram_loss
 from ._gpt_model import GPT, GPTShape

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.world.world import free_port
 
 
 def _worker(rank: int, size: int, port: int, fn: Callable, args: tuple, env: dict, q) -> None:

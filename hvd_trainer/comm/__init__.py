@@ -1,45 +1,56 @@
 """hvd_trainer's comm layer: process-group bootstrap, collectives, gradient fusion, cross-rank
 checks, compression, process sets and the timeline.
 
-Knows nothing of Lightning or Keras; every upper layer sits on it. Inside, every import points
-down: a module imports only modules of the rows below its own (no cycle, and no import inside a
-function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps it so)::
+Knows nothing of Lightning or Keras; every upper layer sits on it. Four sub-packages are its
+layers, bottom to top ``base < world < ops < reduce``, with ``session`` and ``runtime`` on top; a
+module never imports one of a higher sub-package. Inside, every import points down: a module
+imports only modules of the rows below its own (no cycle, and no import inside a function except
+the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
 
     session                init / shutdown, Horovod's init(comm, process_sets)
     runtime                per-world state: config, store, timeline, the live process sets
+  reduce/                  gradient reduction over fused buckets
+    fusion                 the gradient reducer (hook-driven buckets)
+    autotune               the search of the bucket layout
+  ops/                     the collectives, from their arguments to the blocking forms
     objects                broadcast_object, allgather_object
     collectives            the blocking forms: the async forms + wait(); join
     autograd               differentiable allreduce / allgather / broadcast, on the async forms
-    reductions_async  movement_async  fusion      the async forms; the gradient reducer
+    reductions_async  movement_async   the async forms
     handle  reduce  adasum Handle / poll / synchronize; the one allreduce path; Adasum
     process_set_registry   add / remove / register process sets
     process_set            ProcessSet (holds its rank, ranks and coordinator, not the World)
     checks                 cross-rank signature checks, stall inspection
-    timeline  build_info  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
-    world  liveness  heartbeat  membership  join_board  flatten  ops  arguments  compression  autotune
+    timeline  optimizer_args   (optimizer_args: the checks both DistributedOptimizers share)
+    flatten  ops  arguments  compression
+  world/                   who takes part and whether they are still there
+    build_info             Horovod's *_built / *_enabled queries
+    world  liveness  heartbeat  membership  join_board
                            (heartbeat: partitions; membership: the job secret)
+  base/                    imports nothing of the layers above
     store  config  launch_env  errors  fatal
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
 
 from __future__ import annotations
 
-from hvd_trainer.comm.autotune import AutotuneConfig
-from hvd_trainer.comm.build_info import (
-    ccl_built,
-    cuda_built,
-    ddl_built,
-    gloo_built,
-    gloo_enabled,
-    is_homogeneous,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rocm_built,
+from hvd_trainer.comm.base.config import CommConfig, default_fusion_threshold_bytes
+from hvd_trainer.comm.base.errors import (
+    CollectiveMismatchError,
+    CommError,
+    CommTypeError,
+    CommValueError,
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    HostUnreachableError,
+    JobSecretError,
+    JoinedRankError,
+    NotInitializedError,
+    RankFailedError,
+    StallError,
 )
-from hvd_trainer.comm.checks import DuplicateNameError
-from hvd_trainer.comm.collectives import (
+from hvd_trainer.comm.ops.checks import DuplicateNameError
+from hvd_trainer.comm.ops.collectives import (
     allgather,
     allreduce,
     allreduce_,
@@ -54,33 +65,17 @@ from hvd_trainer.comm.collectives import (
     join,
     reducescatter,
 )
-from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.config import CommConfig, default_fusion_threshold_bytes
-from hvd_trainer.comm.errors import (
-    CollectiveMismatchError,
-    CommError,
-    CommTypeError,
-    CommValueError,
-    HorovodInternalError,
-    HostsUpdatedInterrupt,
-    HostUnreachableError,
-    JobSecretError,
-    JoinedRankError,
-    NotInitializedError,
-    RankFailedError,
-    StallError,
-)
-from hvd_trainer.comm.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.handle import Handle, poll, synchronize
-from hvd_trainer.comm.movement_async import (
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.handle import Handle, poll, synchronize
+from hvd_trainer.comm.ops.movement_async import (
     allgather_async,
     alltoall_async,
     broadcast_async,
     broadcast_async_,
     grouped_allgather_async,
 )
-from hvd_trainer.comm.objects import allgather_object, broadcast_object
-from hvd_trainer.comm.ops import (
+from hvd_trainer.comm.ops.objects import allgather_object, broadcast_object
+from hvd_trainer.comm.ops.ops import (
     Adasum,
     Average,
     Max,
@@ -92,13 +87,13 @@ from hvd_trainer.comm.ops import (
     reject_adasum,
     to_reduce_op,
 )
-from hvd_trainer.comm.process_set import ProcessSet, global_process_set
-from hvd_trainer.comm.process_set_registry import (
+from hvd_trainer.comm.ops.process_set import ProcessSet, global_process_set
+from hvd_trainer.comm.ops.process_set_registry import (
     add_process_set,
     register_process_sets,
     remove_process_set,
 )
-from hvd_trainer.comm.reductions_async import (
+from hvd_trainer.comm.ops.reductions_async import (
     allreduce_async,
     allreduce_async_,
     grouped_allreduce_async,
@@ -106,9 +101,24 @@ from hvd_trainer.comm.reductions_async import (
     grouped_reducescatter_async,
     reducescatter_async,
 )
+from hvd_trainer.comm.ops.timeline import Timeline, start_timeline, stop_timeline
+from hvd_trainer.comm.reduce.autotune import AutotuneConfig
+from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.session import init, shutdown
-from hvd_trainer.comm.timeline import Timeline, start_timeline, stop_timeline
-from hvd_trainer.comm.world import (
+from hvd_trainer.comm.world.build_info import (
+    ccl_built,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+)
+from hvd_trainer.comm.world.world import (
     LaunchEnv,
     World,
     cross_rank,

@@ -1,7 +1,7 @@
 """The comm layer's per-world runtime state: config, store, timeline and the process sets.
 
 Created by :func:`hvd_trainer.comm.session.init` and reachable only through ``World.runtime``
-(no module globals). It sits above :mod:`~hvd_trainer.comm.process_set`: a process set reads
+(no module globals). It sits above :mod:`~hvd_trainer.comm.ops.process_set`: a process set reads
 the runtime's config, store and timeline through ``World.runtime`` and never imports this module.
 """
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.heartbeat import PeerWatch
-from hvd_trainer.comm.liveness import publish
-from hvd_trainer.comm.membership import check_membership
-from hvd_trainer.comm.process_set import ProcessSet
-from hvd_trainer.comm.store import default_store
-from hvd_trainer.comm.timeline import Timeline, rank_path
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.base.config import CommConfig
+from hvd_trainer.comm.base.store import default_store
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.timeline import Timeline, rank_path
+from hvd_trainer.comm.world.heartbeat import PeerWatch
+from hvd_trainer.comm.world.liveness import publish
+from hvd_trainer.comm.world.membership import check_membership
+from hvd_trainer.comm.world.world import World
 
 __all__ = ["CommRuntime"]
 
@@ -66,7 +66,7 @@ class CommRuntime:
         """The heartbeat of a job on several hosts (``None`` on one host or when disabled)."""
 
     def attach(self, world: World, store_endpoint: tuple[str | None, int | None] = (None, None)) -> None:
-        """Check that every rank holds the job's secret (:mod:`~hvd_trainer.comm.membership`),
+        """Check that every rank holds the job's secret (:mod:`~hvd_trainer.comm.world.membership`),
         create ``world``'s global process set (id 0) and publish this rank in the store
         (its ``local_size`` for :meth:`homogeneous`, its host and pid for liveness); on several
         hosts, start the heartbeat on the store at ``store_endpoint`` (``MASTER_ADDR``, ``MASTER_PORT``)."""

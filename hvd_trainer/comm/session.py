@@ -1,8 +1,8 @@
 """Init and shutdown of the comm layer, in one place: Horovod's ``init(comm, process_sets)``.
 
-:func:`init` reads what launched this process (:func:`~hvd_trainer.comm.world.detect_launch_env`),
+:func:`init` reads what launched this process (:func:`~hvd_trainer.comm.world.world.detect_launch_env`),
 initialises ``torch.distributed`` with NCCL when every local process can have its own GPU and
-gloo otherwise, builds the frozen :class:`~hvd_trainer.comm.world.World` with its
+gloo otherwise, builds the frozen :class:`~hvd_trainer.comm.world.world.World` with its
 :class:`~hvd_trainer.comm.runtime.CommRuntime` (config, store, timeline, process sets), publishes
 this rank for dead-rank detection, creates the process sets passed to it and makes the world the
 current one. :func:`shutdown` undoes all of it (and runs at interpreter exit).
@@ -26,16 +26,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.fatal import flush_before_hard_exit
-from hvd_trainer.comm.launch_env import LaunchEnv
-from hvd_trainer.comm.liveness import mark_exited
-from hvd_trainer.comm.process_set import ProcessSet
-from hvd_trainer.comm.process_set_registry import register_process_sets
+from hvd_trainer.comm.base.config import CommConfig
+from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
+from hvd_trainer.comm.base.fatal import flush_before_hard_exit
+from hvd_trainer.comm.base.launch_env import LaunchEnv
+from hvd_trainer.comm.base.store import generation_store
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.process_set_registry import register_process_sets
 from hvd_trainer.comm.runtime import CommRuntime
-from hvd_trainer.comm.store import generation_store
-from hvd_trainer.comm.world import World, detect_launch_env, get_world, is_initialized, set_current
+from hvd_trainer.comm.world.liveness import mark_exited
+from hvd_trainer.comm.world.world import World, detect_launch_env, get_world, is_initialized, set_current
 
 __all__ = ["init", "shutdown", "check_comm_arg", "DEFAULT_TIMEOUT_SECONDS"]
 
@@ -64,7 +64,7 @@ def init(
             of the job's size; a subset is rejected (see :func:`check_comm_arg`).
         process_sets: ``ProcessSet`` objects built before ``init()`` to create now, in order,
             on every rank; or ``"dynamic"`` / ``None`` (sets can always be added later with
-            :func:`~hvd_trainer.comm.process_set_registry.add_process_set`).
+            :func:`~hvd_trainer.comm.ops.process_set_registry.add_process_set`).
         backend: ``"nccl"``, ``"gloo"`` or ``None``: NCCL when every process on this node can
             have its own GPU, else gloo on the CPU (with a warning when there are GPUs, but
             fewer than the node's processes).
@@ -74,7 +74,7 @@ def init(
         environ: environment to read instead of ``os.environ`` (tests).
 
     Returns:
-        The :class:`~hvd_trainer.comm.world.World` (rank, size, local_rank, ..., device, backend).
+        The :class:`~hvd_trainer.comm.world.world.World` (rank, size, local_rank, ..., device, backend).
 
     Raises:
         ValueError: inconsistent launcher variables, or NCCL requested without a GPU.

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hvd_trainer.comm import World, allgather_object, barrier, init
-from hvd_trainer.comm.launch_env import TorchElasticEnv, torchelastic_env
+from hvd_trainer.comm.base.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
 from hvd_trainer.elastic.user_error import record_user_error
 

@@ -2,7 +2,7 @@
 
 - TensorFlow: gradients leave the graph through ``tf.numpy_function`` (stateful, so it runs
   exactly once per step and in order), are packed into one flat buffer per wire dtype
-  (:mod:`hvd_trainer.comm.flatten`), reduced with one comm allreduce each, and come back as
+  (:mod:`hvd_trainer.comm.ops.flatten`), reduced with one comm allreduce each, and come back as
   numpy arrays. On CPU ``torch.from_numpy`` shares memory, so the only copies are the pack and
   TF's copy of the result.
 - torch: the Keras variables' ``.value`` are leaf ``torch.nn.Parameter`` s, so the comm
@@ -13,7 +13,7 @@
 - Variables (broadcast): numpy in, numpy out, one broadcast per wire dtype.
 
 Arrays travel in their own dtype when it is one of comm's ``SUPPORTED_DTYPES``, else as float32
-(e.g. ``ml_dtypes.bfloat16``): :func:`hvd_trainer.comm.flatten.numpy_wire_dtype`.
+(e.g. ``ml_dtypes.bfloat16``): :func:`hvd_trainer.comm.ops.flatten.numpy_wire_dtype`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from hvd_trainer.comm import allreduce_, broadcast_
-from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.flatten import flat_collective, numpy_to_wire, wire_to_numpy
-from hvd_trainer.comm.ops import ReduceOp
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.flatten import flat_collective, numpy_to_wire, wire_to_numpy
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.world.world import World
 
 __all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays"]
 
@@ -82,7 +82,7 @@ def allreduce_arrays(
         op: ``Average`` or ``Sum``.
         prescale_factor / postscale_factor: multiply before / after the reduction.
         compression: the comm compressor for the wire (``Compression.fp16`` scales before
-            the cast; see :mod:`hvd_trainer.comm.compression`).
+            the cast; see :mod:`hvd_trainer.comm.ops.compression`).
         buffers: reuse these flat buffers (the result then aliases them; see FlatBuffers).
         process_set: reduce over this :class:`~hvd_trainer.comm.ProcessSet` only (this rank
             must be a member); ``None``: the whole world.

@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 import hvd_trainer.comm as comm
-from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.flatten import numpy_to_wire
-from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
-from hvd_trainer.comm.world import get_world
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.flatten import numpy_to_wire
+from hvd_trainer.comm.ops.ops import ReduceOp, op_or_average, to_reduce_op
+from hvd_trainer.comm.world.world import get_world
 
 __all__ = ["allreduce", "allgather", "broadcast", "KerasCollectiveError"]
 
@@ -62,7 +62,7 @@ def _run(value: Any, fn: Callable[[np.ndarray], np.ndarray], leading_dim_changes
 
 def _as_torch(array: np.ndarray) -> tuple[torch.Tensor, np.dtype]:
     """``array`` as a CPU tensor in comm's wire dtype (one set for every flattening path, see
-    :func:`hvd_trainer.comm.flatten.numpy_wire_dtype`), and the dtype to convert back to."""
+    :func:`hvd_trainer.comm.ops.flatten.numpy_wire_dtype`), and the dtype to convert back to."""
     return numpy_to_wire(array)
 
 

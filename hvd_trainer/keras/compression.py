@@ -1,7 +1,7 @@
 """Gradient compression for the wire (Horovod's ``Compression.none`` / ``fp16`` / ``bf16``).
 
 ``hvd_trainer.keras.Compression`` *is* the comm layer's
-:class:`~hvd_trainer.comm.compression.Compression`, so one set of compressors serves both
+:class:`~hvd_trainer.comm.ops.compression.Compression`, so one set of compressors serves both
 Keras backends: the TensorFlow bridge and the torch path hand it to the comm allreduce, which
 scales before the cast (fp16: a global power-of-two scale, so sums cannot overflow).
 ``compression=`` arguments are resolved by :meth:`Compression.resolve`, as in every front end.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_trainer.comm.compression import (
+from hvd_trainer.comm.ops.compression import (
     BF16Compressor,
     Compression,
     CompressionError,

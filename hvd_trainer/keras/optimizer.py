@@ -21,7 +21,7 @@ from hvd_trainer.comm import (
     get_world,
     grouped_allreduce_,
 )
-from hvd_trainer.comm.optimizer_args import OptimizerArgumentError, check_optimizer_args
+from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 
@@ -151,7 +151,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         compression: wire format of floating gradients: ``None``/``Compression.none``,
             ``Compression.fp16`` or ``Compression.bf16`` (a compressor instance or class from
             :mod:`hvd_trainer.keras.compression`, or the strings ``"none"``/``"fp16"``/``"bf16"``;
-            see :meth:`~hvd_trainer.comm.compression.Compression.resolve`); both backends.
+            see :meth:`~hvd_trainer.comm.ops.compression.Compression.resolve`); both backends.
         sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.

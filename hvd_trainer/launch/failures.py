@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 from typing import Any
 
-from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 
 __all__ = ["describe_exit", "exit_status", "root_failure"]
 

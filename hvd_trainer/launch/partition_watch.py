@@ -3,7 +3,7 @@
 On the far side of a cut link, torchrun's agent is itself blocked on the unreachable store
 (its monitor loop asks the rendezvous how many nodes wait, its shutdown closes the rendezvous),
 for minutes. The workers there notice the partition through their heartbeat
-(:mod:`hvd_trainer.comm.heartbeat`) and leave a record ``unreachable.<rank>.json`` in the job
+(:mod:`hvd_trainer.comm.world.heartbeat`) and leave a record ``unreachable.<rank>.json`` in the job
 directory. :class:`PartitionWatch` polls that directory from a daemon thread; once a record is
 older than ``grace_seconds`` and hvdrun has still not finished, it prints one line naming what
 the worker could not reach, kills every process hvdrun started (the agent's workers run in their
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.heartbeat import UNREACHABLE_RECORD, read_records
+from hvd_trainer.comm.world.heartbeat import UNREACHABLE_RECORD, read_records
 
 __all__ = ["PartitionWatch", "partition_line", "descendants", "forget_partition_records"]
 

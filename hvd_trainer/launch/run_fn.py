@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.world.world import free_port
 from hvd_trainer.launch.commands import WORKER_ENTRY
 
 __all__ = ["run", "RunError"]

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.fatal import PEER_FAILED_EXIT_CODE
-from hvd_trainer.comm.heartbeat import read_records
+from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.comm.world.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
 from hvd_trainer.launch.failures import describe_exit, exit_status, root_failure
 from hvd_trainer.launch.loopback import use_loopback_store

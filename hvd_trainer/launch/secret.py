@@ -1,6 +1,6 @@
 """The job's secret on hvdrun's side: made or taken, handed to the workers, never shown.
 
-Every job gets a secret, checked by every worker at init (:mod:`hvd_trainer.comm.membership`):
+Every job gets a secret, checked by every worker at init (:mod:`hvd_trainer.comm.world.membership`):
 
 * ``HOROVOD_SECRET_KEY`` set in hvdrun's environment: that one (the same-line mode needs the
   same value on every host, as each host's hvdrun would otherwise make its own);
@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Mapping
 
-from hvd_trainer.comm.membership import SECRET_ENV
+from hvd_trainer.comm.world.membership import SECRET_ENV
 from hvd_trainer.launch.options import HvdrunOptions
 
 __all__ = ["SECRET_ENV", "MASK", "job_secret", "masked"]

@@ -25,7 +25,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from hvd_trainer.comm.launch_env import launcher_rank
+from hvd_trainer.comm.base.launch_env import launcher_rank
 from hvd_trainer.launch.config_help import format_keys, list_recipes
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]

@@ -9,7 +9,7 @@ It also understands Lightning's own single-node self-launch (``python train.py``
 ``Trainer(strategy="horovod", devices=N)``): Lightning's script launcher exports ``LOCAL_RANK`` and
 ``WORLD_SIZE`` (no ``RANK``) to the processes it starts; on one node the global rank equals the local
 rank, so :meth:`HorovodEnvironment.environ` hands ``detect_launch_env`` (and the strategy's
-``comm.init``) the torchrun view of them (:func:`~hvd_trainer.comm.launch_env.lightning_script_view`).
+``comm.init``) the torchrun view of them (:func:`~hvd_trainer.comm.base.launch_env.lightning_script_view`).
 ``os.environ`` is not modified.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from lightning_fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from hvd_trainer.comm.launch_env import lightning_script_view
-from hvd_trainer.comm.world import LaunchEnv, detect_launch_env, free_port
+from hvd_trainer.comm.base.launch_env import lightning_script_view
+from hvd_trainer.comm.world.world import LaunchEnv, detect_launch_env, free_port
 
 __all__ = ["HorovodEnvironment", "SelfLaunchError"]
 

@@ -45,7 +45,7 @@ job; the rule of :func:`hvd_trainer.elastic.default_checkpoint_dir`), or
 ``<trainer.default_root_dir>/hvd_elastic`` when torchrun gave no unique run id (static
 rendezvous). Automatic directories lose their commit file when ``fit`` ends normally.
 
-Environment (set by torchrun, read through :func:`hvd_trainer.comm.launch_env.torchelastic_env`):
+Environment (set by torchrun, read through :func:`hvd_trainer.comm.base.launch_env.torchelastic_env`):
 ``TORCHELASTIC_MAX_RESTARTS`` (elastic mode is on by default when > 0),
 ``TORCHELASTIC_RESTART_COUNT`` (the attempt), ``TORCHELASTIC_RUN_ID`` (the default directory
 and a guard against foreign commits).
@@ -67,7 +67,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hvd_trainer.comm as comm
 from hvd_trainer.checkpoint import load_checkpoint
-from hvd_trainer.comm.launch_env import torchelastic_env
+from hvd_trainer.comm.base.launch_env import torchelastic_env
 from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot_to_cpu
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states

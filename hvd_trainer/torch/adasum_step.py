@@ -2,7 +2,7 @@
 
 Horovod's Adasum optimizer does not combine gradients: every rank applies its *own* gradient
 with the wrapped optimizer (momentum, Adam moments and all), and the resulting weight changes
-``delta_r = w_after_r - w_before`` are combined with Adasum (:mod:`hvd_trainer.comm.adasum`,
+``delta_r = w_after_r - w_before`` are combined with Adasum (:mod:`hvd_trainer.comm.ops.adasum`,
 Maleki et al. 2021, arXiv:2006.02924); each rank then sets ``w = w_before + adasum(delta)``, so
 the weights stay identical on every rank. The deltas are combined per parameter (each tensor
 with its own dot products), in one grouped Adasum per dtype. Optimizer *state* (momentum

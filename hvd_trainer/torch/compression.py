@@ -1,9 +1,9 @@
 """``horovod.torch.compression``'s module path: :class:`Compression` and the compressors of
-:mod:`hvd_trainer.comm.compression`, under Horovod's import path. Nothing is defined here."""
+:mod:`hvd_trainer.comm.ops.compression`, under Horovod's import path. Nothing is defined here."""
 
 from __future__ import annotations
 
-from hvd_trainer.comm.compression import (
+from hvd_trainer.comm.ops.compression import (
     BF16Compressor,
     Compression,
     CompressionError,

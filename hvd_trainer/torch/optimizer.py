@@ -47,8 +47,8 @@ from hvd_trainer.comm import (
     allreduce,
     get_world,
 )
-from hvd_trainer.comm._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.optimizer_args import (
+from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
+from hvd_trainer.comm.ops.optimizer_args import (
     OptimizerArgumentError,
     check_backward_passes_per_step,
     check_optimizer_args,
@@ -173,7 +173,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # GradScaler must unscale through ``param_groups`` (which finishes the reduction) and not
     # hand its scale to a fused inner step via attributes set on this wrapper. (A torch private:
-    # comm/_torch_compat.AMP_SCALING_FLAG, checked in tests/unit/test_compat.py.)
+    # comm/base/_torch_compat.AMP_SCALING_FLAG, checked in tests/unit/test_compat.py.)
     _step_supports_amp_scaling = False
 
     def __init__(

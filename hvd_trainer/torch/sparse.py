@@ -20,9 +20,9 @@ from hvd_trainer.comm import (
     reject_adasum,
     to_reduce_op,
 )
-from hvd_trainer.comm.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.movement_async import allgather_async
-from hvd_trainer.comm.process_set import resolve_set
+from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
+from hvd_trainer.comm.ops.movement_async import allgather_async
+from hvd_trainer.comm.ops.process_set import resolve_set
 
 __all__ = ["sparse_allreduce", "sparse_allreduce_async"]
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import World, allgather_object, broadcast_, broadcast_object, get_world
-from hvd_trainer.comm.flatten import flat_collective_
+from hvd_trainer.comm.ops.flatten import flat_collective_
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors_"]
 
@@ -102,7 +102,7 @@ def broadcast_tensors_(tensors: list[torch.Tensor], root_rank: int, *, world: Wo
     """Overwrite every tensor with ``root_rank``'s values, in place.
 
     Tensors are grouped by (device, dtype) and each group is sent as one flat buffer
-    (:mod:`hvd_trainer.comm.flatten`). Every rank must pass tensors of the same shapes and
+    (:mod:`hvd_trainer.comm.ops.flatten`). Every rank must pass tensors of the same shapes and
     dtypes in the same order.
 
     Raises:

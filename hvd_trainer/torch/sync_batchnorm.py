@@ -18,7 +18,7 @@ rank's sums; the gradient reducer then averages them like any other parameter gr
 
 Both collectives are the comm layer's named, cross-rank-checked ones (``"SyncBatchNorm.forward"``
 allgather, ``"SyncBatchNorm.backward"`` allreduce): a rank that skips a forward, or runs another
-collective in its place, raises :class:`~hvd_trainer.comm.errors.CollectiveMismatchError` on every
+collective in its place, raises :class:`~hvd_trainer.comm.base.errors.CollectiveMismatchError` on every
 rank instead of hanging. A raw ``torch.distributed`` ``process_group`` (torch's own API) is still
 honoured, over plain ``torch.distributed`` calls without those checks; pass a comm
 :class:`~hvd_trainer.comm.ProcessSet` instead to keep them.
@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hvd_trainer.comm import ProcessSet, Sum, World, allgather, allreduce_, get_world, is_initialized
-from hvd_trainer.comm._torch_compat import BatchNormBase
+from hvd_trainer.comm.base._torch_compat import BatchNormBase
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

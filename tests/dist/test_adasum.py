@@ -30,7 +30,7 @@ def _vec(r: int) -> list[float]:
 
 def _collectives() -> dict:
     import hvd_trainer as hvd
-    from hvd_trainer.comm.errors import CommTypeError
+    from hvd_trainer.comm.base.errors import CommTypeError
 
     r, n = hvd.rank(), hvd.size()
     out: dict = {}

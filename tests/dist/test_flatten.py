@@ -1,4 +1,4 @@
-"""comm.flatten on 2 gloo processes: every dtype of SUPPORTED_DTYPES really travels through a
+"""comm.ops.flatten on 2 gloo processes: every dtype of SUPPORTED_DTYPES really travels through a
 flattened broadcast and allreduce (values equal the closed form, dtypes kept), and an unsupported
 dtype is the same clear error on every rank, after which the ranks still agree."""
 
@@ -19,8 +19,8 @@ def _values(dtype: torch.dtype, r: int) -> torch.Tensor:
 
 def _run() -> dict:
     import hvd_trainer as hvd
-    from hvd_trainer.comm.errors import CommTypeError
-    from hvd_trainer.comm.flatten import SUPPORTED_DTYPES, flat_collective, flat_collective_
+    from hvd_trainer.comm.base.errors import CommTypeError
+    from hvd_trainer.comm.ops.flatten import SUPPORTED_DTYPES, flat_collective, flat_collective_
 
     r = hvd.rank()
     dtypes = sorted(SUPPORTED_DTYPES, key=str)
@@ -46,7 +46,7 @@ def _run() -> dict:
 
 
 def test_every_supported_dtype_travels_flattened() -> None:
-    from hvd_trainer.comm.flatten import SUPPORTED_DTYPES
+    from hvd_trainer.comm.ops.flatten import SUPPORTED_DTYPES
 
     results = run_workers(_run, 2, timeout_seconds=120)
     dtypes = sorted(SUPPORTED_DTYPES, key=str)

@@ -64,7 +64,7 @@ def _options(mode: str) -> dict:
     if mode == "fp16_str":  # resolved at construction (it used to fail at the first synchronize)
         return {"compression": "fp16"}
     if mode == "fp16_cls":
-        from hvd_trainer.comm.compression import FP16Compressor
+        from hvd_trainer.comm.ops.compression import FP16Compressor
 
         return {"compression": FP16Compressor}
     return {}

@@ -20,7 +20,7 @@ def _error(fn) -> str:
 def _static(hvd, r: int) -> dict:
     import os
 
-    from hvd_trainer.comm.world import free_port
+    from hvd_trainer.comm.world.world import free_port
 
     # Start a fresh job on a new port (re-using the old one races with its closing store).
     port = hvd.broadcast_object(free_port() if r == 0 else None, root_rank=0)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.world.world import free_port
 from tests.e2e.hvdrun_helpers import ROOT, SCRIPTS, clean_env, fail_time
 
 

@@ -102,7 +102,7 @@ def spark_train(out_dir: str) -> int:
     import torch
 
     import hvd_trainer.torch as hvd
-    from hvd_trainer.comm.world import detect_launch_env
+    from hvd_trainer.comm.world.world import detect_launch_env
 
     torch.set_num_threads(1)
     launcher = detect_launch_env().launcher

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.world.world import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scontrol", "sinfo", "squeue")

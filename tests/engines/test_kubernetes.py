@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from hvd_trainer.comm.launch_env import LaunchEnvError, from_pytorchjob, worker_launcher
-from hvd_trainer.comm.world import detect_launch_env, free_port
+from hvd_trainer.comm.base.launch_env import LaunchEnvError, from_pytorchjob, worker_launcher
+from hvd_trainer.comm.world.world import detect_launch_env, free_port
 from tests.e2e.hvdrun_helpers import ROOT, clean_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "report_world.py"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_trainer.comm.world import detect_launch_env
+from hvd_trainer.comm.world.world import detect_launch_env
 from tests.e2e.hvdrun_helpers import ROOT, clean_env
 from tests.engines.slurm_cluster import SlurmCluster, local_slurm, unavailable_reason
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hvd_trainer as hvd
-from hvd_trainer.comm.adasum import adasum_pair, adasum_tree
-from hvd_trainer.comm.ops import ReduceOp, UnsupportedOpError, to_reduce_op
-from hvd_trainer.comm.optimizer_args import check_optimizer_args
+from hvd_trainer.comm.ops.adasum import adasum_pair, adasum_tree
+from hvd_trainer.comm.ops.ops import ReduceOp, UnsupportedOpError, to_reduce_op
+from hvd_trainer.comm.ops.optimizer_args import check_optimizer_args
 
 
 def _ref_pair(a: list[float], b: list[float]) -> list[float]:
@@ -68,6 +68,6 @@ def test_adasum_is_an_op_where_it_runs_and_refused_elsewhere() -> None:
         check_optimizer_args(hvd.Adasum, 1, 1.0)          # a front end that does not run it (Keras)
     with pytest.raises(UnsupportedOpError, match="reducescatter"):
         hvd.reducescatter(torch.ones(2), op=hvd.Adasum)  # refused before any process group is needed
-    from hvd_trainer.comm.fusion import GradientReducer
+    from hvd_trainer.comm.reduce.fusion import GradientReducer
     with pytest.raises(UnsupportedOpError, match="fused gradient reducer"):
         GradientReducer([("w", torch.nn.Parameter(torch.ones(2)))], world=None, op=hvd.Adasum)

@@ -7,7 +7,13 @@ import csv
 
 import pytest
 
-from hvd_trainer.comm.autotune import LOG_COLUMNS, AutotuneConfig, Autotuner, Candidate, candidate_thresholds
+from hvd_trainer.comm.reduce.autotune import (
+    LOG_COLUMNS,
+    AutotuneConfig,
+    Autotuner,
+    Candidate,
+    candidate_thresholds,
+)
 from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
 
 MIB = 1024 * 1024

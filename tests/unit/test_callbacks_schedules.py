@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hvd_trainer.callbacks import LRSchedule, LRWarmup, ScheduleError, average_metrics, fractional_epoch
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.world.world import World
 
 
 def test_warmup_table_goyal():

@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from hvd_trainer.comm.checks import Signature, describe_mismatch
-from hvd_trainer.comm.compression import Compression, fp16_scale_exponent
-from hvd_trainer.comm.config import CommConfig, default_fusion_threshold_bytes
-from hvd_trainer.comm.timeline import Timeline
+from hvd_trainer.comm.base.config import CommConfig, default_fusion_threshold_bytes
+from hvd_trainer.comm.ops.checks import Signature, describe_mismatch
+from hvd_trainer.comm.ops.compression import Compression, fp16_scale_exponent
+from hvd_trainer.comm.ops.timeline import Timeline
 
 
 def test_config_reads_horovod_variables_in_one_place() -> None:

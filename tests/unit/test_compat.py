@@ -2,7 +2,7 @@
 
 One test per internal, named after it, against the installed torch, Lightning, Keras and
 TensorFlow: an upgrade that renames or changes one fails here, by name, instead of in a distant
-end-to-end test. They are listed in hvd_trainer/comm/_torch_compat.py,
+end-to-end test. They are listed in hvd_trainer/comm/base/_torch_compat.py,
 hvd_trainer/lightning/_compat.py and hvd_trainer/keras/_compat.py. Where a private use was
 replaced by public API, the test checks the public behaviour the replacement relies on.
 
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import hvd_trainer as hvd
-from hvd_trainer.comm import _torch_compat
-from hvd_trainer.comm.store import default_store
+from hvd_trainer.comm.base import _torch_compat
+from hvd_trainer.comm.base.store import default_store
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hvd_trainer.comm as comm
-from hvd_trainer.comm.compression import (
+from hvd_trainer.comm.ops.compression import (
     BF16Compressor,
     Compression,
     CompressionError,
@@ -17,7 +17,7 @@ from hvd_trainer.comm.compression import (
     FP16Compressor,
     NoneCompressor,
 )
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.world.world import World
 
 
 class WireOnly(Compressor):

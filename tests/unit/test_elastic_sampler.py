@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import hvd_trainer
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.world.world import World
 from hvd_trainer.elastic import ElasticSampler
 
 

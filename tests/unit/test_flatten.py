@@ -1,4 +1,4 @@
-"""comm.flatten: flatten -> one collective per (device, dtype) -> unflatten, one dtype set."""
+"""comm.ops.flatten: flatten -> one collective per (device, dtype) -> unflatten, one dtype set."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hvd_trainer.comm.errors import CommTypeError
-from hvd_trainer.comm.flatten import (
+from hvd_trainer.comm.base.errors import CommTypeError
+from hvd_trainer.comm.ops.flatten import (
     SUPPORTED_DTYPES,
     WIRE_DTYPES,
     flat_collective,

@@ -1,4 +1,4 @@
-"""The heartbeat that names unreachable hosts (hvd_trainer.comm.heartbeat).
+"""The heartbeat that names unreachable hosts (hvd_trainer.comm.world.heartbeat).
 
 The judge is pure (every time is passed in); the watches talk to a real TCPStore on loopback.
 The multi-host behaviour (a cut veth link) is tested in tests/multihost/test_faults.py.
@@ -18,10 +18,10 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.errors import HostUnreachableError, RankFailedError
-from hvd_trainer.comm.heartbeat import PeerState, PeerWatch, interval_for, judge, read_records
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.base.config import CommConfig
+from hvd_trainer.comm.base.errors import HostUnreachableError, RankFailedError
+from hvd_trainer.comm.world.heartbeat import PeerState, PeerWatch, interval_for, judge, read_records
+from hvd_trainer.comm.world.world import free_port
 from hvd_trainer.launch.partition_watch import partition_line
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,7 +119,7 @@ def test_watches_that_beat_find_nothing_and_a_stopped_peer_stays_quiet(server, t
 
 _PEER = """
 import sys, time
-from hvd_trainer.comm.heartbeat import PeerWatch
+from hvd_trainer.comm.world.heartbeat import PeerWatch
 w = PeerWatch(store_host="127.0.0.1", store_port=int(sys.argv[1]), key_prefix="t", rank=1, size=2,
               timeout_seconds=1.0)
 w.start()

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import hvd_trainer as hvd
-from hvd_trainer.comm.build_info import MPINotEnabledError
-from hvd_trainer.comm.config import CommConfig
+from hvd_trainer.comm.base.config import CommConfig
+from hvd_trainer.comm.world.build_info import MPINotEnabledError
 
 HOROVOD_TORCH_NAMES = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size",
@@ -158,7 +158,7 @@ def test_world_of_one_async_forms_on_the_default_backend(tmp_path) -> None:
 
 
 def test_average_keyword_and_positional_bool_as_in_horovod() -> None:
-    from hvd_trainer.comm.ops import ReduceOp, op_or_average, to_reduce_op
+    from hvd_trainer.comm.ops.ops import ReduceOp, op_or_average, to_reduce_op
 
     assert to_reduce_op(True) is ReduceOp.AVERAGE and to_reduce_op(False) is ReduceOp.SUM
     with pytest.warns(DeprecationWarning, match="use op=hvd.Average"):

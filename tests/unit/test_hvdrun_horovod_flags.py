@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from hvd_trainer.comm.errors import CollectiveMismatchError, RankFailedError, StallError
+from hvd_trainer.comm.base.errors import CollectiveMismatchError, RankFailedError, StallError
 from hvd_trainer.elastic.user_error import is_peer_failure, record_user_error, user_error_path
 from hvd_trainer.launch import cli
 from hvd_trainer.launch.agent_watch import read_user_errors, watch_supported

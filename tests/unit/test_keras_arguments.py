@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import keras
     import hvd_trainer
     import hvd_trainer.keras as hk
-    from hvd_trainer.comm.compression import Compressor
+    from hvd_trainer.comm.ops.compression import Compressor
 
     class OwnCast(Compressor):
         name = "own"

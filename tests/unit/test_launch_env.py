@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_trainer.comm import launch_env
-from hvd_trainer.comm.launch_env import (
+from hvd_trainer.comm.base import launch_env
+from hvd_trainer.comm.base.launch_env import (
     LaunchEnv,
     LaunchEnvError,
     TorchElasticEnv,
@@ -15,7 +15,7 @@ from hvd_trainer.comm.launch_env import (
     torchelastic_env,
     worker_launcher,
 )
-from hvd_trainer.comm.world import detect_launch_env
+from hvd_trainer.comm.world.world import detect_launch_env
 
 CASES = [
     ("plain", {}, LaunchEnv(rank=0, size=1, local_rank=0, local_size=1)),
@@ -202,8 +202,8 @@ def test_torchelastic_env() -> None:
 
 
 def test_horovodrun_variables_alone() -> None:
-    from hvd_trainer.comm.launch_env import LaunchEnvError, from_horovod, launcher_rank
-    from hvd_trainer.comm.world import detect_launch_env
+    from hvd_trainer.comm.base.launch_env import LaunchEnvError, from_horovod, launcher_rank
+    from hvd_trainer.comm.world.world import detect_launch_env
 
     env = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1",
            "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "2",

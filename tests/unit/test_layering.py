@@ -11,6 +11,9 @@
    no hvd_trainer module imports it.
 4. Inside comm, a module imports only modules of lower rows of :data:`COMM_ROWS` (the table
    in ``hvd_trainer/comm/__init__.py``'s docstring).
+5. comm's sub-packages are layers, bottom to top :data:`COMM_SUBPACKAGES` (base < world < ops <
+   reduce), with comm's own top-level modules (:data:`COMM_TOP`: session, runtime) above them: a
+   module never imports one of a higher sub-package.
 
 Edges: ``import a.b`` is an edge to ``a.b``; ``from a import b`` is an edge to ``a.b`` when that
 is a module, else to ``a``. The implicit import of parent packages is not an edge (every
@@ -48,21 +51,37 @@ ALLOWED_LAYER_EDGES: set[tuple[str, str]] = set()
 COMM_ROWS = (
     ("session",),
     ("runtime",),
-    ("objects",),
-    ("collectives",),
-    ("autograd",),
-    ("reductions_async", "movement_async", "fusion"),
-    ("handle", "reduce", "adasum"),
-    ("process_set_registry",),
-    ("process_set",),
-    ("checks",),
-    ("timeline", "build_info", "optimizer_args"),
-    ("world", "liveness", "heartbeat", "membership", "join_board", "flatten", "ops", "arguments",
-     "compression", "autotune"),
-    ("store", "config", "launch_env", "errors", "fatal"),
-    ("_torch_compat",),
+    # reduce/
+    ("reduce.fusion",),
+    ("reduce.autotune",),
+    # ops/
+    ("ops.objects",),
+    ("ops.collectives",),
+    ("ops.autograd",),
+    ("ops.reductions_async", "ops.movement_async"),
+    ("ops.handle", "ops.reduce", "ops.adasum"),
+    ("ops.process_set_registry",),
+    ("ops.process_set",),
+    ("ops.checks",),
+    ("ops.timeline", "ops.optimizer_args"),
+    ("ops.flatten", "ops.ops", "ops.arguments", "ops.compression"),
+    # world/
+    ("world.build_info",),
+    ("world.world", "world.liveness", "world.heartbeat", "world.membership", "world.join_board"),
+    # base/
+    ("base.store", "base.config", "base.launch_env", "base.errors", "base.fatal"),
+    ("base._torch_compat",),
 )
-"""The comm layer top to bottom; a module may import only modules of the rows below its own."""
+"""The comm layer top to bottom (names relative to ``hvd_trainer.comm``), grouped by
+sub-package; a module may import only modules of the rows below its own."""
+
+COMM_SUBPACKAGES = ("base", "world", "ops", "reduce")
+"""comm's sub-packages, bottom to top: a module may import modules of its own sub-package or of
+a lower one, never of a higher one."""
+
+COMM_TOP = ("session", "runtime")
+"""comm's modules outside the sub-packages; they (and ``hvd_trainer.comm`` itself) sit above
+every sub-package."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +281,10 @@ def test_lower_layers_never_import_upper_ones() -> None:
 
 def test_comm_modules_import_only_lower_rows() -> None:
     row = {f"hvd_trainer.comm.{name}": i for i, names in enumerate(COMM_ROWS) for name in names}
-    modules = {m for m in _modules() if m.startswith("hvd_trainer.comm.")}
+    modules = {
+        m for m, path in _modules().items()
+        if m.startswith("hvd_trainer.comm.") and path.name != "__init__.py"
+    }
     assert modules == set(row), (
         f"comm modules missing from COMM_ROWS: {sorted(modules - set(row))}; listed but absent: "
         f"{sorted(set(row) - modules)}. HINT: put a new module in a row above every "
@@ -276,10 +298,46 @@ def test_comm_modules_import_only_lower_rows() -> None:
     assert not bad, _report("comm imports that do not point to a lower row of COMM_ROWS", bad)
 
 
+def _comm_level(module: str) -> int:
+    """Where comm module ``module`` sits: its sub-package's index in :data:`COMM_SUBPACKAGES`
+    (a sub-package's own ``__init__`` included), ``len(COMM_SUBPACKAGES)`` for the top level."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[2] in COMM_SUBPACKAGES:
+        return COMM_SUBPACKAGES.index(parts[2])
+    return len(COMM_SUBPACKAGES)
+
+
+def _comm_points_up(importer: str, imported: str) -> bool:
+    """Whether an import between two comm modules goes to a higher sub-package."""
+    return _comm_level(imported) > _comm_level(importer)
+
+
+def test_comm_subpackages_import_only_lower_ones() -> None:
+    comm = PACKAGE_DIR / "comm"
+    subpackages = {p.parent.name for p in comm.glob("*/__init__.py")}
+    top = {p.stem for p in comm.glob("*.py") if p.name != "__init__.py"}
+    assert subpackages == set(COMM_SUBPACKAGES) and top == set(COMM_TOP), (
+        f"comm's sub-packages {sorted(subpackages)} and top-level modules {sorted(top)} differ from "
+        f"COMM_SUBPACKAGES {sorted(COMM_SUBPACKAGES)} and COMM_TOP {sorted(COMM_TOP)}. HINT: put a "
+        "new module into the lowest sub-package that holds everything it imports; a new "
+        "sub-package needs its place in COMM_SUBPACKAGES, here and in hvd_trainer/comm/__init__.py."
+    )
+    levels = [max(_comm_level(f"hvd_trainer.comm.{name}") for name in names) for names in COMM_ROWS]
+    assert levels == sorted(levels, reverse=True), "COMM_ROWS must be grouped by sub-package, top to bottom"
+    bad = [
+        e for e in _internal_edges()
+        if _in(e.importer, "hvd_trainer.comm") and _in(e.imported, "hvd_trainer.comm")
+        and _comm_points_up(e.importer, e.imported)
+    ]
+    assert not bad, _report(
+        f"comm imports that point to a higher sub-package ({' < '.join((*COMM_SUBPACKAGES, 'session'))})", bad
+    )
+
+
 def test_the_rules_see_violations() -> None:
     """The checks above would fail on the edges they exist to catch."""
-    assert not _allowed("hvd_trainer.comm.world", "hvd_trainer.strategy")
-    assert not _allowed("hvd_trainer.comm.fusion", "pytorch_lightning.utilities")
+    assert not _allowed("hvd_trainer.comm.world.world", "hvd_trainer.strategy")
+    assert not _allowed("hvd_trainer.comm.reduce.fusion", "pytorch_lightning.utilities")
     assert not _allowed("hvd_trainer.elastic.state", "lightning.pytorch")
     assert not _allowed("hvd_trainer.checkpoint", "hvd_trainer.lightning.checkpoint_io")
     assert not _allowed("hvd_trainer.torch.optimizer", "keras")
@@ -289,12 +347,18 @@ def test_the_rules_see_violations() -> None:
     assert not _allowed("hvd_trainer", "hvd_trainer.ray")
     assert not _allowed("hvd_trainer.launch.run_fn", "hvd_trainer.ray")
     assert not _allowed("hvd_trainer.ray", "hvd_trainer.strategy")
-    assert _allowed("hvd_trainer.ray", "hvd_trainer.comm.world")
+    assert _allowed("hvd_trainer.ray", "hvd_trainer.comm.world.world")
     assert _allowed("hvd_trainer.ray", "ray.train.torch")
     assert _allowed("hvd_trainer.keras.collectives", "hvd_trainer.comm")
-    assert _allowed("hvd_trainer.comm.launch_env", "mpi4py")
+    assert _allowed("hvd_trainer.comm.base.launch_env", "mpi4py")
+    assert _comm_points_up("hvd_trainer.comm.base.store", "hvd_trainer.comm.world.liveness")
+    assert _comm_points_up("hvd_trainer.comm.ops.collectives", "hvd_trainer.comm.reduce.fusion")
+    assert _comm_points_up("hvd_trainer.comm.reduce.fusion", "hvd_trainer.comm.session")
+    assert _comm_points_up("hvd_trainer.comm.world.world", "hvd_trainer.comm")
+    assert not _comm_points_up("hvd_trainer.comm.session", "hvd_trainer.comm.reduce.fusion")
+    assert not _comm_points_up("hvd_trainer.comm.ops.checks", "hvd_trainer.comm.world.heartbeat")
     assert _strongly_connected({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
-    source = "def f():\n    from hvd_trainer.comm import world\nimport hvd_trainer.comm.ops\n"
+    source = "def f():\n    from hvd_trainer.comm.world import world\nimport hvd_trainer.comm.ops.ops\n"
     collector = _ImportCollector()
     collector.visit(ast.parse(source))
     assert [(type(n).__name__, inside) for n, inside in collector.found] == [

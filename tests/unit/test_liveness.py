@@ -1,4 +1,4 @@
-"""comm.liveness: which peer died, from the store's host|pid records and /proc."""
+"""comm.world.liveness: which peer died, from the store's host|pid records and /proc."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import torch.distributed as dist
 
-from hvd_trainer.comm import liveness
+from hvd_trainer.comm.world import liveness
 
 
 def _store_with(records: dict[int, str]) -> dist.HashStore:

@@ -1,4 +1,4 @@
-"""The job secret: proofs at init (comm.membership) and hvdrun's side (launch.secret).
+"""The job secret: proofs at init (comm.world.membership) and hvdrun's side (launch.secret).
 
 Ranks are threads sharing one real in-process store (``HashStore``); the multi-host case (a
 stranger's torchrun agent joining the rendezvous) is in tests/multihost/test_faults_secret.py.
@@ -12,8 +12,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from hvd_trainer.comm.errors import JobSecretError
-from hvd_trainer.comm.membership import SECRET_ENV, check_membership, proof, strangers
+from hvd_trainer.comm.base.errors import JobSecretError
+from hvd_trainer.comm.world.membership import SECRET_ENV, check_membership, proof, strangers
 from hvd_trainer.launch import cli
 from hvd_trainer.launch.options import parse_options
 from hvd_trainer.launch.secret import MASK, job_secret, masked

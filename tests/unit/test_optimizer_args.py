@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from hvd_trainer.comm.ops import ReduceOp
-from hvd_trainer.comm.optimizer_args import (
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.optimizer_args import (
     OptimizerArgs,
     OptimizerArgumentError,
     check_backward_passes_per_step,
@@ -84,7 +84,7 @@ def test_torch_optimizer_uses_the_shared_checks(kwargs: dict, needle: str) -> No
 
 def test_torch_set_backward_passes_per_step_rejects_bool() -> None:
     import hvd_trainer as hvd
-    from hvd_trainer.comm.world import World
+    from hvd_trainer.comm.world.world import World
     from hvd_trainer.torch.optimizer import OptimizerConfigError
 
     world = World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,

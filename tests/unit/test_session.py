@@ -10,8 +10,8 @@ import torch
 import hvd_trainer
 import hvd_trainer.torch as hvd_torch
 from hvd_trainer import comm
-from hvd_trainer.comm.config import CommConfig
-from hvd_trainer.comm.errors import NotInitializedError
+from hvd_trainer.comm.base.config import CommConfig
+from hvd_trainer.comm.base.errors import NotInitializedError
 
 QUERIES = ("size", "rank", "local_size", "local_rank", "cross_size", "cross_rank")
 

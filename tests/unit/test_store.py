@@ -1,4 +1,4 @@
-"""comm.store: non-blocking reads of the job's store, and one key prefix per init()."""
+"""comm.base.store: non-blocking reads of the job's store, and one key prefix per init()."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hvd_trainer.comm import store as store_module
-from hvd_trainer.comm.store import default_store, generation_store, try_get
-from hvd_trainer.comm.world import free_port
+from hvd_trainer.comm.base import store as store_module
+from hvd_trainer.comm.base.store import default_store, generation_store, try_get
+from hvd_trainer.comm.world.world import free_port
 
 
 def test_try_get_never_blocks_nor_creates_the_key() -> None:

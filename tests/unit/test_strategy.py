@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import hvd_trainer  # noqa: F401
-from hvd_trainer.comm.fusion import FusionConfig
+from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
 
 

@@ -43,7 +43,7 @@ def test_layer_sync_plugin_converts_and_reverts() -> None:
 
 
 def test_a_given_world_is_kept_and_shared_by_conversion() -> None:
-    from hvd_trainer.comm.world import World
+    from hvd_trainer.comm.world.world import World
 
     world = World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
                   device=torch.device("cpu"), backend="gloo")

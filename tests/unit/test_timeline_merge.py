@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hvd_trainer.comm.timeline import Timeline, merge_timelines, rank_path
+from hvd_trainer.comm.ops.timeline import Timeline, merge_timelines, rank_path
 
 
 def test_rank_path() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import hvd_trainer as hvd
-from hvd_trainer.comm.world import detect_launch_env
+from hvd_trainer.comm.world.world import detect_launch_env
 
 torch.set_num_threads(1)
 launch = detect_launch_env()

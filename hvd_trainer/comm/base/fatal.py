@@ -1,0 +1,83 @@
+"""What happens to a process whose transport is wedged.
+
+After a :class:`~hvd_trainer.comm.base.errors.StallError` a collective is still in flight and will never
+complete, and gloo's process group cannot be destroyed then: its destructor joins a worker thread
+that waits forever for the missing rank. So the process would raise a clear error and then hang at
+exit, and the launcher would never learn that it failed. :func:`exit_hard_at_exit` makes the
+interpreter leave with status 1 right after the ``atexit`` handlers, before that destructor runs.
+
+:func:`pid_alive` is the other side: whether a peer process on this host has ended.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+
+__all__ = [
+    "exit_hard_at_exit", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer", "PEER_FAILED_EXIT_CODE",
+]
+
+PEER_FAILED_EXIT_CODE = 75
+"""Exit status of a rank that stopped because *another* rank failed (it raised
+:class:`~hvd_trainer.comm.base.errors.RankFailedError`). ``hvdrun`` ranks such exits after the failure
+that caused them, so it names the rank that failed first."""
+
+_registered = False
+_exit_code = 1
+_flushers: list[Callable[[], None]] = []
+
+
+def flush_before_hard_exit(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (e.g. the timeline's final write) before a hard exit, too."""
+    _flushers.append(fn)
+
+
+def _hard_exit() -> None:
+    for fn in _flushers:
+        with contextlib.suppress(Exception):
+            fn()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream must not keep us alive
+            stream.flush()
+    os._exit(_exit_code)
+
+
+def exit_hard_at_exit(code: int = 1) -> None:
+    """Once per process: end with ``os._exit(code)`` at interpreter exit (after other handlers).
+
+    The first call's ``code`` is kept (1, or :data:`PEER_FAILED_EXIT_CODE` after a peer failed).
+    """
+    global _registered, _exit_code
+    if not _registered:
+        _registered = True
+        _exit_code = code
+        # atexit runs handlers last-in first-out, so this one runs before those registered
+        # earlier; what must still be written registers with flush_before_hard_exit().
+        atexit.register(_hard_exit)
+
+
+def stopped_for_a_peer() -> bool:
+    """Whether this process is on its way out because *another* rank failed (it raised
+    RankFailedError or HostUnreachableError, so its exit status will be
+    :data:`PEER_FAILED_EXIT_CODE`)."""
+    return _registered and _exit_code == PEER_FAILED_EXIT_CODE
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs on this host (a zombie, killed but not yet reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in ("Z", "X")

@@ -1,0 +1,175 @@
+"""Wire compression for allreduce: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16``.
+
+A compressor casts floating tensors to a narrower *wire* dtype before the transport and back
+to the original dtype after it; other dtypes pass through unchanged (Horovod's interface:
+``compress(t) -> (t, ctx)``, ``decompress(t, ctx) -> t``).
+
+Numerics (applied by the allreduce path, :mod:`hvd_trainer.comm.ops.reduce`):
+
+* scale *before* the cast: ``prescale_factor`` and, for ``Average``, the division by the set
+  size are applied in the original precision, so a sum of N fp16 values cannot exceed the
+  largest single value (the same order as DDP's ``fp16_compress_hook``: "divide first");
+* ``fp16`` additionally multiplies by a power of two ``2**k`` chosen from the global maximum
+  magnitude (one extra 4-byte allreduce) so that ``N * max|x| * 2**k <= 2**15``; values that
+  fit fp32 therefore never overflow to ``inf``, and small values use fp16's precision instead of
+  underflowing. Powers of two make the scaling exact. ``bf16`` has fp32's exponent range and
+  needs no extra step.
+
+Every front end (the Lightning strategy, the torch and Keras ``DistributedOptimizer``, the Keras
+collectives) turns its ``compression=`` argument into a compressor with the one resolver
+:meth:`Compression.resolve`, so they accept exactly the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hvd_trainer.comm.base.errors import CommValueError
+
+__all__ = [
+    "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
+    "CompressionError",
+]
+
+_WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
+"""Wire dtypes the allreduce path supports (``None``: no cast)."""
+
+
+class CompressionError(CommValueError):
+    """``compression=`` is not a compressor the allreduce path can honour."""
+
+
+class Compressor:
+    """Interface: cast for the wire and back. ``wire_dtype`` is ``None`` for no compression.
+
+    The allreduce path does not call :meth:`compress`/:meth:`decompress`: it reads
+    ``wire_dtype`` and casts itself, after scaling (see the module docstring). A subclass
+    therefore sets ``name`` and ``wire_dtype`` only; :meth:`Compression.resolve` rejects one
+    that overrides ``compress`` or ``decompress`` instead of ignoring them silently.
+    """
+
+    name = "none"
+    wire_dtype: torch.dtype | None = None
+
+    @property
+    def needs_global_scale(self) -> bool:
+        """Whether the allreduce applies fp16's global power-of-two scale (fp16 wire only)."""
+        return self.wire_dtype == torch.float16
+
+    def applies_to(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is cast (floating and wider than the wire dtype)."""
+        wire = self.wire_dtype
+        return wire is not None and tensor.is_floating_point() and tensor.dtype != wire
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Return ``(wire_tensor, ctx)``; ``ctx`` is the original dtype."""
+        if not self.applies_to(tensor):
+            return tensor, None
+        return tensor.to(self.wire_dtype), tensor.dtype
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Undo :meth:`compress`."""
+        return tensor if ctx is None else tensor.to(ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+class NoneCompressor(Compressor):
+    """No compression."""
+
+
+class FP16Compressor(Compressor):
+    """Cast floating tensors to float16 on the wire (with global power-of-two scaling)."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+class BF16Compressor(Compressor):
+    """Cast floating tensors to bfloat16 on the wire (fp32 exponent range: no scaling)."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class Compression:
+    """Namespace of the available compressors (``Compression.fp16`` ...) and their resolver."""
+
+    none: Compressor = NoneCompressor()
+    fp16: Compressor = FP16Compressor()
+    bf16: Compressor = BF16Compressor()
+
+    @staticmethod
+    def resolve(value: Any, *, error: type[Exception] = CompressionError) -> Compressor:
+        """The compressor for a ``compression=`` argument; the one resolver of every front end.
+
+        Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``
+        (any case), a :class:`Compressor` instance, or a :class:`Compressor` subclass
+        (instantiated without arguments).
+
+        Args:
+            value: what the user passed as ``compression=``.
+            error: the exception class to raise (a front end passes its own argument error).
+
+        Raises:
+            CompressionError (or ``error``): anything else; a compressor whose ``wire_dtype`` is
+                not ``None``/``torch.float16``/``torch.bfloat16``; a subclass that overrides
+                ``compress``/``decompress`` (the allreduce casts itself and would ignore them).
+                The message echoes the value.
+        """
+        if value is None:
+            return Compression.none
+        if isinstance(value, str) and value.lower() in _BY_NAME:
+            return _BY_NAME[value.lower()]
+        if isinstance(value, type) and issubclass(value, Compressor):
+            value = value()
+        if not isinstance(value, Compressor):
+            raise error(
+                f"compression={value!r} is not a compressor. HINT: use one of "
+                f"{sorted(_BY_NAME)} or hvd_trainer.Compression.none / .fp16 / .bf16."
+            )
+        _check_compressor(value, error)
+        return value
+
+
+_BY_NAME: dict[str, Compressor] = {
+    "none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16,
+}
+
+
+def _check_compressor(value: Compressor, error: type[Exception]) -> None:
+    """Reject what the allreduce path could not honour (it reads only ``wire_dtype``/``name``)."""
+    cls = type(value)
+    overridden = [m for m in ("compress", "decompress") if getattr(cls, m) is not getattr(Compressor, m)]
+    if overridden:
+        raise error(
+            f"compression={value!r} overrides {'/'.join(overridden)}(), which hvd_trainer's "
+            "allreduce never calls: it casts to the compressor's wire_dtype itself, after scaling, "
+            "so that fp16 sums cannot overflow. HINT: subclass Compressor setting only name and "
+            "wire_dtype (torch.float16 or torch.bfloat16), or use Compression.fp16 / .bf16."
+        )
+    if value.wire_dtype not in _WIRE_DTYPES:
+        raise error(
+            f"compression={value!r} has wire_dtype={value.wire_dtype}; the allreduce supports "
+            "None, torch.float16 and torch.bfloat16. HINT: use Compression.fp16 or .bf16."
+        )
+    if not isinstance(value.name, str):
+        raise error(f"compression={value!r} has name={value.name!r}; it must be a str (e.g. 'fp16').")
+
+
+FP16_TARGET_MAX = 2.0**15
+"""``fp16`` scaling targets a global sum magnitude of at most 2**15 (fp16 max is 65504)."""
+
+
+def fp16_scale_exponent(global_absmax: float, size: int) -> int:
+    """Exponent ``k`` such that ``size * global_absmax * 2**k <= 2**15`` (0 for 0/inf/nan)."""
+    bound = global_absmax * size
+    if not bound > 0 or bound == float("inf"):
+        return 0
+    mantissa, exponent = torch.frexp(torch.tensor(bound, dtype=torch.float64))
+    del mantissa
+    # bound < 2**exponent, so 2**(15 - exponent) * bound < 2**15.
+    return max(-120, min(120, 15 - int(exponent)))

@@ -1,0 +1,184 @@
+"""Name the rank that died when a collective's transport fails.
+
+At init every rank publishes ``<host>|<pid>`` in the job's key-value store, and at
+``shutdown()`` (also run at interpreter exit, after an uncaught error too) it leaves an "exited"
+mark there. A rank waiting for peers that never arrive at a collective, or whose gloo transport
+failed ("Connection closed by peer" and an address is all gloo says), looks for those marks and
+probes the peers on its own host for liveness, so the error can say *which* rank is gone, on any
+host that left its mark. A peer on another host that died without one is listed as a candidate.
+A rank that left only because it lost a peer itself says so in its mark, so that its neighbours
+do not blame it: the error then points past it, at the other hosts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hvd_trainer.comm.base.fatal import pid_alive, stopped_for_a_peer
+from hvd_trainer.comm.base.store import try_get
+
+__all__ = [
+    "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "stopped_for_peers",
+    "wait_until_ended", "describe_failure", "describe_gone",
+]
+
+_KEY = "hvd/proc/{rank}"
+_EXITED = "hvd/exited/{rank}"
+_FOR_A_PEER = "|peer"
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    rank: int
+    host: str
+    pid: int
+
+
+def publish(store: Any, rank: int) -> None:
+    """Record this process's host and pid under its rank, clearing an earlier "exited" mark."""
+    store.set(_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
+    store.delete_key(_EXITED.format(rank=rank))
+
+
+def mark_exited(store: Any, rank: int, for_a_peer: bool | None = None) -> None:
+    """Leave the "exited" mark of ``rank`` (at shutdown); never raises (the store may be gone).
+
+    ``for_a_peer``: the rank leaves because another rank failed (default: whether this process
+    raised such an error, :func:`~hvd_trainer.comm.base.fatal.stopped_for_a_peer`).
+    """
+    if for_a_peer is None:
+        for_a_peer = stopped_for_a_peer()
+    with contextlib.suppress(Exception):  # the process hosting the store may have exited first
+        store.set(_EXITED.format(rank=rank), f"{os.getpid()}{_FOR_A_PEER if for_a_peer else ''}")
+
+
+def stopped_for_peers(store: Any, peers: Sequence[Peer]) -> list[Peer]:
+    """The ``peers`` whose "exited" mark says they left because another rank failed."""
+    found = []
+    for p in peers:
+        with contextlib.suppress(Exception):
+            mark = try_get(store, _EXITED.format(rank=p.rank))
+            if mark is not None and mark.endswith(_FOR_A_PEER):
+                found.append(p)
+    return found
+
+
+def _exited(store: Any, rank: int) -> bool:
+    return try_get(store, _EXITED.format(rank=rank)) is not None
+
+
+def _lookup(store: Any, rank: int) -> Peer | None:
+    value = try_get(store, _KEY.format(rank=rank))
+    if value is None:
+        return None
+    host, _, pid = value.rpartition("|")
+    return Peer(rank, host, int(pid))
+
+
+def find_dead_peers(
+    store: Any, ranks: Sequence[int], me: int, *, grace_seconds: float = 1.0
+) -> tuple[list[Peer], list[Peer]]:
+    """Return ``(dead local peers, peers on other hosts)`` among ``ranks`` other than ``me``.
+
+    A peer whose socket just closed may still be exiting, so local peers are re-probed for up
+    to ``grace_seconds`` before being reported alive.
+    """
+    host = socket.gethostname()
+    peers = [p for r in ranks if r != me and (p := _lookup(store, r)) is not None]
+    deadline = time.monotonic() + grace_seconds
+    while True:
+        dead = [p for p in peers if _is_gone(store, p, host)]
+        if dead or time.monotonic() >= deadline:
+            return dead, [p for p in peers if p.host != host]
+        time.sleep(0.05)
+
+
+def _is_gone(store: Any, peer: Peer, host: str) -> bool:
+    """``peer`` left its "exited" mark, or runs on this ``host`` and its process has ended."""
+    return _exited(store, peer.rank) or (peer.host == host and not pid_alive(peer.pid))
+
+
+def _named(peers: Sequence[Peer]) -> str:
+    return ", ".join(f"rank {p.rank} (pid {p.pid} on {p.host})" for p in peers)
+
+
+def find_gone(store: Any, ranks: Sequence[int]) -> list[Peer]:
+    """The ranks among ``ranks`` that left an "exited" mark or, on this host, no longer run
+    (no grace period: for peers that are late to a collective, probed repeatedly)."""
+    host = socket.gethostname()
+    gone = []
+    for r in ranks:
+        peer = _lookup(store, r)
+        if peer is not None and _is_gone(store, peer, host):
+            gone.append(peer)
+    return gone
+
+
+def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> None:
+    """Wait (bounded) until the processes of ``peers`` on this host have ended.
+
+    A rank that raised marks itself exited before its interpreter has finished; if the survivors
+    stopped first, the launcher would see *them* fail first and name the wrong rank.
+    """
+    host = socket.gethostname()
+    local = [p for p in peers if p.host == host]
+    deadline = time.monotonic() + timeout_seconds
+    while any(pid_alive(p.pid) for p in local) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def describe_gone(what: str, gone: Sequence[Peer]) -> str:
+    """The message for ranks that will never reach the collective ``what``."""
+    names, verb = _named(gone), "has" if len(gone) == 1 else "have"
+    return (
+        f"{what} cannot complete: {names} {verb} exited (finished its script, raised an error, or "
+        "called shutdown()) without reaching it. Every rank must run the same collectives in the "
+        "same order. HINT: run this collective on every rank (e.g. compute a metric everywhere and "
+        "print it on rank 0 only), or give it a ProcessSet of the ranks that call it; if the rank "
+        "failed, its own output says why."
+    )
+
+
+def describe_failure(
+    what: str, dead: Sequence[Peer], remote: Sequence[Peer], relayed: Sequence[Peer] = ()
+) -> str | None:
+    """The message for a failed collective ``what``; ``None`` when nothing useful is known.
+
+    ``relayed``: those of ``dead`` that only left because they lost a peer themselves
+    (:func:`stopped_for_peers`); they are named as such, not as the cause.
+    """
+    own = [p for p in dead if p not in relayed]
+    if dead and not own:
+        names, verb = _named(dead), "has" if len(dead) == 1 else "have"
+        candidates = ", ".join(f"rank {p.rank} on {p.host}" for p in remote)
+        elsewhere = f": one of the ranks on other hosts ({candidates}) died or cannot be reached" \
+            if remote else ""
+        return (
+            f"{what} failed: {names} {verb} stopped because {'it' if len(dead) == 1 else 'they'} "
+            f"lost a peer too, so the first failure is elsewhere{elsewhere}. HINT: the error of "
+            f"{'that rank' if len(dead) == 1 else 'those ranks'} names the peer it lost; check the "
+            "other hosts' output (hvdrun --output-filename DIR keeps one log per rank)."
+        )
+    dead = own
+    if dead:
+        names, verb = _named(dead), "is" if len(dead) == 1 else "are"
+        return (
+            f"{what} failed because {names} {verb} no longer running: it crashed, exited or was "
+            "killed before finishing this collective. HINT: its own output says why (hvdrun "
+            "--output-filename DIR keeps one log per rank); if it finished normally, every rank "
+            "must run the same collectives."
+        )
+    if remote:
+        names = ", ".join(f"rank {p.rank} on {p.host}" for p in remote)
+        return (
+            f"{what} failed: a peer closed its connection, and every other rank on this host is "
+            f"still running, so one of the ranks on other hosts ({names}) died. HINT: check "
+            "their output (hvdrun --output-filename DIR keeps one log per rank)."
+        )
+    return None
