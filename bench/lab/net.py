@@ -146,6 +146,7 @@ def measure_link(c: Cluster, seconds: float = 3.0, port: int = 5201) -> LinkMeas
     end = json.loads(proc.stdout)["end"]
     measured = float(end["sum_received"]["seconds"])
     goodput = float(end["sum_received"]["bytes"]) / measured
-    # Headers and retransmissions: the sender's interface moved ``overhead`` bytes per payload byte.
-    overhead = (tx1 - tx0) / float(end["sum_sent"]["bytes"])
+    # Headers and retransmissions: the sender's interface moved ``overhead`` bytes per payload byte
+    # delivered (iperf3's sum_sent also counts what still sat in the socket buffer at its end).
+    overhead = (tx1 - tx0) / float(end["sum_received"]["bytes"])
     return LinkMeasure(goodput, goodput * overhead, measured)

@@ -53,7 +53,7 @@ COMM_ROWS = (
     ("runtime",),
     # reduce/
     ("reduce.fusion",),
-    ("reduce.autotune",),
+    ("reduce.autotune", "reduce.link_probe"),
     # ops/
     ("ops.objects",),
     ("ops.collectives",),

@@ -69,7 +69,17 @@ def run_mode(mode: str, round_: int, steps: int, warmup: int, batch: int) -> Non
     if distributed:
         hvd.barrier()
     emit(workload="loop", mode=mode, round=round_, steps=steps, batch=batch,
-         world=hvd.size() if distributed else 1, **window.stop())
+         world=hvd.size() if distributed else 1, **window.stop(), **_layout(opt))
+
+
+def _layout(opt: torch.optim.Optimizer) -> dict[str, object]:
+    """Our reducer's bucket sizes and the link it measured (link-aware buckets), for the record."""
+    reducer = getattr(opt, "_reducer", None)
+    if reducer is None:
+        return {}
+    link = reducer.link
+    return {"bucket_bytes": reducer.bucket_sizes_bytes,
+            "probed_bytes_per_s": None if link is None else link.bytes_per_s}
 
 
 def main() -> None:

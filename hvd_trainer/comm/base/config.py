@@ -12,7 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["CommConfig", "default_fusion_threshold_bytes", "DEFAULT_FUSION_THRESHOLD_BYTES",
+__all__ = ["CommConfig", "default_fusion_threshold_bytes", "fusion_threshold_is_set",
+           "DEFAULT_FUSION_THRESHOLD_BYTES",
            "DEFAULT_PEER_TIMEOUT_SECONDS"]
 
 _MIB = 1024 * 1024
@@ -63,6 +64,12 @@ def default_fusion_threshold_bytes(environ: Mapping[str, str] | None = None) -> 
     if parsed < 0:
         raise ValueError(f"HOROVOD_FUSION_THRESHOLD={parsed} must be >= 0 (0 disables fusion).")
     return parsed
+
+
+def fusion_threshold_is_set(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``HOROVOD_FUSION_THRESHOLD`` is set (non-empty): the user chose the bucket cap."""
+    env = os.environ if environ is None else environ
+    return env.get("HOROVOD_FUSION_THRESHOLD") not in (None, "")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -53,13 +53,14 @@ before accumulation into ``.grad``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from hvd_trainer.comm.base.config import default_fusion_threshold_bytes
+from hvd_trainer.comm.base.config import default_fusion_threshold_bytes, fusion_threshold_is_set
 from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.checks import Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
@@ -73,9 +74,12 @@ from hvd_trainer.comm.reduce.autotune import (
     candidate_thresholds,
     resolve_autotune,
 )
+from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["FusionConfig", "GradientReducer", "default_fusion_threshold_bytes"]
+_log = logging.getLogger(__name__)
+
+__all__ = ["FusionConfig", "GradientReducer", "LINK_MIN_BUCKET_BYTES", "default_fusion_threshold_bytes"]
 
 _MIB = 1024 * 1024
 _FUSE_SCALE_BYTES = 256 * 1024
@@ -89,26 +93,51 @@ bucket plus one in-place scale (two passes, but one dispatch instead of one per 
 class FusionConfig:
     """How gradients are packed into buckets."""
 
-    fusion_threshold_bytes: int = field(default_factory=default_fusion_threshold_bytes)
-    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion). Default:
-    ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB (measured, see ``config.DEFAULT_FUSION_THRESHOLD_BYTES``)."""
-    first_bucket_bytes: int = 1 * _MIB
+    fusion_threshold_bytes: int | None = None
+    """Cap of one bucket, bytes. 0 puts every tensor in its own bucket (no fusion). Default
+    (``None``): ``HOROVOD_FUSION_THRESHOLD`` or 16 MiB (measured, see
+    ``config.DEFAULT_FUSION_THRESHOLD_BYTES``), lowered to the link's pace when ``link_aware``."""
+    first_bucket_bytes: int | None = None
     """Cap of the first bucket (the last layers' gradients), bytes, so communication starts
-    early in backward."""
+    early in backward. Default (``None``): 1 MiB."""
     autotune: AutotuneConfig | bool | None = field(default_factory=AutotuneConfig.from_env)
     """Search the bucket layout during the first steps (:mod:`hvd_trainer.comm.reduce.autotune`):
     an ``AutotuneConfig``, ``True`` (on, settings from ``HOROVOD_AUTOTUNE_*``), ``False``/``None``
     (the layout above, fixed). Default: from ``HOROVOD_AUTOTUNE*``. Stored resolved."""
+    link_aware: bool | None = None
+    """Size the buckets by the measured link when the ranks span several hosts
+    (:mod:`hvd_trainer.comm.reduce.link_probe`): each bucket's cap becomes about ``bucket_seconds`` on the
+    wire (at least ``LINK_MIN_BUCKET_BYTES``, at most the caps above), so a slow link starts early
+    in backward and stays busy. ``None`` (default): on unless a cap was given (an argument or
+    ``HOROVOD_FUSION_THRESHOLD``) or autotune is on. On one host it never applies. Stored
+    resolved."""
+    bucket_seconds: float = 0.05
+    """With ``link_aware``: the time one bucket should take on the wire, seconds."""
 
     def __post_init__(self) -> None:
+        chosen = (self.fusion_threshold_bytes is not None or self.first_bucket_bytes is not None
+                  or fusion_threshold_is_set())
+        if self.fusion_threshold_bytes is None:
+            self.fusion_threshold_bytes = default_fusion_threshold_bytes()
+        if self.first_bucket_bytes is None:
+            self.first_bucket_bytes = 1 * _MIB
         if self.fusion_threshold_bytes < 0:
             raise ValueError(
                 f"fusion_threshold_bytes={self.fusion_threshold_bytes} must be >= 0."
             )
         if self.first_bucket_bytes < 0:
             raise ValueError(f"first_bucket_bytes={self.first_bucket_bytes} must be >= 0.")
+        if not self.bucket_seconds > 0:
+            raise ValueError(f"bucket_seconds={self.bucket_seconds} must be > 0.")
         if self.autotune is not None:
             self.autotune = resolve_autotune(self.autotune)
+        if self.link_aware is None:
+            self.link_aware = not chosen and self.autotune is None
+
+
+LINK_MIN_BUCKET_BYTES = 256 * 1024
+"""Smallest bucket cap ``link_aware`` chooses: even at 20 Mbit/s a bucket of 256 KiB is ~0.1 s on
+the wire, far above the ~0.5 ms a collective costs, and a model is not cut into hundreds."""
 
 
 class _Bucket:
@@ -231,6 +260,10 @@ class GradientReducer:
         _check_unique(named)
         self.require_sync = True
         self._named = named
+        self.link: LinkEstimate | None = None
+        """The measured link when ``config.link_aware`` applied (several hosts), else None."""
+        if self.config.link_aware and self.active and named and world.cross_size > 1:
+            self._pace_buckets_to_link(named[0][1].device)
         self._buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._build(_assign_buckets(named, self.config))
@@ -246,6 +279,19 @@ class GradientReducer:
                 for b in self._buckets
                 for p in b.params
             ]
+
+    def _pace_buckets_to_link(self, device: torch.device) -> None:
+        """Probe the link (collective) and lower the bucket caps to ~``bucket_seconds`` on it."""
+        assert self.process_set is not None
+        cfg = self.config
+        self.link = probe_link(self.process_set, device)
+        cap = bucket_cap_bytes(self.link, cfg.bucket_seconds, LINK_MIN_BUCKET_BYTES,
+                               cfg.fusion_threshold_bytes)
+        first = min(cfg.first_bucket_bytes, cap)
+        self.config = FusionConfig(fusion_threshold_bytes=cap, first_bucket_bytes=first, autotune=None,
+                                   link_aware=False, bucket_seconds=cfg.bucket_seconds)
+        _log.info("link ~%.1f MB/s (allreduce latency %.2f ms): gradient buckets capped at %d KiB",
+                  self.link.bytes_per_s / 1e6, self.link.latency_s * 1e3, cap // 1024)
 
     def _build(self, layout: list[list[int]]) -> None:
         """Make the buckets of ``layout`` (indices into the parameter list); current gradients

@@ -1,0 +1,74 @@
+"""How fast the ranks' link is, measured once, and the bucket cap it implies.
+
+On a slow link a large bucket is a long wait: the last bucket of backward can only start when
+backward ends, and everything in it is exposed. Small buckets let the link start early and keep
+it busy while backward runs; on a fast link each collective's fixed cost (~0.1-0.5 ms for gloo)
+makes many small buckets slower instead. So the cap is a *time* on the wire, converted to bytes
+with the measured bandwidth: ``cap = clamp(bandwidth x bucket_seconds, min_bytes, max_bytes)``.
+
+The probe (:func:`probe_link`) times a small and a large allreduce (best of ``repeats`` each,
+fp32, over the given process set), agrees across ranks on the slowest rank's times (one more
+8-byte allreduce) and fits ``t = latency + bytes / bandwidth`` through the two points, so every
+rank derives the same estimate and the same bucket layout. At 20 Mbit/s it costs ~0.3 s, once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.reduce import start_allreduce
+
+__all__ = ["LinkEstimate", "bucket_cap_bytes", "probe_link"]
+
+_SMALL_BYTES = 8 * 1024
+_LARGE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class LinkEstimate:
+    """The allreduce path between the ranks, as measured.
+
+    Attributes:
+        bytes_per_s: allreduce algorithm bandwidth (message bytes per second; for a 2-rank ring
+            about the link's one-way goodput).
+        latency_s: fixed cost of one allreduce, seconds.
+    """
+
+    bytes_per_s: float
+    latency_s: float
+
+
+def _best_seconds(t: torch.Tensor, pset: ProcessSet, name: str, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        start_allreduce(t, op=ReduceOp.SUM, pset=pset, name=name, kind="link_probe").finish()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def probe_link(pset: ProcessSet, device: torch.device, repeats: int = 2) -> LinkEstimate:
+    """Measure the allreduce bandwidth and latency between the members of ``pset``.
+
+    Collective: every member must call it at the same point (it issues ``2 * repeats + 3``
+    allreduces). Returns the same estimate on every member.
+    """
+    small = torch.zeros(_SMALL_BYTES // 4, device=device)
+    large = torch.zeros(_LARGE_BYTES // 4, device=device)
+    _best_seconds(small, pset, "link_probe.warmup", 1)
+    times = torch.tensor([_best_seconds(small, pset, "link_probe.small", repeats),
+                          _best_seconds(large, pset, "link_probe.large", repeats)], dtype=torch.float64)
+    start_allreduce(times, op=ReduceOp.MAX, pset=pset, name="link_probe.agree", kind="link_probe").finish()
+    t_small, t_large = (float(v) for v in times)
+    slope = max(t_large - t_small, 1e-9) / (_LARGE_BYTES - _SMALL_BYTES)
+    return LinkEstimate(bytes_per_s=1.0 / slope, latency_s=max(t_small - _SMALL_BYTES * slope, 0.0))
+
+
+def bucket_cap_bytes(link: LinkEstimate, bucket_seconds: float, min_bytes: int, max_bytes: int) -> int:
+    """``clamp(link.bytes_per_s * bucket_seconds, min_bytes, max_bytes)``, bytes."""
+    return int(min(max(link.bytes_per_s * bucket_seconds, min_bytes), max_bytes))
