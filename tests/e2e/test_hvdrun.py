@@ -157,3 +157,19 @@ def test_lightning_rank_killed_while_survivor_computes() -> None:
     seconds = res.ended_at - killed
     print(f"SCENARIO lightning-kill-while-computing: hvdrun exited {seconds:.1f} s after the kill")
     assert seconds < 10, res.explain()  # ~1 s measured; the survivor's 5 s of compute is cut short
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_omp_threads_set_without_torchrun_banner(verbose: bool) -> None:
+    """Without OMP_NUM_THREADS, each of several workers per host gets 1 (torchrun's value) and
+    no 4-line banner; ``--verbose`` says it in one hvdrun line. A user's value is kept."""
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]
+    probe = ["python", "-c", "import os; print('OMP', os.environ.get('OMP_NUM_THREADS'))"]
+    res = hvdrun(["-np", "2", *(["--verbose"] if verbose else []), *probe], timeout=60, env=env)
+    assert res.returncode == 0, res.explain()
+    assert res.output.count("<stdout>:OMP 1") == 2, res.explain()
+    assert "Setting OMP_NUM_THREADS" not in res.output and "*****" not in res.output, res.explain()
+    assert ("hvdrun: OMP_NUM_THREADS=1 for each of the 2 workers" in res.output) is verbose, res.explain()
+    res = hvdrun(["-np", "2", *probe], timeout=60, env=clean_env(OMP_NUM_THREADS="3"))
+    assert res.output.count("<stdout>:OMP 3") == 2, res.explain()
