@@ -63,6 +63,7 @@ from hvd_trainer.lightning.cluster_env import HorovodEnvironment
 from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
+from hvd_trainer.lightning.signals import install_sigterm_handler
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -267,6 +268,7 @@ class _HorovodStrategyLogic:
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == "fit"
+        install_sigterm_handler(trainer, self._require_world())  # before Lightning registers it
         self._elastic = None
         if fitting and self.elastic:
             # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)

@@ -20,12 +20,15 @@ from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
 from hvd_trainer.launch.ssh import carried_env
 
-__all__ = ["WORKER_ENTRY", "worker_env", "resolve_command", "worker_command", "torchrun_args",
-           "mpirun_command", "pick_port", "find_mpirun", "restarts"]
+__all__ = ["WORKER_ENTRY", "HOROVOD_SHIM_DIR", "worker_env", "resolve_command", "worker_command",
+           "torchrun_args", "mpirun_command", "pick_port", "find_mpirun", "restarts"]
 
 MIB = 1024 * 1024
 WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
 """The per-worker step (Horovod's variables, prefixed lines, per-rank files), run as a script."""
+HOROVOD_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_horovod_shim")
+"""Put first on the workers' ``PYTHONPATH`` by ``--as-horovod`` (its ``sitecustomize`` installs
+:mod:`hvd_trainer.horovod_alias` in every Python process of the job)."""
 
 
 def worker_env(opts: HvdrunOptions) -> dict[str, str]:
@@ -44,6 +47,8 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HVDRUN_OUTPUT_DIR"] = os.path.abspath(opts.output_filename)
     if opts.prefix_timestamp:
         env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
+    if opts.as_horovod is not None:
+        env.update(_as_horovod_env(opts.as_horovod))
     if restarts(opts) > 0:
         # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
         # restarted rank can read a dead rank's gloo address left by the previous attempt
@@ -51,6 +56,12 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def _as_horovod_env(mode: str) -> dict[str, str]:
+    """``PYTHONPATH`` with the Horovod shim first (the user's entries after it) and its mode."""
+    paths = [HOROVOD_SHIM_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    return {"PYTHONPATH": os.pathsep.join(paths), "HVDRUN_AS_HOROVOD": mode}
 
 
 def _interface_env(opts: HvdrunOptions) -> dict[str, str]:

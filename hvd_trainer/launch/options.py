@@ -79,6 +79,9 @@ class HvdrunOptions:
     """The ``-H`` entry this machine is (set by the launching hvdrun over ssh; else detected)."""
     argv: list[str] = field(default_factory=list)
     """hvdrun's own arguments as given (the other hosts' agents get them over ssh)."""
+    as_horovod: str | None = None
+    """``--as-horovod``: ``"alias"`` (``import horovod`` in the workers is hvd_trainer unless
+    Horovod is installed) or ``"force"`` (``--as-horovod=force``: even then); ``None``: off."""
 
     def __post_init__(self) -> None:
         if self.num_proc < 1:
@@ -95,6 +98,8 @@ class HvdrunOptions:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise HvdrunError(f"--{name.replace('_', '-')} must be >= 0, got {value}.")
+        if self.as_horovod not in (None, "alias", "force"):
+            raise HvdrunError(f"--as-horovod takes no value or =force, got {self.as_horovod!r}.")
         if self.device not in ("auto", "cuda", "cpu"):
             raise HvdrunError(f"--device must be auto, cuda or cpu, got {self.device!r}.")
         self._check_elastic()
@@ -180,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra 'ssh -o' option for starting the other hosts (repeatable)")
     p.add_argument("--this-host", help=argparse.SUPPRESS)
+    # Two spellings, one dest: "--as-horovod=force" is matched whole (argparse tries an exact option
+    # string first), so "--as-horovod python train.py" never takes "python" as its value.
+    p.add_argument("--as-horovod", dest="as_horovod", action="store_const", const="alias",
+                   help="run an unmodified Horovod script: 'import horovod' in the workers is "
+                        "hvd_trainer (unless Horovod is installed)")
+    p.add_argument("--as-horovod=force", dest="as_horovod", action="store_const", const="force",
+                   help="the same, and shadow an installed Horovod")
     p.add_argument("-cb", "--check-build", action="store_true",
                    help="print the available frameworks and transports, then exit")
     p.add_argument("--dry-run", action="store_true", help="print the underlying command and exit")
@@ -226,6 +238,6 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
         elastic_timeout_seconds=ns.elastic_timeout, prefix_timestamp=ns.prefix_timestamp,
         notes=notes_for(ns, ssh=_uses_ssh(ns, hosts)), ssh_port=ns.ssh_port,
         ssh_identity_file=ns.ssh_identity_file, ssh_options=list(ns.ssh_option), no_ssh=ns.no_ssh,
-        this_host=ns.this_host, argv=list(argv),
+        this_host=ns.this_host, argv=list(argv), as_horovod=ns.as_horovod,
     )
     return opts, ns

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hvd_trainer.comm.world.world import free_port
-from hvd_trainer.launch.commands import WORKER_ENTRY
+from hvd_trainer.launch.commands import HOROVOD_SHIM_DIR, WORKER_ENTRY
 
 __all__ = ["run", "RunError"]
 
@@ -131,6 +131,11 @@ def _base_env(run_dir: Path, np: int, output_filename: str | None, network_inter
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = network_interface
     if start_timeout is not None:
         env["HOROVOD_START_TIMEOUT"] = f"{start_timeout:g}"
+    if getattr(sys.modules.get("horovod"), "__hvd_trainer_alias__", False):
+        # The caller's ``horovod`` is hvd_trainer's alias (a Horovod script calling horovod.run):
+        # the workers get it too, for a function that imports horovod.torch inside.
+        paths = [HOROVOD_SHIM_DIR, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 

@@ -119,6 +119,20 @@ def _report_user_error(record: dict[str, Any], failures: dict[int, Any], watch: 
     return exit_status(code)
 
 
+def _set_omp_threads(args: list[str], verbose: bool) -> None:
+    """``OMP_NUM_THREADS=1`` for several workers per host when the user set none: the value
+    torchrun would set itself, without its 4-line banner (one line with ``--verbose``)."""
+    try:
+        per_host = int(_agent_options(args).get("nproc-per-node", "1"))
+    except ValueError:
+        return
+    if per_host > 1 and "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        if verbose:
+            print(f"hvdrun: OMP_NUM_THREADS=1 for each of the {per_host} workers per host (set it to "
+                  "change this)", file=sys.stderr, flush=True)
+
+
 def _run_agent(args: list[str], watch: AgentWatch) -> None:
     from torch.distributed.run import parse_args, run
 
@@ -141,6 +155,7 @@ def run_torchrun(
     import logging
 
     os.environ.update(env)
+    _set_omp_threads(args, verbose)
     if verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO)
     with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:

@@ -26,6 +26,9 @@ num_processes, num_nodes)``                                  N-1 processes (stra
 ``pytorch_lightning.trainer.connectors.accelerator_connector  ``Trainer()`` under hvdrun picks
 ._AcceleratorConnector._choose_strategy(self)``              ``"horovod"`` (lightning/porting.py
                                                              wraps it)
+``trainer._signal_connector``: ``._sigterm_notifier_fn``     SIGTERM without Lightning's raw
+(an instance attribute set before                            broadcast in the handler; a dead
+``register_signal_handlers()``), ``.received_sigterm``       peer is named (lightning/signals.py)
 ==========================================================  ==================================
 
 Replaced by public API: ``lightning_fabric.utilities.distributed._all_gather_ddp_if_available``
@@ -38,7 +41,9 @@ Importing this module imports Lightning; only the Lightning front end imports it
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytorch_lightning as pl
@@ -55,6 +60,7 @@ __all__ = [
     "dump_checkpoint",
     "has_loaded_checkpoint",
     "optimizers_to_device",
+    "replace_sigterm_notifier",
     "restore_modules_and_callbacks",
 ]
 
@@ -90,3 +96,11 @@ def restore_modules_and_callbacks(trainer: pl.Trainer, checkpoint_path: str | os
 def dump_checkpoint(trainer: pl.Trainer, *, weights_only: bool = False) -> dict[str, Any]:
     """The checkpoint dict ``trainer.save_checkpoint`` would write (without writing it)."""
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=weights_only)
+
+
+def replace_sigterm_notifier(trainer: pl.Trainer, notify: Callable[..., None]) -> None:
+    """Make ``notify(signum, frame, connector=...)`` the SIGTERM notifier the trainer registers
+    at the start of its next run, in place of Lightning's ``_sigterm_notifier_fn`` (which
+    broadcasts inside the handler). ``connector.received_sigterm`` is what the loops read."""
+    connector = trainer._signal_connector
+    connector._sigterm_notifier_fn = functools.partial(notify, connector=connector)

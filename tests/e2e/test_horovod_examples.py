@@ -10,6 +10,9 @@ example's own summary line is printed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +103,31 @@ def test_lightning_trainer_without_strategy_under_hvdrun(tmp_path: Path) -> None
         assert res["strategy"] == "HorovodStrategy" and res["world_size"] == 2
     assert r0["weights"] == r1["weights"]  # one model trained, not two independent ones
     assert output.count("using strategy='horovod', as Lightning 1.x did") == 1  # said once, on rank 0
+
+
+def test_unmodified_horovod_script_with_as_horovod(tmp_path: Path) -> None:
+    """Horovod's pytorch_mnist.py with no line changed (``import horovod``, ``horovod.torch``,
+    ``horovod.torch.mpi_ops``, ``horovod.common.exceptions``) under ``hvdrun --as-horovod``."""
+    (r0, r1), output = _run("horovod_pytorch_mnist", tmp_path, "--as-horovod")
+    _same_weights(r0, r1)
+    assert r0["module"] == "hvd_trainer.torch" and r0["avg"] == r1["avg"]
+    assert len(r0["losses"]) == 2 * 16 and _falls(r0["losses"])
+    # without the flag, a Horovod script fails as it would without Horovod installed
+    res = hvdrun(["-np", "2", "python", str(EXAMPLES / "horovod_pytorch_mnist.py")], timeout=120,
+                 env=clean_env(EXAMPLE_OUT=str(tmp_path)))
+    assert res.returncode != 0 and "No module named 'horovod'" in res.output, res.explain()
+
+
+def test_unmodified_horovod_script_through_horovod_run(tmp_path: Path) -> None:
+    """The same script's ``--num-proc 2`` path (``horovod.run``) in a process that imported
+    ``hvd_trainer.horovod_alias`` first (a notebook's way)."""
+    script = str(EXAMPLES / "horovod_pytorch_mnist.py")
+    code = ("import runpy, sys; import hvd_trainer.horovod_alias; "
+            "sys.argv = ['x', '--num-proc', '2', '--epochs', '1']; "
+            f"runpy.run_path({script!r}, run_name='__main__')")
+    env = clean_env(EXAMPLE_OUT=str(tmp_path))
+    env["PYTHONPATH"] += os.pathsep + str(EXAMPLES)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0 and "RANKS [0, 1]" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"horovod_pytorch_mnist.{r}.json").read_text()) for r in (0, 1)]
+    _same_weights(*reports)

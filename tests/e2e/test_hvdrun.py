@@ -137,3 +137,39 @@ def test_shutdown_then_init_again_in_the_same_job() -> None:
     res = hvdrun(["-np", "2", "python", "-c", code], timeout=120)
     assert res.returncode == 0, res.explain()
     assert "AGAIN 0 1.0" in res.output and "AGAIN 1 1.0" in res.output, res.explain()
+
+
+def test_lightning_rank_killed_while_survivor_computes() -> None:
+    """Rank 1 is SIGKILLed while rank 0 computes (no collective in flight): torchrun's agent
+    SIGTERMs rank 0, whose Lightning SIGTERM handler used to run a raw ``dist.broadcast`` (gloo's
+    "Connection reset by peer" traceback, exit 1). Now it raises RankFailedError naming rank 1
+    at once, exits 75, and hvdrun blames rank 1 only."""
+    script = str(SCRIPTS / "lightning_train.py")
+    res = hvdrun(["-np", "2", "python", script, "--kill-rank1", "--busy-survivor"], timeout=150)
+    assert res.returncode == 137, res.explain()
+    killed = float(res.output.split("KILLED pid=")[1].split("at=")[1].split()[0])
+    victim_pid = res.output.split("KILLED pid=")[1].split()[0]
+    assert f"RankFailedError: rank 0's training, stopped by the launcher's SIGTERM, failed because rank 1 " \
+           f"(pid {victim_pid} on" in res.output, res.explain()
+    assert "Connection reset by peer" not in res.output and "Connection closed by peer" not in res.output
+    assert "hvdrun: error: rank 1 (local rank 1" in res.output and "failed with signal SIGKILL" in res.output
+    assert "Also failed: rank 0 (exit code 75 (stopped because another rank failed))" in res.output
+    seconds = res.ended_at - killed
+    print(f"SCENARIO lightning-kill-while-computing: hvdrun exited {seconds:.1f} s after the kill")
+    assert seconds < 10, res.explain()  # ~1 s measured; the survivor's 5 s of compute is cut short
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_omp_threads_set_without_torchrun_banner(verbose: bool) -> None:
+    """Without OMP_NUM_THREADS, each of several workers per host gets 1 (torchrun's value) and
+    no 4-line banner; ``--verbose`` says it in one hvdrun line. A user's value is kept."""
+    env = clean_env()
+    del env["OMP_NUM_THREADS"]
+    probe = ["python", "-c", "import os; print('OMP', os.environ.get('OMP_NUM_THREADS'))"]
+    res = hvdrun(["-np", "2", *(["--verbose"] if verbose else []), *probe], timeout=60, env=env)
+    assert res.returncode == 0, res.explain()
+    assert res.output.count("<stdout>:OMP 1") == 2, res.explain()
+    assert "Setting OMP_NUM_THREADS" not in res.output and "*****" not in res.output, res.explain()
+    assert ("hvdrun: OMP_NUM_THREADS=1 for each of the 2 workers" in res.output) is verbose, res.explain()
+    res = hvdrun(["-np", "2", *probe], timeout=60, env=clean_env(OMP_NUM_THREADS="3"))
+    assert res.output.count("<stdout>:OMP 3") == 2, res.explain()

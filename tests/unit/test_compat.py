@@ -438,3 +438,25 @@ def keras_results() -> dict[str, str]:
 @pytest.mark.parametrize("name", KERAS_CHECKS)
 def test_keras_and_tensorflow(name: str, keras_results: dict[str, str]) -> None:
     assert keras_results.get(name) == "ok", keras_results.get(name, f"{name} did not run")
+
+
+def test_lightning_signal_connector_sigterm_notifier(no_launcher: None) -> None:
+    import signal
+
+    from pytorch_lightning.trainer.connectors.signal_connector import _SignalConnector
+
+    from hvd_trainer.lightning._compat import replace_sigterm_notifier
+
+    # lightning/signals.py: register_signal_handlers() reads self._sigterm_notifier_fn (so an
+    # instance attribute set before it wins) and the loops read connector.received_sigterm
+    assert callable(_SignalConnector._sigterm_notifier_fn)
+    trainer = _trainer()
+    calls: list[int] = []
+    replace_sigterm_notifier(trainer, lambda signum, frame, connector: calls.append(signum))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        trainer._signal_connector.register_signal_handlers()
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert calls == [signal.SIGTERM] and trainer.received_sigterm is False

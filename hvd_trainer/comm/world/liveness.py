@@ -20,12 +20,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hvd_trainer.comm.base.fatal import pid_alive, stopped_for_a_peer
+from hvd_trainer.comm.base.errors import RankFailedError
+from hvd_trainer.comm.base.fatal import (
+    PEER_FAILED_EXIT_CODE,
+    exit_hard_at_exit,
+    pid_alive,
+    stopped_for_a_peer,
+)
 from hvd_trainer.comm.base.store import try_get
 
 __all__ = [
     "Peer", "publish", "mark_exited", "find_dead_peers", "find_gone", "stopped_for_peers",
-    "wait_until_ended", "describe_failure", "describe_gone",
+    "wait_until_ended", "describe_failure", "describe_gone", "raise_if_peer_failed",
 ]
 
 _KEY = "hvd/proc/{rank}"
@@ -146,9 +152,13 @@ def describe_gone(what: str, gone: Sequence[Peer]) -> str:
 
 
 def describe_failure(
-    what: str, dead: Sequence[Peer], remote: Sequence[Peer], relayed: Sequence[Peer] = ()
+    what: str, dead: Sequence[Peer], remote: Sequence[Peer], relayed: Sequence[Peer] = (),
+    *, until: str = "before finishing this collective",
 ) -> str | None:
     """The message for a failed collective ``what``; ``None`` when nothing useful is known.
+
+    ``until``: when the dead rank stopped, in words (another phrase where ``what`` is no
+    collective).
 
     ``relayed``: those of ``dead`` that only left because they lost a peer themselves
     (:func:`stopped_for_peers`); they are named as such, not as the cause.
@@ -170,7 +180,7 @@ def describe_failure(
         names, verb = _named(dead), "is" if len(dead) == 1 else "are"
         return (
             f"{what} failed because {names} {verb} no longer running: it crashed, exited or was "
-            "killed before finishing this collective. HINT: its own output says why (hvdrun "
+            f"killed {until}. HINT: its own output says why (hvdrun "
             "--output-filename DIR keeps one log per rank); if it finished normally, every rank "
             "must run the same collectives."
         )
@@ -182,3 +192,25 @@ def describe_failure(
             "their output (hvdrun --output-filename DIR keeps one log per rank)."
         )
     return None
+
+
+def raise_if_peer_failed(store: Any, ranks: Sequence[int], me: int, what: str) -> None:
+    """Raise :class:`RankFailedError` naming a peer among ``ranks`` that is known to be gone
+    (its "exited" mark, or its process on this host has ended), as a failed collective would;
+    return when none is known (a peer on another host that died without a mark is not).
+
+    For a process told to stop from outside (the launcher's SIGTERM after another rank died):
+    it then ends like a rank that lost a peer in a collective (exit status
+    :data:`~hvd_trainer.comm.base.fatal.PEER_FAILED_EXIT_CODE`, after the dead rank's own exit).
+    """
+    try:
+        dead, _remote = find_dead_peers(store, ranks, me)
+        relayed = stopped_for_peers(store, dead)
+    except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+        return
+    message = describe_failure(what, dead, [], relayed, until="while this rank still ran") if dead else None
+    if message is None:
+        return
+    wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
+    exit_hard_at_exit(PEER_FAILED_EXIT_CODE)
+    raise RankFailedError(message)

@@ -7,6 +7,8 @@ the launcher's processes. Each rank prints ``RANK <rank>/<world> pid=<pid> check
 cluster detection (needed where mpi4py is installed without an MPI library).
 ``--kill-rank1`` / ``--kill-rank0`` make that rank SIGKILL itself at its third step (printing
 ``KILLED pid=<pid> at=<time>``): the surviving rank must fail fast with an error naming what died.
+``--busy-survivor`` keeps the other rank computing (5 s) at that step, so the launcher's SIGTERM
+reaches it outside any collective (as in a large model's forward pass).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ class Regressor(pl.LightningModule):
         if self.global_rank == victim and batch_idx == 2:
             print(f"KILLED pid={os.getpid()} at={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        busy = "--busy-survivor" in sys.argv
+        if busy and victim is not None and self.global_rank != victim and batch_idx == 2:
+            time.sleep(5.0)
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
