@@ -109,6 +109,10 @@ def _allreduce(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
               f"{link.goodput_bytes_per_s:.0f}", flush=True)
         _ratio(f"{tag}_allreduce_{size}_busbw_vs_iperf3", bus["hvd"] / link.goodput_bytes_per_s)
         _ratio(f"{tag}_allreduce_{size}_hvd_vs_torch", bus["hvd"] / bus["torch"])
+        if (size, "hier") in summaries:  # time ratio: < 1 is faster than the flat allreduce
+            hier, flat = summaries[(size, "hier")].step_s, summaries[(size, "hvd")].step_s
+            print(f"BW {tag} allreduce size_bytes={size} hier_s={hier:.4f} flat_s={flat:.4f}", flush=True)
+            _ratio(f"{tag}_allreduce_{size}_hier_time_vs_flat", hier / flat)
     return recs
 
 

@@ -11,7 +11,8 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     runtime                per-world state: config, store, timeline, the live process sets
   reduce/                  gradient reduction over fused buckets
     fusion                 the gradient reducer (hook-driven buckets)
-    autotune               the search of the bucket layout
+    hierarchical/          inside each host, then across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE)
+    autotune  link_probe   the search of the bucket layout; the measured link and its bucket cap
   ops/                     the collectives, from their arguments to the blocking forms
     objects                broadcast_object, allgather_object
     collectives            the blocking forms: the async forms + wait(); join

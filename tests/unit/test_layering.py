@@ -53,7 +53,8 @@ COMM_ROWS = (
     ("runtime",),
     # reduce/
     ("reduce.fusion",),
-    ("reduce.autotune", "reduce.link_probe"),
+    ("reduce.hierarchical.allreduce",),
+    ("reduce.hierarchical.topology", "reduce.autotune", "reduce.link_probe"),
     # ops/
     ("ops.objects",),
     ("ops.collectives",),

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["CommConfig", "default_fusion_threshold_bytes", "fusion_threshold_is_set",
-           "DEFAULT_FUSION_THRESHOLD_BYTES",
+           "hierarchical_allreduce_env", "DEFAULT_FUSION_THRESHOLD_BYTES",
            "DEFAULT_PEER_TIMEOUT_SECONDS"]
 
 _MIB = 1024 * 1024
@@ -70,6 +70,24 @@ def fusion_threshold_is_set(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``HOROVOD_FUSION_THRESHOLD`` is set (non-empty): the user chose the bucket cap."""
     env = os.environ if environ is None else environ
     return env.get("HOROVOD_FUSION_THRESHOLD") not in (None, "")
+
+
+def hierarchical_allreduce_env(environ: Mapping[str, str] | None = None) -> bool | None:
+    """``HOROVOD_HIERARCHICAL_ALLREDUCE``: ``True``/``False`` when set (1/0, true/false), else None.
+
+    Raises:
+        ValueError: another value.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip().lower()
+    if value == "":
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"HOROVOD_HIERARCHICAL_ALLREDUCE={value!r}: expected 1 or 0. HINT: unset it for "
+                     "the measured choice.")
 
 
 @dataclass(kw_only=True, slots=True)

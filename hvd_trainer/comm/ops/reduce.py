@@ -25,7 +25,9 @@ scale factors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -159,8 +161,13 @@ def start_allreduce(
     kind: str = "allreduce",
     sig: Signature | None = None,
     prescaled_post_factor: float | None = None,
+    launch: Callable[[torch.Tensor, dist.ReduceOp], Any] | None = None,
 ) -> Reduction:
     """Launch an in-place allreduce of the contiguous ``tensor``; see the module docstring.
+
+    ``launch``: the transport for step 4 instead of ``torch.distributed.all_reduce`` (called with
+    the wire tensor and the torch op; returns a ``Work``-like handle with ``wait(timeout)`` and
+    ``is_completed()``), e.g. a hierarchical allreduce; every rank must pass the same kind.
 
     ``prescaled_post_factor``: the caller already multiplied ``tensor`` by
     ``prescale_factor`` (and ``1/N`` for Average), e.g. fused with the copy into a fusion
@@ -202,7 +209,11 @@ def start_allreduce(
         wire = _scaled_cast(tensor, exp, wire_dt) if exp else tensor.to(wire_dt)
     elif widen:
         wire = to_wire(tensor, _TORCH_OP_NAMES[op])
-    work = dist.all_reduce(wire, op=_NAME_TO_TORCH[_TORCH_OP_NAMES[op]], group=group, async_op=True)
+    torch_op = _NAME_TO_TORCH[_TORCH_OP_NAMES[op]]
+    if launch is not None:
+        work = launch(wire, torch_op)
+    else:
+        work = dist.all_reduce(wire, op=torch_op, group=group, async_op=True)
     pset.coordinator.launched(rec, work)
     return Reduction(tensor, wire, ctx, rec, pset, op, post, exp, widened=widen)
 

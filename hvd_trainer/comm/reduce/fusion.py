@@ -60,7 +60,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvd_trainer.comm.base.config import default_fusion_threshold_bytes, fusion_threshold_is_set
+from hvd_trainer.comm.base.config import (
+    default_fusion_threshold_bytes,
+    fusion_threshold_is_set,
+    hierarchical_allreduce_env,
+)
 from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.checks import Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
@@ -74,7 +78,8 @@ from hvd_trainer.comm.reduce.autotune import (
     candidate_thresholds,
     resolve_autotune,
 )
-from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link
+from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology, build_topology
+from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link, time_paths
 from hvd_trainer.comm.world.world import World
 
 _log = logging.getLogger(__name__)
@@ -113,6 +118,12 @@ class FusionConfig:
     resolved."""
     bucket_seconds: float = 0.05
     """With ``link_aware``: the time one bucket should take on the wire, seconds."""
+    hierarchical: bool | None = field(default_factory=hierarchical_allreduce_env)
+    """Reduce buckets hierarchically (:mod:`hvd_trainer.comm.reduce.hierarchical`: inside each
+    host, then across hosts) when the ranks span several hosts with several ranks each and the
+    reducer runs over all ranks. ``True``/``False`` force it on/off; ``None`` (default, unless
+    ``HOROVOD_HIERARCHICAL_ALLREDUCE`` is set): with ``link_aware``, the faster of flat and
+    hierarchical in a measured comparison (a 256 KiB allreduce each way, ~5% margin for flat)."""
 
     def __post_init__(self) -> None:
         chosen = (self.fusion_threshold_bytes is not None or self.first_bucket_bytes is not None
@@ -262,8 +273,10 @@ class GradientReducer:
         self._named = named
         self.link: LinkEstimate | None = None
         """The measured link when ``config.link_aware`` applied (several hosts), else None."""
-        if self.config.link_aware and self.active and named and world.cross_size > 1:
-            self._pace_buckets_to_link(named[0][1].device)
+        self.hierarchy: HostTopology | None = None
+        """The host groups when buckets are reduced hierarchically, else None."""
+        if self.active and named and world.cross_size > 1:
+            self._fit_to_hosts(world, named[0][1].device)
         self._buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._build(_assign_buckets(named, self.config))
@@ -280,6 +293,26 @@ class GradientReducer:
                 for p in b.params
             ]
 
+    def _fit_to_hosts(self, world: World, device: torch.device) -> None:
+        """Several hosts: choose flat or hierarchical buckets, then pace the caps to the link.
+        Collective (every rank of the reducer reaches it with the same config)."""
+        assert self.process_set is not None
+        cfg = self.config
+        if cfg.hierarchical is not False and world.local_size > 1:
+            topo = build_topology(world, self.process_set)
+            if topo is not None and cfg.hierarchical is None:
+                flat_s, hier_s = time_paths(self.process_set, device, self._hierarchical_launch(topo))
+                _log.info("hierarchical allreduce %.1f ms vs flat %.1f ms (256 KiB)",
+                          hier_s * 1e3, flat_s * 1e3)
+                topo = topo if hier_s < 0.95 * flat_s else None
+            self.hierarchy = topo
+        if cfg.link_aware:
+            self._pace_buckets_to_link(device)
+
+    @staticmethod
+    def _hierarchical_launch(topo: HostTopology):  # noqa: ANN205
+        return lambda wire, torch_op: HierarchicalWork(wire, torch_op, topo)
+
     def _pace_buckets_to_link(self, device: torch.device) -> None:
         """Probe the link (collective) and lower the bucket caps to ~``bucket_seconds`` on it."""
         assert self.process_set is not None
@@ -289,7 +322,8 @@ class GradientReducer:
                                cfg.fusion_threshold_bytes)
         first = min(cfg.first_bucket_bytes, cap)
         self.config = FusionConfig(fusion_threshold_bytes=cap, first_bucket_bytes=first, autotune=None,
-                                   link_aware=False, bucket_seconds=cfg.bucket_seconds)
+                                   link_aware=False, bucket_seconds=cfg.bucket_seconds,
+                                   hierarchical=cfg.hierarchical)
         _log.info("link ~%.1f MB/s (allreduce latency %.2f ms): gradient buckets capped at %d KiB",
                   self.link.bytes_per_s / 1e6, self.link.latency_s * 1e3, cap // 1024)
 
@@ -476,6 +510,7 @@ class GradientReducer:
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
             compression=self.compression, kind="bucket", sig=bucket.sig,
             prescaled_post_factor=self.postscale_factor,
+            launch=None if self.hierarchy is None else self._hierarchical_launch(self.hierarchy),
         )
         self._next_launch += 1
 

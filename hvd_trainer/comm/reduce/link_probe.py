@@ -15,7 +15,9 @@ rank derives the same estimate and the same bucket layout. At 20 Mbit/s it costs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,7 +25,7 @@ from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.ops.reduce import start_allreduce
 
-__all__ = ["LinkEstimate", "bucket_cap_bytes", "probe_link"]
+__all__ = ["LinkEstimate", "bucket_cap_bytes", "probe_link", "time_paths"]
 
 _SMALL_BYTES = 8 * 1024
 _LARGE_BYTES = 256 * 1024
@@ -43,11 +45,12 @@ class LinkEstimate:
     latency_s: float
 
 
-def _best_seconds(t: torch.Tensor, pset: ProcessSet, name: str, repeats: int) -> float:
+def _best_seconds(t: torch.Tensor, pset: ProcessSet, name: str, repeats: int,
+                  launch: Callable[[torch.Tensor, Any], Any] | None = None) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        start_allreduce(t, op=ReduceOp.SUM, pset=pset, name=name, kind="link_probe").finish()
+        start_allreduce(t, op=ReduceOp.SUM, pset=pset, name=name, kind="link_probe", launch=launch).finish()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -72,3 +75,20 @@ def probe_link(pset: ProcessSet, device: torch.device, repeats: int = 2) -> Link
 def bucket_cap_bytes(link: LinkEstimate, bucket_seconds: float, min_bytes: int, max_bytes: int) -> int:
     """``clamp(link.bytes_per_s * bucket_seconds, min_bytes, max_bytes)``, bytes."""
     return int(min(max(link.bytes_per_s * bucket_seconds, min_bytes), max_bytes))
+
+
+def time_paths(pset: ProcessSet, device: torch.device, launch: Callable[[torch.Tensor, Any], Any],
+               nbytes: int = _LARGE_BYTES, repeats: int = 2) -> tuple[float, float]:
+    """``(flat_seconds, other_seconds)``: the best of ``repeats`` allreduces of ``nbytes`` (fp32)
+    through ``torch.distributed.all_reduce`` and through ``launch``, the slowest rank's, agreed.
+
+    Collective, like :func:`probe_link`; every member gets the same pair (so the same choice).
+    """
+    t = torch.zeros(nbytes // 4, device=device)
+    _best_seconds(t, pset, "link_probe.other_warmup", 1, launch)
+    times = torch.tensor([_best_seconds(t, pset, "link_probe.flat", repeats),
+                          _best_seconds(t, pset, "link_probe.other", repeats, launch)], dtype=torch.float64)
+    agree = start_allreduce(times, op=ReduceOp.MAX, pset=pset, name="link_probe.agree_paths",
+                            kind="link_probe")
+    agree.finish()
+    return float(times[0]), float(times[1])
