@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="about how long each allreduce size is timed per mode; larger sizes are skipped")
     p.add_argument("--loop-modes", default="hvd,ddp,hvd_bf16,ddp_bf16")
     p.add_argument("--keras-backends", default="torch,tensorflow")
+    p.add_argument("--lightning-modes", default="horovod,ddp",
+                   help="of horovod, ddp, horovod_bf16, ddp_bf16 (also for the GPT recipe)")
     p.add_argument("--iperf-seconds", type=float, default=3.0)
     p.add_argument("--records", metavar="FILE", help="also write every worker record here (JSON lines)")
     return p
@@ -72,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     args = LabArgs(hosts=a.hosts, procs=a.procs, rounds=a.rounds, steps=a.steps, warmup=a.warmup,
                    sizes=tuple(int(s) for s in a.sizes.split(",")), seconds_per_size=a.seconds_per_size,
                    loop_modes=tuple(a.loop_modes.split(",")),
-                   keras_backends=tuple(a.keras_backends.split(",")))
+                   keras_backends=tuple(a.keras_backends.split(",")),
+                   lightning_modes=tuple(a.lightning_modes.split(",")))
     from tests.multihost.netns import cluster
 
     start = time.monotonic()

@@ -37,6 +37,7 @@ class LabArgs:
     seconds_per_size: float = 8.0
     loop_modes: tuple[str, ...] = ("hvd", "ddp", "hvd_bf16", "ddp_bf16")
     keras_backends: tuple[str, ...] = ("torch", "tensorflow")
+    lightning_modes: tuple[str, ...] = ("horovod", "ddp")
     timeout_seconds: float = 1200.0
 
 
@@ -139,12 +140,14 @@ def _lightning(tag: str, launch: _Launcher, link: LinkMeasure, model: str) -> li
     args, recs = launch.args, []
     worker = ["bench.lab.workers.lightning_fit", "--model", model, *_common(args)]
     for r in range(args.rounds):
-        for mode in ("horovod", "ddp", "local"):
-            recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
+        for mode in (*args.lightning_modes, "local"):
+            recs += [{**rec, "round": r} for rec in
+                     launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")]
     workload = f"lightning_{model}"
     s = summarise(recs)
     got = _report_steps(tag, workload, s, s[(workload, "local")], link)
-    _versus(tag, workload, got, [("horovod", "ddp")])
+    _versus(tag, workload, got, [("horovod", "ddp"), ("horovod_bf16", "ddp_bf16"),
+                                 ("horovod_bf16", "horovod"), ("ddp_bf16", "ddp")])
     return recs
 
 

@@ -4,7 +4,9 @@
 time). ``--model cnn`` trains :class:`bench.lab.models.ResNetSmall` on a fixed random batch;
 ``--model gpt`` the GPT recipe's module and data (conf/gpt.yaml's configuration). A callback
 times ``--steps`` optimizer steps after ``--warmup`` between two barriers and prints one ``LAB``
-record per rank. Default settings otherwise: what a user gets.
+record per rank. Default settings otherwise: what a user gets. ``horovod_bf16`` /
+``ddp_bf16``: bf16 gradients on the wire (``HorovodStrategy(compression="bf16")`` / DDP's
+bf16 comm hook).
 """
 
 from __future__ import annotations
@@ -75,9 +77,35 @@ def _gpt(args: argparse.Namespace) -> tuple[pl.LightningModule, pl.LightningData
     return GPTModule(cfg.model, cfg.optim, max_steps), ShakespeareBytes(cfg.data, cfg.model.block_size)
 
 
+def _strategy(mode: str) -> object:
+    """The Lightning strategy of ``mode``: bf16 on the wire through our ``compression`` or DDP's
+    ``bf16_compress_hook`` (under another name: DDP refuses that name off NCCL, see loop.py)."""
+    if mode == "local":
+        return "auto"
+    if mode == "horovod_bf16":
+        from hvd_trainer.strategy import HorovodStrategy
+
+        return HorovodStrategy(compression="bf16")
+    if mode == "ddp_bf16":
+        return "ddp"  # the hook is registered by _DDPBf16Hook (Lightning registers one only on CUDA)
+    return mode
+
+
+class _DDPBf16Hook(pl.Callback):
+    """Registers DDP's bf16 compression hook on the wrapped model before the first step
+    (``DDPStrategy(ddp_comm_hook=...)`` is ignored on CPU: Lightning registers hooks on CUDA only)."""
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        from bench.lab.workers.loop import _bf16_hook
+
+        trainer.strategy.model.register_comm_hook(None, _bf16_hook(default_hooks.bf16_compress_hook))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=("horovod", "ddp", "local"), required=True)
+    p.add_argument("--mode", choices=("horovod", "ddp", "horovod_bf16", "ddp_bf16", "local"), required=True)
     p.add_argument("--model", choices=("cnn", "gpt"), default="cnn")
     p.add_argument("--round", type=int, default=0)
     p.add_argument("--steps", type=int, default=10)
@@ -89,13 +117,14 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", "1")) if args.mode != "local" else 1
     per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if args.mode != "local" else 1
     module, data = _cnn(args, world) if args.model == "cnn" else _gpt(args)
-    strategy = "auto" if args.mode == "local" else args.mode
+    strategy = _strategy(args.mode)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=per_host,
                          num_nodes=world // per_host,
                          max_steps=args.warmup + args.steps, max_epochs=-1, limit_val_batches=0,
                          num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[_Timer(args.warmup, args)])
+                         callbacks=[_Timer(args.warmup, args),
+                                    *([_DDPBf16Hook()] if args.mode == "ddp_bf16" else [])])
     trainer.fit(module, data)
 
 
