@@ -298,7 +298,7 @@ class GradientReducer:
         Collective (every rank of the reducer reaches it with the same config)."""
         assert self.process_set is not None
         cfg = self.config
-        if cfg.hierarchical is not False and world.local_size > 1:
+        if cfg.hierarchical or (cfg.hierarchical is None and cfg.link_aware):
             topo = build_topology(world, self.process_set)
             if topo is not None and cfg.hierarchical is None:
                 flat_s, hier_s = time_paths(self.process_set, device, self._hierarchical_launch(topo))

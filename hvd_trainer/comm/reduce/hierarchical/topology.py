@@ -42,9 +42,10 @@ def build_topology(world: World, pset: ProcessSet) -> HostTopology | None:
     world.
 
     Collective over the whole world (one allgather, then ``new_group`` for every host and every
-    local index, in the same order on every rank).
+    local index, in the same order on every rank); the decision uses only what every rank sees
+    alike (the allgathered placement), so no rank skips a collective the others make.
     """
-    if pset.size() != world.size or world.cross_size < 2 or world.local_size < 2:
+    if pset.size() != world.size or world.size < 2:
         return None
     mine = torch.tensor([world.cross_rank, world.local_rank], dtype=torch.int64)
     every = [torch.zeros_like(mine) for _ in range(world.size)]
