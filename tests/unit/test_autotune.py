@@ -43,8 +43,14 @@ def test_search_tries_each_candidate_once_after_warmup_and_keeps_the_fastest(tmp
     assert _feed(tuner, 0.1, 20) == []               # nothing more once done
     rows = list(csv.reader(log.open()))
     assert tuple(rows[0]) == LOG_COLUMNS
-    assert [r[-1] for r in rows[1:]] == ["warmup", "sample", "sample", "sample", "best"]
-    assert rows[-1][2:6] == [str(MIB), str(MIB), "9", "0.200000"]
+    # one row per sample, numbered 1..4, and nothing else: the choice is not a sample
+    assert [(r[0], r[-1]) for r in rows[1:]] == [("1", "warmup"), ("2", "sample"), ("3", "sample"),
+                                                 ("4", "sample")]
+    assert [r[2:6] for r in rows[2:]] == [[str(16 * MIB), str(MIB), "3", "0.300000"],
+                                          [str(MIB), str(MIB), "9", "0.200000"],
+                                          [str(64 * MIB), str(64 * MIB), "1", "0.250000"]]
+    assert tuner.summary() == ("autotune: chose fusion threshold 1 MiB, first bucket 1 MiB (9 buckets): "
+                               "median step 0.2000 s, the fastest of 3 layouts over 1 round, 3 samples")
 
 
 def test_successive_halving_remeasures_the_faster_half() -> None:
@@ -59,6 +65,7 @@ def test_successive_halving_remeasures_the_faster_half() -> None:
     assert moves == [cands[1], cands[2], cands[3], cands[1], cands[3], cands[3]]
     assert tuner.done and tuner.round == 2 and tuner.best == cands[3]
     assert tuner.score(3) == pytest.approx(0.175)
+    assert tuner.summary().endswith("median step 0.1750 s, the fastest of 4 layouts over 2 rounds, 6 samples")
 
 
 def test_median_of_a_sample_and_max_samples() -> None:
@@ -133,3 +140,5 @@ def test_a_single_layout_still_writes_the_log(tmp_path) -> None:
     assert tuner.done
     rows = list(csv.reader(log.open()))
     assert tuple(rows[0]) == LOG_COLUMNS and rows[1][-1] == "only_layout" and len(rows) == 2
+    assert tuner.summary() == ("autotune: fusion threshold 1 MiB, first bucket 1 MiB (1 bucket), the only "
+                               "layout of these gradients: nothing to search")

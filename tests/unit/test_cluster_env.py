@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from hvd_trainer.lightning.cluster_env import HorovodEnvironment, SelfLaunchError
+from hvd_trainer.lightning.cluster_env import (
+    HorovodEnvironment,
+    SelfLaunchError,
+    UnevenHostsError,
+    launch_devices,
+)
 
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "TORCHELASTIC_RUN_ID", "NODE_RANK", "GROUP_RANK")
@@ -62,3 +67,32 @@ def test_multi_node_self_launch_is_refused() -> None:
     env.validate_settings(num_devices=2, num_nodes=1)
     with pytest.raises(SelfLaunchError, match="num_nodes=2.*HINT"):
         env.validate_settings(num_devices=2, num_nodes=2)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, ("auto", 1)),  # nothing launched it: Lightning decides
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, ("auto", 1)),
+        # hvdrun/torchrun -np 2 on one host, then on 2 hosts of 1 and 3 hosts of 2
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, (2, 1)),
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, (1, 2)),
+        ({"RANK": "4", "WORLD_SIZE": "6", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, (2, 3)),
+        # mpirun, and Lightning's own self-launch (LOCAL_RANK and WORLD_SIZE, one node)
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": "29500"}, (2, 2)),
+        ({"LOCAL_RANK": "1", "WORLD_SIZE": "2"}, (2, 1)),
+    ],
+)
+def test_launch_devices_multiply_to_the_world_size(env: dict[str, str], expected: tuple,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert launch_devices() == expected
+
+
+def test_launch_devices_refuses_uneven_hosts() -> None:
+    # -H a:3,b:1: the host with 3 of 4 processes
+    env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"}
+    with pytest.raises(UnevenHostsError, match=r"3 of the job's 4 processes.*HINT: give every host the same"):
+        launch_devices(env)

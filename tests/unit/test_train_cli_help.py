@@ -89,12 +89,17 @@ def test_field_docs_reads_the_docstring_under_each_field() -> None:
     assert field_docs(NoDocs) == {}
 
 
-def test_result_line_carries_the_gpt_fields() -> None:
-    line = format_result({"world_size": 2, "val_acc": 0.4012, "epochs": 0, "samples_per_s": 130.55,
-                          "wall_s": 78.1, "val_loss": 2.40811, "unigram_loss": 3.32217,
+def test_result_line_carries_only_the_fields_the_recipe_returned() -> None:
+    # a language model: no accuracy, epochs or samples per second
+    line = format_result({"world_size": 2, "wall_s": 78.1, "val_loss": 2.40811, "unigram_loss": 3.32217,
                           "tokens_per_s": 16709.14, "steps": 500})
-    assert line == ("RESULT world_size=2 val_acc=0.40 epochs=0 samples_per_s=130.6 wall_s=78.1 "
-                    "val_loss=2.4081 unigram_loss=3.3222 tokens_per_s=16709.1 steps=500")
+    assert line == ("RESULT world_size=2 wall_s=78.1 val_loss=2.4081 unigram_loss=3.3222 "
+                    "tokens_per_s=16709.1 steps=500")
+    # known fields in their order whatever the dict's, then a recipe's own fields as returned
+    line = format_result({"mfu": 0.125, "steps": 3, "wall_s": 1.0, "world_size": 1, "note": "x"})
+    assert line == "RESULT world_size=1 wall_s=1.0 steps=3 mfu=0.125 note=x"
+    with pytest.raises(ValueError, match=r"lacks \['wall_s'\]"):
+        format_result({"world_size": 1, "val_loss": 2.0})
 
 
 def test_unknown_or_helper_recipe_names_list_only_recipes() -> None:
@@ -104,3 +109,12 @@ def test_unknown_or_helper_recipe_names_list_only_recipes() -> None:
         message = str(info.value)
         said, _, available = message.partition("available:")
         assert f"no recipe {name!r}" in said and "'gpt'" in available and "_gpt" not in available
+
+
+def test_recipes_come_from_the_checkout_of_this_hvd_trainer() -> None:
+    # a worktree on PYTHONPATH next to an editable install of another checkout (which maps
+    # hvd_trainer.recipes to that checkout's recipes/) runs its own recipes
+    from pathlib import Path
+
+    root = Path(train_cli.__file__).resolve().parents[2]
+    assert Path(train_cli._import_recipe("gpt").__file__).resolve() == root / "recipes" / "gpt.py"

@@ -18,7 +18,8 @@ candidates take part. The search runs in ``rounds`` rounds of successive halving
 Talwalkar 2016, arXiv:1502.07943): every candidate is measured once, then the faster half again,
 and so on; a candidate's score is the median of its samples. The best-scoring layout is then kept
 for the rest of training and the search costs nothing more. Every sample is logged (rank 0)
-as a CSV row when ``log_file`` is set.
+as one CSV row when ``log_file`` is set; the choice is not a sample and is not a row:
+:meth:`Autotuner.summary` says it in one line (the Lightning strategy prints it on rank 0).
 
 Environment (read by :meth:`AutotuneConfig.from_env`, Horovod's names):
 ``HOROVOD_AUTOTUNE=1``, ``HOROVOD_AUTOTUNE_LOG=path.csv``, ``HOROVOD_AUTOTUNE_WARMUP_SAMPLES``
@@ -42,8 +43,13 @@ _MIB = 1024 * 1024
 
 LOG_COLUMNS = ("sample", "round", "fusion_threshold_bytes", "first_bucket_bytes", "num_buckets",
                "step_seconds", "status")
-"""Columns of the autotune CSV log. ``status``: ``warmup`` (discarded), ``sample``, ``best``, or
-``only_layout`` (every candidate buckets the gradients the same way: nothing to search)."""
+"""Columns of the autotune CSV log, one row per sample (``sample`` numbers 1, 2, ...).
+``status``: ``warmup`` (discarded) or ``sample``; or a single row ``only_layout`` (sample 0)
+when every candidate buckets the gradients the same way: nothing to search."""
+
+
+def _mib(n_bytes: int) -> str:
+    return f"{n_bytes / _MIB:g} MiB"
 
 
 def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -240,10 +246,26 @@ class Autotuner:
         if len(keep) == 1 or self.round >= self.config.rounds:
             self.done = True
             self._chosen = ranked[0]
-            self._log(self.candidates[self._chosen], self.score(self._chosen), "best")
             return self.candidates[self._chosen]
         self._order, self._pos = sorted(keep), 0
         return self.candidates[self._order[0]]
+
+    def summary(self) -> str:
+        """One line on the chosen layout (after :attr:`done`), e.g. ``autotune: chose fusion
+        threshold 16 MiB, first bucket 1 MiB (2 buckets): median step 0.4245 s, the fastest of 3
+        layouts over 2 rounds, 5 samples``."""
+        best = self.best
+        buckets = f"{best.num_buckets} bucket{'s' * (best.num_buckets != 1)}"
+        layout = (f"fusion threshold {_mib(best.fusion_threshold_bytes)}, first bucket "
+                  f"{_mib(best.first_bucket_bytes)} ({buckets})")
+        if len(self.candidates) == 1:
+            return f"autotune: {layout}, the only layout of these gradients: nothing to search"
+        if not self.done:
+            return f"autotune: still searching; fastest so far {layout}"
+        samples = sum(len(v) for v in self.samples.values())
+        return (f"autotune: chose {layout}: median step {self.score(self._chosen):.4f} s, the fastest "
+                f"of {len(self.candidates)} layouts over {self.round} round{'s' * (self.round != 1)}, "
+                f"{samples} samples")
 
     def _log(self, cand: Candidate, seconds: float, status: str) -> None:
         if not self.config.log_file or self.rank != 0:
