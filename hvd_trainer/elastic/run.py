@@ -38,7 +38,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import tempfile
 import warnings
@@ -47,13 +49,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from hvd_trainer.comm import World, allgather_object, barrier, init
+from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.base.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
-from hvd_trainer.elastic.user_error import record_user_error
+from hvd_trainer.elastic.user_error import is_peer_failure, record_user_error
 
 __all__ = ["run", "default_checkpoint_dir"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+_log = logging.getLogger(__name__)
 
 
 def default_checkpoint_dir(elastic_env: TorchElasticEnv | None = None) -> Path | None:
@@ -119,6 +123,7 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
                 result = fn(state, *args, **kwargs)
             except Exception as exc:
                 record_user_error(exc, rank=world.rank)  # a peer's failure is not recorded
+                _stop_for_restart(exc, world)
                 raise
             state.flush()  # the file holds the last commit before the function counts as done
             if not explicit and directory is not None:
@@ -130,7 +135,31 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
     return decorate(func) if func is not None else decorate
 
 
+def _stop_for_restart(exc: BaseException, world: World) -> None:
+    """A peer's failure with a restart left: say so in one line (its traceback would only repeat
+    the lost peer) and exit with :data:`PEER_FAILED_EXIT_CODE`; the agent restarts every worker
+    and the function resumes from the last commit. Returns (the caller re-raises) otherwise:
+    the last attempt's failure keeps its traceback.
+
+    Raises:
+        SystemExit: ``PEER_FAILED_EXIT_CODE``, after the line.
+    """
+    env = torchelastic_env()
+    if not (env.under_agent and env.restart_count < env.max_restarts and is_peer_failure(exc)):
+        return
+    what = " ".join(str(exc).split(" HINT:")[0].split())[:300]
+    _log.warning("elastic: rank %d stopped: %s: %s; the workers restart from the last commit "
+                 "(restart %d of %d)", world.rank, type(exc).__name__, what, env.restart_count + 1,
+                 env.max_restarts)
+    raise SystemExit(PEER_FAILED_EXIT_CODE) from None
+
+
 def _cleanup(directory: Path, world: World) -> None:
+    """Remove the automatic directory's commit and the directory (and ``hvd_trainer_elastic/``
+    when no other job's directory is in it): nothing is left in the temp folder."""
     barrier(world=world)  # every rank finished: the commit is no longer needed
     if world.local_rank == 0:
         (directory / STATE_FILENAME).unlink(missing_ok=True)
+        for folder in (directory, directory.parent):
+            with contextlib.suppress(OSError):  # not empty: another job's files are still there
+                folder.rmdir()

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from hvd_trainer.launch.failures import describe_exit, root_failure
+from hvd_trainer.launch.failures import describe_exit, root_failure, script_pid
 from hvd_trainer.launch.partition_watch import forget_partition_records
 
 __all__ = ["AgentWatch", "read_user_errors", "watch_supported"]
@@ -98,7 +98,8 @@ class AgentWatch:
         forget_partition_records(self.job_dir)  # this agent is not stuck: it restarts the workers
         self.restarts_used += 1
         rank, first = root_failure(failures)[0]
-        print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
+        pid = script_pid(self.job_dir, rank, first.pid)
+        print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {pid}) failed with "
               f"{describe_exit(first.exitcode)}; restarting all workers "
               f"(attempt {self.restarts_used} of {self.max_restarts})", file=self.out, flush=True)
 

@@ -21,7 +21,7 @@ from typing import Any
 from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.world.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
-from hvd_trainer.launch.failures import describe_exit, exit_status, root_failure
+from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures, root_failure, script_pid
 from hvd_trainer.launch.loopback import use_loopback_store
 from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
 
@@ -44,9 +44,10 @@ def _report_failures(failures: dict[int, Any], elapsed: float, world_size: int |
     detail = ""
     if os.path.isfile(first.error_file) and first.message:
         detail = f": {str(first.message).strip().splitlines()[-1][:300]}"
-    others = ", ".join(f"rank {r} ({describe_exit(f.exitcode)})" for r, f in ordered[1:])
+    others = ", ".join(f"rank {r} ({describe_exit(f.exitcode)})" for r, f in own_failures(ordered))
+    pid = script_pid(os.environ.get(JOB_DIR_ENV), rank, first.pid)
     print(
-        f"hvdrun: error: rank {rank} (local rank {first.local_rank}, pid {first.pid}) failed with "
+        f"hvdrun: error: rank {rank} (local rank {first.local_rank}, pid {pid}) failed with "
         f"{describe_exit(first.exitcode)}{detail}; the other ranks were stopped; "
         f"job ran {elapsed:.1f} s." + (f" Also failed: {others}." if others else "")
         + _early_exit_note(failures, rank, world_size, multi_host),
@@ -138,6 +139,10 @@ def _run_agent(args: list[str], watch: AgentWatch) -> None:
 
     parsed = parse_args(args)
     use_loopback_store(parsed)
+    if parsed.log_dir is None and os.environ.get(JOB_DIR_ENV):
+        # torchrun's per-attempt folders (error files) go in the job directory, removed at the
+        # end, instead of a <tmp>/torchelastic_* folder left behind by every job
+        parsed.log_dir = os.path.join(os.environ[JOB_DIR_ENV], "torchelastic")
     with watch.installed():
         run(parsed)
 
@@ -158,6 +163,10 @@ def run_torchrun(
     _set_omp_threads(args, verbose)
     if verbose:
         logging.getLogger("torch.distributed.elastic").setLevel(logging.INFO)
+    else:
+        # "Sending process <pid> closing signal SIGTERM", "failed (exitcode: 1) local_rank: 0
+        # (pid: <pid>)": the worker entries' pids, not the ranks'; hvdrun's own line says it
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:
         os.environ[JOB_DIR_ENV] = job_dir
         watch = AgentWatch(Path(job_dir), max_restarts)

@@ -17,7 +17,9 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
 3. with ``HVDRUN_OUTPUT_DIR`` set (``--output-filename DIR``), also appends the raw lines to
    ``DIR/rank.<rank>/stdout`` and ``DIR/rank.<rank>/stderr`` (Horovod's layout; a restarted
    attempt appends after a ``=== attempt <k> ===`` line);
-4. forwards SIGTERM/SIGINT to the child, dies with the child (``PR_SET_PDEATHSIG``: a
+4. writes the child's pid to ``$HVDRUN_JOB_DIR/pid.<rank>``, so hvdrun names the same pid as
+   the rank itself (``RankFailedError``, its prints) instead of this entry's;
+5. forwards SIGTERM/SIGINT to the child, dies with the child (``PR_SET_PDEATHSIG``: a
    SIGKILLed entry takes its child along) and ends with the child's status (the same signal
    when the child was killed), so the launcher sees what the command did.
 """
@@ -114,6 +116,18 @@ def _open_logs(directory: str, rank: str) -> tuple[BinaryIO, BinaryIO]:
     return logs  # type: ignore[return-value]
 
 
+def _write_pid(job_dir: str | None, rank: str, pid: int) -> None:
+    """``<job_dir>/pid.<rank>``: the command's pid, for hvdrun's lines about this rank (torchrun
+    knows only this entry's pid); replaced atomically, so a reader never sees half a number."""
+    if not job_dir:
+        return
+    path = os.path.join(job_dir, f"pid.{rank}")
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as fh:
+            fh.write(str(pid))
+        os.replace(path + ".tmp", path)
+
+
 def _exit_like(returncode: int) -> None:
     if returncode < 0:
         with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled anyway
@@ -141,6 +155,7 @@ def main(argv: list[str]) -> None:
                                  preexec_fn=_die_with_parent)  # noqa: PLW1509
     except OSError as exc:
         sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
+    _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
     pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp),  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.e2e.hvdrun_helpers import SCRIPTS, alive, fail_time, hvdrun, pids_from
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun, pids_from
 
 WORKER = str(SCRIPTS / "elastic_worker.py")
 KILL_STEP = 10  # commits happen every 3 steps, so the last commit before the kill is step 9
@@ -42,3 +42,29 @@ def test_killed_worker_resumes_from_last_commit_with_identical_result(tmp_path: 
     for epoch in range(3):  # every sample exactly once per epoch
         indices = sorted(i for e, batch in got["seen"] if e == epoch for i in batch)
         assert indices == list(range(64)), (epoch, indices)
+
+
+def test_recovery_is_one_line_per_survivor_names_one_pid_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    # the automatic commit directory (<tmp>/hvd_trainer_elastic/<run id>), in a temp folder of our own
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "python", WORKER, "default",
+                  str(tmp_path / "run.pt"), str(KILL_STEP)], timeout=240, env=clean_env(TMPDIR=str(tmp)))
+    assert res.returncode == 0, res.explain()
+    for rank in (0, 1):
+        assert f"START rank={rank} attempt=1 step=9 epoch=1" in res.output, res.explain()
+        assert f"DONE rank={rank} step={STEPS}" in res.output, res.explain()
+    # the survivor says it stopped in at most one line (the agent may SIGTERM it first), no traceback
+    assert "Traceback" not in res.output, res.explain()
+    survivor = [line for line in res.output.splitlines() if "elastic: rank" in line]
+    assert len(survivor) <= 1, res.explain()
+    if survivor:
+        assert survivor[0].startswith("[0]<stderr>:elastic: rank 0 stopped: RankFailedError: ")
+        assert survivor[0].endswith("the workers restart from the last commit (restart 1 of 3)"), survivor
+    # hvdrun names rank 1 by the pid rank 1 itself printed (its script's, not the worker entry's)
+    killed_pid = int(re.search(r"(?m)^\[1\]<stdout>:PID 1 (\d+)$", res.output).group(1))
+    assert f"hvdrun: rank 1 (local rank 1, pid {killed_pid}) failed with signal SIGKILL" in res.output
+    assert "closing signal SIGTERM" not in res.output and "(pid: " not in res.output  # torchrun's lines
+    # nothing left: no commit directory, no torchrun log folders, no hvdrun job directory
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert left == [], (left, list(tmp.rglob("*")))

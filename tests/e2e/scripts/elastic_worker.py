@@ -1,6 +1,6 @@
 """Elastic training worker: 2 ranks, 3 epochs of 8 steps, commits every 3 steps.
 
-Usage: elastic_worker.py RUN_DIR OUT_FILE KILL_STEP
+Usage: elastic_worker.py RUN_DIR OUT_FILE KILL_STEP  (RUN_DIR "default": the automatic directory)
 On the first attempt (TORCHELASTIC_RESTART_COUNT=0) rank 1 SIGKILLs itself when
 ``state.step == KILL_STEP`` (-1: never). Rank 0 saves the final weights and the committed
 per-step sample indices to OUT_FILE.
@@ -31,7 +31,7 @@ loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = elastic.TorchState(model, optimizer, epoch=0, step=0, seen=[], sampler=sampler)
 
 
-@elastic.run(checkpoint_dir=run_dir)
+@elastic.run(checkpoint_dir=None if run_dir == "default" else run_dir)  # "default": <tmp>/hvd_trainer_elastic
 def train(state: elastic.TorchState) -> None:
     world = hvd.get_world()
     print(f"PID {world.rank} {os.getpid()}", flush=True)
