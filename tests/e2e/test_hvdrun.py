@@ -7,6 +7,7 @@ faults the time from the failure to hvdrun's exit (printed; asserted < 30 s).
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
@@ -23,6 +24,10 @@ SCENARIOS = [
      ["DONE 0", "DONE 1", "fusion=2097152", "STORE_LISTEN ['127.0.0.1']"]),
     ("rank1-raises-at-step-3", ["raise", "1", "3"], 1,
      ["hvdrun: error: rank 1 (local rank 1", "failed with exit code 1", "RuntimeError: boom at step 3"]),
+    # both ranks raise on their own: the one that exits first is blamed, the other was stopped by the
+    # agent (SIGTERM) or failed on its own (exit code 1), never "Also failed: rank N (signal SIGTERM)"
+    ("both-raise-at-step-3", ["raise", "-1", "3"], 1,
+     ["hvdrun: error: rank ", "failed with exit code 1", "RuntimeError: boom at step 3"]),
     ("rank1-sigkilled-at-step-3", ["sigkill", "1", "3"], 137,
      ["hvdrun: error: rank 1 (local rank 1", "failed with signal SIGKILL"]),
     # rank 1 exits with status 0: rank 0 must not wait forever in its next allreduce
@@ -50,6 +55,9 @@ def test_hvdrun_scenario(worker_args: list[str], status: int, expected: list[str
     for rank in (0, 1):  # the raw lines, without the console's rank prefix
         assert f"PID {rank} " in (logs / f"rank.{rank}" / "stdout").read_text()
     if status != 0:
+        (verdict,) = [line for line in res.output.splitlines() if line.startswith("hvdrun: error: rank ")]
+        assert "(signal SIGTERM)" not in verdict, verdict  # a rank the agent stopped is not blamed
+        assert int(re.search(r"pid (\d+)\)", verdict).group(1)) in pids, (verdict, pids)  # the script's pid
         seconds = res.ended_at - fail_time(res.output)
         print(f"SCENARIO {worker_args[0]}: hvdrun exited {seconds:.1f} s after the failure")
         assert seconds < 30, res.explain()
@@ -153,7 +161,9 @@ def test_lightning_rank_killed_while_survivor_computes() -> None:
            f"(pid {victim_pid} on" in res.output, res.explain()
     assert "Connection reset by peer" not in res.output and "Connection closed by peer" not in res.output
     assert "hvdrun: error: rank 1 (local rank 1" in res.output and "failed with signal SIGKILL" in res.output
-    assert "Also failed: rank 0 (exit code 75 (stopped because another rank failed))" in res.output
+    # rank 0 stopped because rank 1 died: a victim, not blamed ("the other ranks were stopped")
+    assert "Also failed" not in res.output, res.explain()
+    assert f"hvdrun: error: rank 1 (local rank 1, pid {victim_pid}) failed" in res.output  # one pid
     seconds = res.ended_at - killed
     print(f"SCENARIO lightning-kill-while-computing: hvdrun exited {seconds:.1f} s after the kill")
     assert seconds < 10, res.explain()  # ~1 s measured; the survivor's 5 s of compute is cut short

@@ -1,6 +1,7 @@
 """Worker for hvdrun fault tests: allreduce every step; FAIL_RANK fails at FAIL_STEP.
 
-Usage: fault_worker.py MODE FAIL_RANK FAIL_STEP   (MODE: none | raise | sigkill | exit3 | exit0)
+Usage: fault_worker.py MODE FAIL_RANK FAIL_STEP   (MODE: none | raise | sigkill | exit3 | exit0;
+FAIL_RANK -1: every rank)
 Every rank prints ``PID <rank> <pid>`` first so the test can check no process is left behind.
 """
 
@@ -45,7 +46,7 @@ print(f"ENV {world.rank} fusion={os.environ.get('HOROVOD_FUSION_THRESHOLD')} "
 if world.rank == 0:
     print(f"STORE_LISTEN {listening_addresses(int(os.environ['MASTER_PORT']))}", flush=True)
 for step in range(8):
-    if world.rank == fail_rank and step == fail_step:
+    if fail_rank in (world.rank, -1) and step == fail_step:
         print(f"FAIL_AT {time.time():.3f}", flush=True)
         if mode == "raise":
             raise RuntimeError(f"boom at step {step}")
