@@ -87,6 +87,7 @@ from hvd_trainer.comm import (
 from hvd_trainer.launch.run_fn import run  # horovod.run: fn on N local processes
 from hvd_trainer.torch import compression, functions, mpi_ops
 from hvd_trainer.torch import elastic as _elastic_module_path  # noqa: F401 - Horovod's path
+from hvd_trainer.torch.local_sgd import LocalSGD, LocalSGDConfigError
 from hvd_trainer.torch.optimizer import DistributedOptimizer, GradientSyncError, OptimizerConfigError
 from hvd_trainer.torch.sparse import sparse_allreduce, sparse_allreduce_async
 from hvd_trainer.torch.state_sync import broadcast_optimizer_state, broadcast_parameters
@@ -123,5 +124,7 @@ __all__ = [
     "DistributedOptimizer", "GradientSyncError", "OptimizerConfigError",
     "broadcast_parameters", "broadcast_optimizer_state", "sparse_allreduce",
     "sparse_allreduce_async", "SyncBatchNorm", "convert_sync_batchnorm",
+    # slow links: DiLoCo-style local steps
+    "LocalSGD", "LocalSGDConfigError",
 ]
 

@@ -1,0 +1,209 @@
+"""Local steps with an outer optimizer: DiLoCo / LocalSGD (framework neutral).
+
+Algorithm (Douillard et al. 2023, "DiLoCo", arXiv:2311.08105, Algorithm 1), for the parameters
+``theta`` of a model replicated on ``N`` ranks that start equal:
+
+1. at the last synchronisation every rank stored the *anchor* ``theta_g`` (the global
+   parameters, fp32 for floating parameters narrower than fp32);
+2. each rank takes ``sync_every`` (``H``) steps of its own *inner* optimizer on its own data,
+   with no communication: ``theta_r`` drifts from ``theta_g``;
+3. the *outer gradient* is the average over ranks of ``delta_r = theta_g - theta_r`` (one
+   allreduce of the parameters' size, in fp32 unless ``compression`` narrows it);
+4. the outer optimizer, SGD with (Nesterov) momentum by default (``torch.optim.SGD`` semantics:
+   ``b = mu * b + delta``; ``u = delta + mu * b`` with Nesterov, else ``b``;
+   ``theta_g -= outer_lr * u``), updates the anchor;
+5. every rank loads the anchor into its parameters (bit-identical on every rank: same anchor,
+   same averaged delta, same arithmetic).
+
+``sync_every=1``, ``outer_lr=1.0``, ``outer_momentum=0.0`` is synchronous data parallel for
+inner optimizers that are linear in the gradient (SGD, with momentum and weight decay): the
+average of ``theta_g - lr * g_r`` is ``theta_g - lr * mean(g)``. (Adam's per-rank moments of
+local gradients are not the moments of the averaged gradient.)
+
+Traffic: one allreduce of the parameters every ``H`` inner steps instead of one of the gradients
+every step (``H`` times fewer bytes at fp32). Memory: the anchor and the momentum buffer, two
+fp32 copies of the parameters. Buffers (e.g. BatchNorm's running statistics) stay local.
+The inner optimizer's state stays local to each rank, as in DiLoCo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hvd_trainer.comm.compression import Compression, Compressor
+from hvd_trainer.comm.errors import CommValueError
+from hvd_trainer.comm.ops import ReduceOp
+from hvd_trainer.comm.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.reduce import start_allreduce
+from hvd_trainer.comm.world import World
+
+__all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+
+
+class LocalSGDConfigError(CommValueError):
+    """An invalid local-steps setting; the message echoes it and gives the fix."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalSGDConfig:
+    """Settings of the outer loop (DiLoCo's defaults: outer lr 0.7, Nesterov momentum 0.9)."""
+
+    sync_every: int
+    """Inner optimizer steps between two outer steps (``H``); 1 averages after every step."""
+    outer_lr: float = 0.7
+    """Learning rate of the outer SGD applied to the averaged parameter delta."""
+    outer_momentum: float = 0.9
+    """Momentum of the outer SGD (0: none)."""
+    nesterov: bool = True
+    """Nesterov momentum (ignored when ``outer_momentum`` is 0)."""
+    compression: Compressor = Compression.none
+    """Wire format of the outer allreduce (``Compression.none``/``fp16``/``bf16``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise LocalSGDConfigError(
+                f"sync_every={self.sync_every!r} must be an int >= 1 (inner steps between outer "
+                "steps). HINT: sync_every=32; 1 averages after every step."
+            )
+        if not self.outer_lr > 0:
+            raise LocalSGDConfigError(f"outer_lr={self.outer_lr!r} must be > 0. HINT: outer_lr=0.7 (DiLoCo).")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise LocalSGDConfigError(
+                f"outer_momentum={self.outer_momentum!r} must be in [0, 1). HINT: outer_momentum=0.9."
+            )
+        self.compression = Compression.resolve(self.compression, error=LocalSGDConfigError)
+
+
+class OuterSync:
+    """The outer loop of DiLoCo over ``params``: counts inner steps and syncs every ``H``.
+
+    Example:
+        >>> outer = OuterSync(model.parameters(), LocalSGDConfig(sync_every=8), world=world)
+        >>> for batch in loader:
+        ...     loss(model, batch).backward(); inner.step(); inner.zero_grad()
+        ...     outer.after_inner_step()          # every 8th call: the outer step
+
+    Construction is not a collective: the parameters must already be equal on every rank
+    (broadcast them first); the anchor is a copy of them.
+
+    Args:
+        params: the parameters to synchronise (those with ``requires_grad``; the same, in the same
+            order, on every rank).
+        config: the outer settings.
+        world: the world to reduce over.
+        process_set: reduce over these ranks only (``None``: all).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        config: LocalSGDConfig,
+        *,
+        world: World | None = None,
+        process_set: ProcessSet | None = None,
+    ) -> None:
+        self.config = config
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise LocalSGDConfigError("local steps got no parameter that requires grad.")
+        self._pset = resolve_set(process_set, world, "local steps")
+        with torch.no_grad():
+            self.anchors = [_anchor_copy(p) for p in self.params]
+        momentum = config.outer_momentum
+        self.outer = torch.optim.SGD(
+            self.anchors, lr=config.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0
+        )
+        self.inner_steps = 0
+        """Inner steps since the last outer step."""
+        self.outer_steps = 0
+        """Outer steps taken."""
+        self.bytes_sent = 0
+        """Bytes this rank put on the wire for outer steps (ring allreduce: ``2 (N-1)/N`` of
+        the payload)."""
+
+    def after_inner_step(self) -> bool:
+        """Count one inner step; on the ``sync_every``-th, run :meth:`sync` (a collective).
+
+        Returns:
+            Whether an outer step ran.
+        """
+        self.inner_steps += 1
+        if self.inner_steps < self.config.sync_every:
+            return False
+        self.sync()
+        return True
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The outer step now (every rank must call it): average ``anchor - param`` over the
+        ranks, step the outer SGD on the anchors, load them into the parameters."""
+        deltas = [a - p.to(a.dtype) for a, p in zip(self.anchors, self.params, strict=True)]
+        for group in _by_device_dtype(deltas):
+            flat = torch.cat([deltas[i].reshape(-1) for i in group])
+            start_allreduce(flat, op=ReduceOp.AVERAGE, pset=self._pset, name="local_steps.outer_gradient",
+                            compression=self.config.compression, kind="outer").finish()
+            self.bytes_sent += _ring_bytes(flat, self.config.compression, self._pset.size())
+            for i, piece in zip(group, flat.split([deltas[i].numel() for i in group]), strict=True):
+                self.anchors[i].grad = piece.view_as(self.anchors[i])
+        self.outer.step()
+        for a, p in zip(self.anchors, self.params, strict=True):
+            a.grad = None
+            p.copy_(a)
+        self.inner_steps = 0
+        self.outer_steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The anchors, the outer SGD's state and the counters (copies; rank-independent except
+        ``inner_steps``, which is the same on every rank that stepped in step)."""
+        return {
+            "anchors": [a.detach().clone() for a in self.anchors],
+            "outer_optimizer": self.outer.state_dict(),
+            "inner_steps": self.inner_steps,
+            "outer_steps": self.outer_steps,
+            "sync_every": self.config.sync_every,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (parameters are not touched).
+
+        Raises:
+            LocalSGDConfigError: the anchors' count or shapes differ from the parameters'.
+        """
+        anchors = state["anchors"]
+        shapes = [tuple(a.shape) for a in self.anchors]
+        if [tuple(a.shape) for a in anchors] != shapes:
+            raise LocalSGDConfigError(
+                f"the local-steps state holds {len(anchors)} anchors of other shapes than the "
+                f"{len(shapes)} parameters. HINT: load a state saved from the same model."
+            )
+        for mine, saved in zip(self.anchors, anchors, strict=True):
+            mine.copy_(saved)
+        self.outer.load_state_dict(state["outer_optimizer"])
+        self.inner_steps = int(state["inner_steps"])
+        self.outer_steps = int(state["outer_steps"])
+
+
+def _anchor_copy(p: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of a floating parameter narrower than fp32, else a copy in its own dtype."""
+    t = p.detach()
+    wide = t.is_floating_point() and t.element_size() < 4
+    return (t.float() if wide else t.clone()).contiguous()
+
+
+def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.values())
+
+
+def _ring_bytes(flat: torch.Tensor, compression: Compressor, n: int) -> int:
+    """Bytes a rank sends in a ring allreduce of ``flat`` (``2 (n-1)/n`` of the wire payload)."""
+    wire = compression.wire_dtype if compression.applies_to(flat) else flat.dtype
+    itemsize = torch.empty((), dtype=wire).element_size()
+    return 2 * (n - 1) * flat.numel() * itemsize // max(1, n)
