@@ -52,6 +52,7 @@ from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
@@ -127,6 +128,18 @@ class _HorovodStrategyLogic:
             end of ``fit``. An explicit directory keeps its last commit.
         elastic_commit_every_n_steps: optimizer steps between mid-epoch commits (each one
             writes the whole checkpoint: model, optimizer state, loops); 0: epoch ends only.
+        sync_every: DiLoCo-style local steps (:mod:`hvd_trainer.comm.localsgd.outer`): no
+            gradient is reduced; every rank steps its optimizer on its own batches and after
+            every ``sync_every`` optimizer steps the ranks average their parameter change since
+            the last outer step and an outer SGD applies it. ``None`` (default): synchronous
+            data parallel. Needs exactly one optimizer. ``fit`` ends with an outer step when
+            steps were taken since the last one, so the ranks end with equal weights;
+            validation in between runs each rank's local weights (metrics averaged as usual).
+            Checkpoints hold the anchors and outer momentum (global) next to rank 0's model
+            and inner optimizer state; a resume gives every rank rank 0's.
+            ``compression`` (``fp16``/``bf16``) then narrows the outer allreduce.
+        outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
+            ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
 
     Raises:
         StrategyConfigError: a negative byte size or timeout; ``elastic`` not a bool or None;
@@ -168,6 +181,10 @@ class _HorovodStrategyLogic:
         elastic: bool | None = None,
         elastic_checkpoint_dir: str | os.PathLike[str] | None = None,
         elastic_commit_every_n_steps: int = 100,
+        sync_every: int | None = None,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -193,6 +210,8 @@ class _HorovodStrategyLogic:
         self._sync_depth = 0  # > 0 inside block_backward_sync
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
+        self._local = _local_config(sync_every, outer_lr, outer_momentum, outer_nesterov, self._compression)
+        self._outer: OuterSync | None = None
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -288,7 +307,10 @@ class _HorovodStrategyLogic:
         if fitting:
             self.setup_optimizers(trainer)
             self._maybe_scale_lr()
-            self._attach_reducer()
+            if self._local is None:
+                self._attach_reducer()
+            else:
+                self._attach_outer()
         self.setup_precision_plugin()
         if fitting:
             optimizers_to_device(self.optimizers, self.root_device)
@@ -339,6 +361,69 @@ class _HorovodStrategyLogic:
         self._reducer.require_sync = self._sync_depth == 0
         self._managed_ids = {id(p) for _, p in named}
 
+    def _attach_outer(self) -> None:
+        """Local steps: the outer loop over the module's trainable parameters (already equal on
+        every rank: broadcast in ``setup``); no gradient reducer."""
+        module = self.lightning_module
+        assert module is not None and self._local is not None
+        if len(self.optimizers) != 1:
+            raise StrategyConfigError(
+                f"HorovodStrategy(sync_every={self._local.sync_every}) needs exactly one optimizer, "
+                f"the module configures {len(self.optimizers)}. HINT: use one optimizer (param "
+                "groups may differ), or sync_every=None for synchronous data parallel."
+            )
+        self._outer = OuterSync(list(module.parameters()), self._local, world=self._require_world())
+
+    @property
+    def outer(self) -> OuterSync | None:
+        """The local-steps outer loop while fitting with ``sync_every`` (``None`` otherwise)."""
+        return self._outer
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The optimizer step; with ``sync_every``, every ``sync_every``-th also runs the outer
+        step (a collective, the same step on every rank)."""
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._outer is not None:
+            self._outer.after_inner_step()
+        return out
+
+    @override
+    def on_train_end(self) -> None:
+        """Local steps: an outer step for the steps since the last one (equal weights at the end)."""
+        if self._outer is not None and self._outer.inner_steps:
+            self._outer.sync()
+        super().on_train_end()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's ``state_dict``; the first optimizer's also carries the local-steps state
+        under the key ``"hvd_trainer"`` (removed again by :meth:`load_optimizer_state_dict`)."""
+        state = super().optimizer_state(optimizer)
+        extra = self._extra_training_state()
+        if extra and self.optimizers and _unwrap(optimizer) is _unwrap(self.optimizers[0]):
+            state = {**state, _EXTRA_KEY: extra}
+        return state
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = [dict(s) for s in checkpoint["optimizer_states"]]
+        extras = [s.pop(_EXTRA_KEY, None) for s in states]
+        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        extra = next((e for e in extras if e), None)
+        if extra is not None:
+            self._load_extra_training_state(extra)
+
+    def _extra_training_state(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self._outer is not None:
+            extra["local_steps"] = self._outer.state_dict()
+        return extra
+
+    def _load_extra_training_state(self, extra: dict[str, Any]) -> None:
+        if self._outer is not None and "local_steps" in extra:
+            self._outer.load_state_dict(extra["local_steps"])
+
     def _has_new_trainable_params(self) -> bool:
         module = self.lightning_module
         assert module is not None
@@ -375,6 +460,7 @@ class _HorovodStrategyLogic:
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
+        self._outer = None
         self._managed_ids = set()
         module = self.lightning_module
         trainer = attached_trainer(module)
@@ -571,6 +657,26 @@ def _fusion_config(threshold: int | None, first: int | None,
             )
         kwargs[name] = value
     return FusionConfig(**kwargs)
+
+
+_EXTRA_KEY = "hvd_trainer"
+"""Key of the strategy's own training state (local steps, error feedback) in the first
+optimizer's entry of a checkpoint's ``optimizer_states``."""
+
+
+def _unwrap(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
+
+
+def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
+                  compression: Compressor) -> LocalSGDConfig | None:
+    if sync_every is None:
+        return None
+    try:
+        return LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                              nesterov=bool(nesterov), compression=compression)
+    except LocalSGDConfigError as exc:
+        raise StrategyConfigError(str(exc)) from None
 
 
 def _elastic_config(

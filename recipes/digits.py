@@ -33,6 +33,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 import hvd_trainer  # noqa: F401  (registers strategy="horovod")
 
+from ._strategy import build_strategy, check_slow_link_keys
+
 __all__ = [
     "Config", "DataConfig", "ModelConfig", "OptimConfig", "TrainerConfig",
     "DigitsCNN", "DigitsData", "run",
@@ -55,12 +57,22 @@ class TrainerConfig:
     """Seed of model initialisation (rank 0's weights are broadcast) and data shuffling."""
     threads_per_process: int = 0
     """torch intra-op threads per process; 0 = CPU cores / processes on this node (at least 1)."""
+    sync_every: int = 0
+    """DiLoCo local steps: optimizer steps between two outer steps (each rank trains alone in
+    between; no gradient allreduce). 0: synchronous data parallel (the default)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate of local steps (DiLoCo: 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum of local steps (DiLoCo: 0.9)."""
+    compression: str = "none"
+    """Gradient wire format: "none", "fp16", "bf16" (with sync_every: of the outer allreduce)."""
 
     def __post_init__(self) -> None:
         if self.max_epochs < 1:
             raise ValueError(f"trainer.max_epochs={self.max_epochs} must be >= 1.")
         if self.threads_per_process < 0:
             raise ValueError(f"trainer.threads_per_process={self.threads_per_process} must be >= 0.")
+        check_slow_link_keys(self)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -224,7 +236,7 @@ def run(cfg: Config) -> dict[str, float]:
     throughput = _Throughput()
     with tempfile.TemporaryDirectory(prefix="hvd_digits_") as tmp:
         trainer = pl.Trainer(
-            strategy=cfg.trainer.strategy,
+            strategy=build_strategy(cfg.trainer),
             accelerator=cfg.trainer.accelerator,
             precision=cfg.trainer.precision,
             max_epochs=cfg.trainer.max_epochs,

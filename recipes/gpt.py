@@ -58,6 +58,7 @@ from hvd_trainer.lightning.cluster_env import launch_devices
 
 from ._gpt_data import VOCAB_SIZE, ByteWindows, load_split, unigram_loss
 from ._gpt_model import GPT, GPTShape
+from ._strategy import build_strategy, check_slow_link_keys
 
 __all__ = [
     "Config", "DataConfig", "LogConfig", "ModelConfig", "OptimConfig", "SampleConfig", "TrainerConfig",
@@ -89,6 +90,15 @@ class TrainerConfig:
     """Seed of model initialisation (rank 0's weights are broadcast), shuffling and sampling."""
     threads_per_process: int = 0
     """torch intra-op threads per process; 0 = CPU cores / processes on this node (at least 1)."""
+    sync_every: int = 0
+    """DiLoCo local steps: optimizer steps between two outer steps (each rank trains alone in
+    between; no gradient allreduce). 0: synchronous data parallel (the default)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate of local steps (DiLoCo: 0.7)."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum of local steps (DiLoCo: 0.9)."""
+    compression: str = "none"
+    """Gradient wire format: "none", "fp16", "bf16" (with sync_every: of the outer allreduce)."""
     progress_bar: str = "auto"
     """"tqdm" (Lightning's bar, rank 0), "lines" (a line per log_every_n_steps), "none", or "auto"
     (tqdm when stderr is a terminal, else lines: hvdrun forwards whole lines only)."""
@@ -100,6 +110,7 @@ class TrainerConfig:
         if self.val_every_n_steps < 0 or self.threads_per_process < 0 or self.gradient_clip_val < 0:
             raise ValueError("trainer.val_every_n_steps, threads_per_process and gradient_clip_val "
                              "must be >= 0.")
+        check_slow_link_keys(self)
         if self.progress_bar not in ("auto", "tqdm", "lines", "none"):
             raise ValueError(f"trainer.progress_bar={self.progress_bar!r}; expected auto, tqdm, lines "
                              "or none.")
@@ -448,7 +459,7 @@ def _trainer(cfg: Config, callbacks: list[pl.Callback], progress_bar: bool) -> t
     # else they assume devices=1, num_nodes=1 and refuse a world of 2 (hvdrun, torchrun, mpirun).
     devices, num_nodes = ("auto", 1) if t.strategy == "horovod" else launch_devices()
     trainer = pl.Trainer(
-        strategy=t.strategy, accelerator=t.accelerator, precision=t.precision,
+        strategy=build_strategy(t), accelerator=t.accelerator, precision=t.precision,
         devices=devices, num_nodes=num_nodes,
         max_steps=t.max_steps, max_epochs=-1,
         accumulate_grad_batches=t.accumulate_grad_batches,

@@ -1,0 +1,40 @@
+"""The recipes' ``strategy=`` argument from their ``trainer.*`` keys: the name Lightning knows,
+or a configured :class:`~hvd_trainer.strategy.HorovodStrategy` when a slow-link option is set
+(``trainer.sync_every``: DiLoCo local steps; ``trainer.compression``: the gradient wire format)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvd_trainer.strategy import HorovodStrategy
+
+__all__ = ["SLOW_LINK_KEYS_DOC", "build_strategy", "check_slow_link_keys"]
+
+SLOW_LINK_KEYS_DOC = "trainer.sync_every, trainer.outer_lr, trainer.outer_momentum, trainer.compression"
+
+
+def check_slow_link_keys(cfg: Any) -> None:
+    """Validate ``cfg`` (a recipe's TrainerConfig) in ``__post_init__``.
+
+    Raises:
+        ValueError: a negative ``sync_every``, or a slow-link option with a strategy other than
+            "horovod".
+    """
+    if cfg.sync_every < 0:
+        raise ValueError(f"trainer.sync_every={cfg.sync_every} must be >= 0 (0: synchronous).")
+    if cfg.strategy != "horovod" and (cfg.sync_every or cfg.compression != "none"):
+        raise ValueError(
+            f"trainer.sync_every / trainer.compression need trainer.strategy=horovod, got "
+            f"trainer.strategy={cfg.strategy!r}."
+        )
+
+
+def build_strategy(cfg: Any) -> str | HorovodStrategy:
+    """``cfg.strategy`` itself, or ``HorovodStrategy(sync_every=..., compression=...)`` when a
+    slow-link key differs from its default."""
+    if cfg.strategy != "horovod" or (not cfg.sync_every and cfg.compression == "none"):
+        return cfg.strategy
+    return HorovodStrategy(
+        sync_every=cfg.sync_every or None, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+        compression=cfg.compression,
+    )

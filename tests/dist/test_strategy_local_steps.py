@@ -1,0 +1,129 @@
+"""HorovodStrategy(sync_every=H): DiLoCo local steps in a real Trainer on 2 processes.
+
+H=1 with outer SGD lr 1 equals single-process training on the global batch; H=3 with Adam
+equals a hand-written reference of the algorithm (two replicas in one process) and the ranks end
+bit-identical; a checkpoint taken at an outer step carries the outer state and resumes to the
+same weights as the uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from tests.dist._lightning_cases import TORCHRUN_ENV, Net, fit_pair, make_data, trainer, weights
+from tests.multiproc import run_workers
+
+WORLD, B = 2, 4
+
+
+def _reference(steps: int, h: int, lr: float, mu: float) -> np.ndarray:
+    """DiLoCo by hand: two replicas (rank r sees samples r, r+2, ...), Adam each, outer
+    Nesterov SGD on the mean of (anchor - replica) every h steps, and once at the end."""
+    data = make_data(WORLD * B * steps)
+    replicas = [Net("adam", init_seed=0), Net("adam", init_seed=0)]
+    inners = [m.configure_optimizers() for m in replicas]
+    anchor = [p.detach().clone() for p in replicas[0].parameters()]
+    buf = [torch.zeros_like(a) for a in anchor]
+
+    def outer() -> None:
+        with torch.no_grad():
+            for i, a in enumerate(anchor):
+                ps = [list(m.parameters())[i] for m in replicas]
+                delta = ((a - ps[0]) + (a - ps[1])) / 2
+                buf[i] = mu * buf[i] + delta
+                a -= lr * (delta + mu * buf[i])
+                for p in ps:
+                    p.copy_(a)
+
+    for step in range(steps):
+        for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
+            idx = [rank + WORLD * (step * B + j) for j in range(B)]
+            x, y = data.tensors[0][idx], data.tensors[1][idx]
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        if (step + 1) % h == 0:
+            outer()
+    if steps % h:
+        outer()
+    return weights(replicas[0])
+
+
+def _fit(model: Net, steps: int, strategy_kwargs: dict, **kwargs: Any) -> Any:
+    import hvd_trainer
+
+    data = make_data(WORLD * B * steps)
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=hvd_trainer.rank(), shuffle=False)
+    t = trainer(distributed=True, max_steps=steps, strategy_kwargs=strategy_kwargs, **kwargs)
+    t.fit(model, DataLoader(data, batch_size=B, sampler=sampler))
+    return t
+
+
+def _worker(tmp: str) -> dict[str, Any]:
+    import hvd_trainer
+
+    out: dict[str, Any] = {}
+    sync = fit_pair(optimizer="sgd", steps=5,
+                    strategy_kwargs={"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0})
+    out["h1_diff"] = float(np.abs(sync["dist"] - sync["ref"]).max())
+
+    model = Net("adam", init_seed=hvd_trainer.rank())
+    t = _fit(model, 7, {"sync_every": 3})  # 7 steps: outer steps at 3, 6 and the end
+    out["h3"] = weights(model)
+    out["outer_steps"] = None if t.strategy.outer is None else -1  # torn down after fit
+    out["no_reducer"] = t.strategy.reducer is None
+
+    # a checkpoint at the end of epoch 1 (step 4, an outer step with sync_every=2) resumed for a
+    # second epoch equals 2 straight epochs: plain SGD inside (no per-rank inner state), the
+    # outer momentum restored
+    kw = {"sync_every": 2}
+    data = make_data(WORLD * B * 4)  # 4 steps per epoch
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=hvd_trainer.rank(), shuffle=False)
+    loader = DataLoader(data, batch_size=B, sampler=sampler)
+    straight = Net("sgd", init_seed=0)
+    trainer(distributed=True, max_epochs=2, strategy_kwargs=kw).fit(straight, loader)
+    ckpt = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpt"), save_on_train_epoch_end=True, save_top_k=-1)
+    first = Net("sgd", init_seed=0)
+    trainer(distributed=True, max_epochs=1, strategy_kwargs=kw, callbacks=[ckpt],
+            enable_checkpointing=True).fit(first, loader)
+    path = ckpt.best_model_path or ckpt.last_model_path
+    saved = torch.load(path, weights_only=False)
+    extra = saved["optimizer_states"][0].get("hvd_trainer", {})
+    out["ckpt_outer_steps"] = extra.get("local_steps", {}).get("outer_steps")
+    resumed = Net("sgd", init_seed=5)
+    trainer(distributed=True, max_epochs=2, strategy_kwargs=kw).fit(resumed, loader, ckpt_path=path)
+    out["straight"] = weights(straight)
+    out["resumed"] = weights(resumed)
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_local_steps_in_a_trainer(tmp_path: Any) -> None:
+    results = run_workers(_worker, WORLD, args=(str(tmp_path),), env=TORCHRUN_ENV, timeout_seconds=380)
+    expected = _reference(7, 3, lr=0.7, mu=0.9)
+    for r in results:
+        assert r["h1_diff"] <= 1e-6
+        assert r["no_reducer"]
+        np.testing.assert_allclose(r["h3"], expected, atol=1e-6, rtol=0)
+        assert r["ckpt_outer_steps"] == 2
+    assert np.array_equal(results[0]["h3"], results[1]["h3"])
+    # the straight run's rank 0 and 1 agree, and the resumed run lands on the same weights
+    assert np.array_equal(results[0]["straight"], results[1]["straight"])
+    for r in results:
+        np.testing.assert_array_equal(r["resumed"], r["straight"])
+
+
+def test_invalid_sync_every_raises_strategy_error() -> None:
+    from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+
+    with pytest.raises(StrategyConfigError, match="sync_every=0"):
+        HorovodStrategy(sync_every=0)
+    with pytest.raises(StrategyConfigError, match="outer_momentum"):
+        HorovodStrategy(sync_every=4, outer_momentum=1.5)

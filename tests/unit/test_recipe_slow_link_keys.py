@@ -1,0 +1,43 @@
+"""The recipes' slow-link keys (trainer.sync_every, outer_lr, outer_momentum, compression) build
+the configured HorovodStrategy; the defaults keep strategy="horovod" as a plain name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hvd_trainer.launch.train_cli import load_config
+from recipes import digits, gpt
+from recipes._strategy import build_strategy
+
+
+def test_defaults_keep_the_strategy_name() -> None:
+    assert build_strategy(gpt.TrainerConfig()) == "horovod"
+    assert build_strategy(digits.TrainerConfig()) == "horovod"
+
+
+@pytest.mark.parametrize("module", [gpt, digits])
+def test_sync_every_and_compression_build_the_strategy(module) -> None:
+    from hvd_trainer.strategy import HorovodStrategy
+
+    cfg = module.TrainerConfig(sync_every=16, outer_lr=0.5, outer_momentum=0.8, compression="bf16")
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, HorovodStrategy)
+    local = strategy._local
+    assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov) == (16, 0.5, 0.8, True)
+    assert local.compression.name == "bf16"
+    assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
+
+
+def test_invalid_keys_raise() -> None:
+    with pytest.raises(ValueError, match="sync_every=-1"):
+        gpt.TrainerConfig(sync_every=-1)
+    with pytest.raises(ValueError, match="strategy=horovod"):
+        gpt.TrainerConfig(strategy="ddp", sync_every=4)
+
+
+def test_the_command_line_reaches_the_keys() -> None:
+    yaml = Path(__file__).resolve().parents[2] / "conf" / "gpt.yaml"
+    cfg = load_config(gpt.Config, yaml, ["trainer.sync_every=32", "trainer.compression=bf16"])
+    assert cfg.trainer.sync_every == 32 and cfg.trainer.compression == "bf16"
