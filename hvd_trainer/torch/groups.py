@@ -106,6 +106,20 @@ class ReducerSet:
         for r in self.reducers:
             r.wait()
 
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """The reducers' error-feedback states merged (parameter names are unique)."""
+        states = [r.compression_state_dict() for r in self.reducers]
+        states = [s for s in states if s is not None]
+        if not states:
+            return None
+        return {"compressor": states[0]["compressor"],
+                "residuals": {k: v for s in states for k, v in s["residuals"].items()},
+                "q": {k: v for s in states for k, v in s["q"].items()}}
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        for r in self.reducers:
+            r.load_compression_state_dict(state)
+
     def remove(self) -> None:
         """Unregister every reducer's hooks."""
         for r in self.reducers:

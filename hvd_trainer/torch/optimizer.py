@@ -57,7 +57,10 @@ from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
 
-__all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError"]
+__all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
+
+EXTRA_STATE_KEY = "hvd_trainer"
+"""Key of hvd_trainer's own training state (error feedback) in an optimizer's ``state_dict``."""
 
 
 class OptimizerConfigError(OptimizerArgumentError):
@@ -143,7 +146,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             be unique. ``None`` names them by position.
         compression: ``None`` (the default, same as ``Compression.none``),
             ``Compression.fp16``/``.bf16``, a ``Compressor`` subclass, or the strings
-            ``"none"``/``"fp16"``/``"bf16"`` (see :meth:`hvd_trainer.Compression.resolve`).
+            ``"none"``/``"fp16"``/``"bf16"`` (see :meth:`hvd_trainer.Compression.resolve`);
+            or the lossy ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings
+            ``"int8"``, ``"powersgd:R"``) with error feedback: the per-parameter residuals (and
+            PowerSGD's Q) are training state, in :meth:`state_dict` under ``"hvd_trainer"``.
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps the inner optimizer
@@ -203,7 +209,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             allow_adasum=True,
         )
         self._op = args.op
-        self._compression = Compression.resolve(compression, error=OptimizerConfigError)
+        self._compression = Compression.resolve(compression, error=OptimizerConfigError,
+                                                allow_error_feedback=True)
+        if self._compression.error_feedback and self._op is ReduceOp.ADASUM:
+            raise OptimizerConfigError(
+                f"compression={self._compression!r} with op=Adasum: Adasum combines weight changes "
+                "and has no error feedback. HINT: use op=Average, or compression fp16/bf16."
+            )
+        self._pending_compression_state: dict[str, Any] | None = None
         self._inner = optimizer
         self._named = _resolve_named(optimizer, named_parameters)
         self._groups = resolve_groups([(n, p) for n, p in self._named if p.requires_grad],
@@ -274,14 +287,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._inner.defaults = value
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's ``state_dict()`` (loadable without hvd_trainer)."""
-        return self._inner.state_dict()
+        """The inner optimizer's ``state_dict()`` (loadable without hvd_trainer). With
+        error-feedback compression (``int8``, ``powersgd``) it also holds this rank's residuals
+        (and PowerSGD's Q) under the key ``"hvd_trainer"`` (``{"compression": ...}``)."""
+        state = self._inner.state_dict()
+        compression = self._compression_state()
+        if compression is not None:
+            state = {**state, EXTRA_STATE_KEY: {"compression": compression}}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Load into the inner optimizer and reset the backward-pass counters."""
+        """Load into the inner optimizer (and the error-feedback state, when saved) and reset the
+        backward-pass counters."""
         self._check_not_due("load_state_dict()")
+        state_dict = dict(state_dict)
+        extra = state_dict.pop(EXTRA_STATE_KEY, None) or {}
         self._inner.load_state_dict(state_dict)
+        if extra.get("compression") is not None:
+            if not self._compression.error_feedback:
+                raise OptimizerConfigError(
+                    f"the state_dict holds error-feedback state of compression "
+                    f"{extra['compression'].get('compressor')!r}; this optimizer uses "
+                    f"{self._compression!r}. HINT: resume with the same compression=."
+                )
+            if self._reducer is None:
+                self._pending_compression_state = extra["compression"]
+            else:
+                self._reducer.load_compression_state_dict(extra["compression"])
         self._reset_counts()
+
+    def _compression_state(self) -> dict[str, Any] | None:
+        if not self._compression.error_feedback:
+            return None
+        if self._reducer is None:
+            return self._pending_compression_state
+        return self._reducer.compression_state_dict()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # type: ignore[override]
         """Add a group to the inner optimizer; its parameters are reduced from the next step
@@ -404,6 +444,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 dense, world=self._world, config=self._fusion_config, op=self._op,
                 **self._reducer_kwargs,
             )
+            self._load_pending_compression_state()
             return
         grouped = [[(n, p) for n, p in g if id(p) in self._reducer_ids] for g in self._groups]
         in_group = {id(p) for g in grouped for _, p in g}
@@ -413,6 +454,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             GradientReducer(named, world=self._world, config=config, op=self._op, **self._reducer_kwargs)
             for named, config in parts
         ])
+        self._load_pending_compression_state()
+
+    def _load_pending_compression_state(self) -> None:
+        if self._pending_compression_state is not None and self._reducer is not None:
+            self._reducer.load_compression_state_dict(self._pending_compression_state)
+            self._pending_compression_state = None
 
     def _reduce_sparse(self) -> None:
         for _, p in self._sparse:

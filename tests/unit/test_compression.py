@@ -75,7 +75,9 @@ ACCEPTED = [
 ]
 
 REJECTED = [
-    ("int8", "compression='int8' is not a compressor"),
+    ("int8", "keeps error-feedback state per parameter"),  # only the gradient reducer takes it
+    ("powersgd:2", "keeps error-feedback state per parameter"),
+    ("powersgd:x", "expected 'powersgd' or 'powersgd:R'"),
     (16, "compression=16 is not a compressor"),
     (torch.float16, "compression=torch.float16 is not a compressor"),
     (HorovodStyle, "is not a compressor"),

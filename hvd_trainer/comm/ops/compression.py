@@ -1,4 +1,5 @@
-"""Wire compression for allreduce: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16``.
+"""Wire compression for allreduce: ``Compression.none``, ``Compression.fp16``, ``Compression.bf16``,
+and for gradient buckets only ``Compression.int8`` and ``Compression.powersgd(rank=r)``.
 
 A compressor casts floating tensors to a narrower *wire* dtype before the transport and back
 to the original dtype after it; other dtypes pass through unchanged (Horovod's interface:
@@ -15,6 +16,12 @@ Numerics (applied by the allreduce path, :mod:`hvd_trainer.comm.ops.reduce`):
   underflowing. Powers of two make the scaling exact. ``bf16`` has fp32's exponent range and
   needs no extra step.
 
+``int8`` and ``powersgd`` are lossy and carry *error feedback* (what the wire lost this step is
+added to the next step's gradient), i.e. training state per parameter: they are specs here, the
+algorithms and their state live in :mod:`hvd_trainer.comm.compressed`, and only the gradient
+reducer (``DistributedOptimizer``, ``HorovodStrategy``) accepts them; a plain ``allreduce``
+rejects them (:meth:`Compression.resolve` with ``allow_error_feedback=False``).
+
 Every front end (the Lightning strategy, the torch and Keras ``DistributedOptimizer``, the Keras
 collectives) turns its ``compression=`` argument into a compressor with the one resolver
 :meth:`Compression.resolve`, so they accept exactly the same values.
@@ -30,7 +37,7 @@ from hvd_trainer.comm.base.errors import CommValueError
 
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
-    "CompressionError",
+    "CompressionError", "ErrorFeedbackCompressor", "Int8Compressor", "PowerSGDCompressor",
 ]
 
 _WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -52,6 +59,8 @@ class Compressor:
 
     name = "none"
     wire_dtype: torch.dtype | None = None
+    error_feedback = False
+    """Whether this is a stateful, error-feedback algorithm (``int8``, ``powersgd``)."""
 
     @property
     def needs_global_scale(self) -> bool:
@@ -95,24 +104,94 @@ class BF16Compressor(Compressor):
     wire_dtype = torch.bfloat16
 
 
+class ErrorFeedbackCompressor(Compressor):
+    """Base of the lossy bucket algorithms with error feedback (no cast: ``wire_dtype`` None).
+
+    The reducer keeps, per parameter, the residual ``e`` (fp32, of the gradient already
+    multiplied by the pre-sum factor, ``1/N`` for Average) and sends ``compress(g + e)``;
+    ``e = (g + e) - decompress(compress(g + e))`` is carried to the next step.
+    """
+
+    error_feedback = True
+
+    def applies_to(self, tensor: torch.Tensor) -> bool:
+        return False  # never a cast
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, tuple(sorted(vars(self).items()))))
+
+
+class Int8Compressor(ErrorFeedbackCompressor):
+    """int8 with one fp32 scale (``absmax / 127``) per block of ``block_size`` values.
+
+    Wire: an allgather of every rank's int8 values and scales; each rank dequantises and sums
+    in fp32 in rank order (the same result on every rank). A rank sends ``(N-1) * (n + 4 n /
+    block_size)`` bytes for ``n`` values in a ring allgather, against ``2 (N-1)/N * 4n`` for fp32
+    ring allreduce: 3.9x fewer at N=2, 1.9x at N=4, break-even near N=8 (see
+    :mod:`hvd_trainer.comm.compressed.int8`).
+    """
+
+    def __init__(self, block_size: int = 256) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 4 \
+                or block_size % 4:
+            raise CompressionError(
+                f"Int8Compressor(block_size={block_size!r}) must be a multiple of 4 (the fp32 scales "
+                "follow the int8 values in one buffer). HINT: block_size=256."
+            )
+        self.block_size = block_size
+        self.name = "int8" if block_size == 256 else f"int8(block_size={block_size})"
+
+
+class PowerSGDCompressor(ErrorFeedbackCompressor):
+    """PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-``r`` approximation ``P Q^T`` of
+    each gradient matrix (a tensor reshaped to ``dim0 x rest``), one power iteration per step
+    warm-started from the previous ``Q``, with error feedback. 1-D tensors, tensors under
+    ``min_compress_numel`` values and those a rank-``r`` factorisation would not shrink
+    (``(n + m) r >= n m``) are sent uncompressed (fp32 sum) together with the ``P`` factors.
+    """
+
+    def __init__(self, rank: int = 1, min_compress_numel: int = 1024, seed: int = 0) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise CompressionError(f"Compression.powersgd(rank={rank!r}): rank must be an int >= 1.")
+        if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
+            raise CompressionError(f"min_compress_numel={min_compress_numel!r} must be an int >= 0.")
+        self.rank = rank
+        self.min_compress_numel = min_compress_numel
+        self.seed = seed
+        self.name = f"powersgd(rank={rank})"
+
+
 class Compression:
     """Namespace of the available compressors (``Compression.fp16`` ...) and their resolver."""
 
     none: Compressor = NoneCompressor()
     fp16: Compressor = FP16Compressor()
     bf16: Compressor = BF16Compressor()
+    int8: Compressor = Int8Compressor()
 
     @staticmethod
-    def resolve(value: Any, *, error: type[Exception] = CompressionError) -> Compressor:
+    def powersgd(rank: int = 1, min_compress_numel: int = 1024) -> Compressor:
+        """PowerSGD of rank ``rank`` with error feedback (:class:`PowerSGDCompressor`)."""
+        return PowerSGDCompressor(rank=rank, min_compress_numel=min_compress_numel)
+
+    @staticmethod
+    def resolve(value: Any, *, error: type[Exception] = CompressionError,
+                allow_error_feedback: bool = False) -> Compressor:
         """The compressor for a ``compression=`` argument; the one resolver of every front end.
 
-        Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``
-        (any case), a :class:`Compressor` instance, or a :class:`Compressor` subclass
-        (instantiated without arguments).
+        Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``,
+        ``"int8"``, ``"powersgd"`` (rank 1) or ``"powersgd:R"`` (any case), a
+        :class:`Compressor` instance, or a :class:`Compressor` subclass (instantiated without
+        arguments).
 
         Args:
             value: what the user passed as ``compression=``.
             error: the exception class to raise (a front end passes its own argument error).
+            allow_error_feedback: accept ``int8``/``powersgd`` (only the gradient reducer can
+                honour them: they keep per-parameter state).
 
         Raises:
             CompressionError (or ``error``): anything else; a compressor whose ``wire_dtype`` is
@@ -122,8 +201,10 @@ class Compression:
         """
         if value is None:
             return Compression.none
+        if isinstance(value, str) and value.lower().startswith("powersgd"):
+            value = _powersgd_from_string(value, error)
         if isinstance(value, str) and value.lower() in _BY_NAME:
-            return _BY_NAME[value.lower()]
+            value = _BY_NAME[value.lower()]
         if isinstance(value, type) and issubclass(value, Compressor):
             value = value()
         if not isinstance(value, Compressor):
@@ -132,16 +213,41 @@ class Compression:
                 f"{sorted(_BY_NAME)} or hvd_trainer.Compression.none / .fp16 / .bf16."
             )
         _check_compressor(value, error)
+        if value.error_feedback and not allow_error_feedback:
+            raise error(
+                f"compression={value!r} keeps error-feedback state per parameter, which only the "
+                "gradient reducer holds. HINT: use it as compression= of DistributedOptimizer or "
+                "HorovodStrategy; for this collective use Compression.fp16 / .bf16."
+            )
         return value
 
 
 _BY_NAME: dict[str, Compressor] = {
     "none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16,
+    "int8": Compression.int8,
 }
+
+
+def _powersgd_from_string(value: str, error: type[Exception]) -> Compressor:
+    """``"powersgd"`` (rank 1) or ``"powersgd:R"``."""
+    _, _, rank = value.partition(":")
+    if not rank:
+        return Compression.powersgd()
+    if not rank.isdigit() or int(rank) < 1:
+        raise error(f"compression={value!r}: expected 'powersgd' or 'powersgd:R' with R >= 1. "
+                    "HINT: e.g. 'powersgd:4'.")
+    return Compression.powersgd(rank=int(rank))
 
 
 def _check_compressor(value: Compressor, error: type[Exception]) -> None:
     """Reject what the allreduce path could not honour (it reads only ``wire_dtype``/``name``)."""
+    if value.error_feedback:
+        if not isinstance(value, (Int8Compressor, PowerSGDCompressor)):
+            raise error(
+                f"compression={value!r}: the reducer implements Compression.int8 and "
+                "Compression.powersgd(rank=r) only. HINT: use one of those."
+            )
+        return
     cls = type(value)
     overridden = [m for m in ("compress", "decompress") if getattr(cls, m) is not getattr(Compressor, m)]
     if overridden:

@@ -78,6 +78,7 @@ from hvd_trainer.comm.reduce.autotune import (
     candidate_thresholds,
     resolve_autotune,
 )
+from hvd_trainer.comm.reduce.compressed.reductions import BucketView, FeedbackState, start_bucket_reduction
 from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology, build_topology
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link, time_paths
 from hvd_trainer.comm.world.world import World
@@ -232,6 +233,9 @@ class GradientReducer:
         compression: wire format of floating gradients (``Compression.none/fp16/bf16``).
             ``fp16`` adds one blocking 4-byte allreduce per bucket (the global scale, see
             :mod:`hvd_trainer.comm.ops.compression`); ``bf16`` stays fully asynchronous.
+            ``Compression.int8`` / ``Compression.powersgd(rank=r)``: lossy, with error feedback
+            (:mod:`hvd_trainer.comm.reduce.compressed`); the per-parameter state is
+            :meth:`compression_state_dict`.
         prescale_factor: multiply gradients by this before the sum (e.g. a gradient predivide).
         postscale_factor: multiply by this after the sum (on top of ``1/size`` for Average).
         process_set: reduce over these ranks only; on other ranks the reducer does nothing.
@@ -258,7 +262,8 @@ class GradientReducer:
         self.op = reject_adasum(to_reduce_op(op), "the fused gradient reducer (hook-driven buckets)")
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
-        self.compression = Compression.resolve(compression, error=CommTypeError)
+        self.compression = Compression.resolve(compression, error=CommTypeError, allow_error_feedback=True)
+        self._feedback = FeedbackState(self.compression.name) if self.compression.error_feedback else None
         self.prescale_factor = prescale_factor
         self.postscale_factor = postscale_factor
         self.active = process_set is None or process_set.included()
@@ -505,6 +510,14 @@ class GradientReducer:
             bucket.used.fill_(1)  # a device kernel: no host<->GPU copy, so no sync with backward
         else:  # rare (unused parameters): a small synchronous copy
             bucket.used.copy_(torch.tensor(bucket.used_flags, dtype=bucket.used.dtype))
+        if self._feedback is not None:
+            assert bucket.sig is not None
+            view = BucketView(bucket.flat, bucket.grad_numel, bucket.names, bucket.views)
+            bucket.work = start_bucket_reduction(  # type: ignore[assignment]
+                view, self.compression, self._feedback, pset=self.process_set, sig=bucket.sig,
+                post_factor=self.postscale_factor)
+            self._next_launch += 1
+            return
         bucket.work = start_allreduce(
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
@@ -515,6 +528,30 @@ class GradientReducer:
         self._next_launch += 1
 
     # -- public API -------------------------------------------------------------------------
+    @property
+    def feedback_state(self) -> FeedbackState | None:
+        """The error-feedback state (``int8``/``powersgd``), else ``None``."""
+        return self._feedback
+
+    def compression_state_dict(self) -> dict | None:
+        """Copies of the error-feedback state (residuals, PowerSGD's Q) by parameter name, or
+        ``None`` for stateless compression. Training state: save it with the optimizer."""
+        return None if self._feedback is None else self._feedback.state_dict()
+
+    def load_compression_state_dict(self, state: dict) -> None:
+        """Restore :meth:`compression_state_dict`'s output (entries of parameters this reducer
+        does not hold are dropped).
+
+        Raises:
+            ValueError: the state was saved with another compression (or none is in use).
+        """
+        if self._feedback is None:
+            raise ValueError(f"this reducer uses {self.compression!r}, which has no state to load.")
+        mine = {n for n, _ in self._named}
+        self._feedback.load_state_dict({
+            **state, "residuals": {k: v for k, v in state["residuals"].items() if k in mine},
+            "q": {k: v for k, v in state["q"].items() if k in mine}})
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally and send nothing."""
