@@ -111,7 +111,10 @@ class _HorovodStrategyLogic:
         compression: wire format of gradient buckets: ``Compression.none`` (default),
             ``Compression.fp16``, ``Compression.bf16`` or the strings ``"none"``, ``"fp16"``,
             ``"bf16"``, or a ``Compressor`` subclass (:meth:`Compression.resolve`). Gradients are
-            scaled before the cast, so fp16 does not overflow.
+            scaled before the cast, so fp16 does not overflow. The lossy ``Compression.int8`` /
+            ``Compression.powersgd(rank=r)`` (``"int8"``, ``"powersgd:R"``) keep error-feedback
+            residuals per parameter and rank; checkpoints hold every rank's (one allgather when a
+            checkpoint is dumped) and a resume with the same world size restores each rank's.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
@@ -198,7 +201,8 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes, autotune)
-        self._compression = Compression.resolve(compression, error=StrategyConfigError)
+        self._compression = Compression.resolve(compression, error=StrategyConfigError,
+                                                allow_error_feedback=sync_every is None)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -415,14 +419,29 @@ class _HorovodStrategyLogic:
             self._load_extra_training_state(extra)
 
     def _extra_training_state(self) -> dict[str, Any]:
+        """Local steps' outer state; error-feedback residuals of *every* rank (one allgather:
+        checkpoints are dumped on every rank, written by rank 0)."""
         extra: dict[str, Any] = {}
         if self._outer is not None:
             extra["local_steps"] = self._outer.state_dict()
+        feedback = self._reducer.compression_state_dict() if self._reducer is not None else None
+        if feedback is not None:
+            extra["compression_per_rank"] = comm.allgather_object(feedback, world=self._require_world())
         return extra
 
     def _load_extra_training_state(self, extra: dict[str, Any]) -> None:
         if self._outer is not None and "local_steps" in extra:
             self._outer.load_state_dict(extra["local_steps"])
+        per_rank = extra.get("compression_per_rank")
+        if per_rank is None or self._reducer is None or self._reducer.feedback_state is None:
+            return
+        if len(per_rank) != self.world_size:
+            rank_zero_info(
+                f"hvd_trainer: the checkpoint holds error-feedback residuals of {len(per_rank)} ranks, "
+                f"this run has {self.world_size}; residuals start from zero."
+            )
+            return
+        self._reducer.load_compression_state_dict(per_rank[self.global_rank])
 
     def _has_new_trainable_params(self) -> bool:
         module = self.lightning_module
