@@ -131,7 +131,7 @@ class _HorovodStrategyLogic:
             end of ``fit``. An explicit directory keeps its last commit.
         elastic_commit_every_n_steps: optimizer steps between mid-epoch commits (each one
             writes the whole checkpoint: model, optimizer state, loops); 0: epoch ends only.
-        sync_every: DiLoCo-style local steps (:mod:`hvd_trainer.comm.localsgd.outer`): no
+        sync_every: DiLoCo-style local steps (:mod:`hvd_trainer.comm.reduce.localsgd.outer`): no
             gradient is reduced; every rank steps its optimizer on its own batches and after
             every ``sync_every`` optimizer steps the ranks average their parameter change since
             the last outer step and an outer SGD applies it. ``None`` (default): synchronous

@@ -13,6 +13,8 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     fusion                 the gradient reducer (hook-driven buckets)
     hierarchical/          inside each host, then across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE)
     autotune  link_probe   the search of the bucket layout; the measured link and its bucket cap
+    compressed/            int8 blocks and PowerSGD with error feedback, as bucket reductions
+    localsgd/              DiLoCo local steps: the outer step on the averaged parameter change
   ops/                     the collectives, from their arguments to the blocking forms
     objects                broadcast_object, allgather_object
     collectives            the blocking forms: the async forms + wait(); join

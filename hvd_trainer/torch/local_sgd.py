@@ -2,7 +2,7 @@
 
 Each rank steps its own (inner) optimizer on its own data with no communication; every
 ``sync_every`` steps the ranks average their parameter change since the last synchronisation
-and an outer SGD with Nesterov momentum applies it (:mod:`hvd_trainer.comm.localsgd.outer` has
+and an outer SGD with Nesterov momentum applies it (:mod:`hvd_trainer.comm.reduce.localsgd.outer` has
 the algorithm). Use the plain optimizer inside, not a ``DistributedOptimizer``: no gradient is
 reduced.
 """
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import Compression, Compressor, World, get_world
-from hvd_trainer.comm._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
-from hvd_trainer.comm.process_set import ProcessSet
+from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
 __all__ = ["LocalSGD", "LocalSGDConfigError"]

@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from hvd_trainer.comm.compressed import int8 as q8
-from hvd_trainer.comm.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
+from hvd_trainer.comm.reduce.compressed import int8 as q8
+from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
 from tests.multiproc import run_workers
 
 B, WORLD, LR = 4, 2, 0.1

@@ -170,7 +170,7 @@ def test_state_dict_resumes_bit_identically_mid_period() -> None:
 
 
 def test_invalid_settings_raise_with_a_hint() -> None:
-    from hvd_trainer.comm.localsgd import LocalSGDConfig, LocalSGDConfigError
+    from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError
 
     for bad in ({"sync_every": 0}, {"sync_every": True}, {"sync_every": 2, "outer_lr": 0.0},
                 {"sync_every": 2, "outer_momentum": 1.0}, {"sync_every": 2, "compression": "int3"}):

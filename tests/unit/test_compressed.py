@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hvd_trainer.comm.compressed import int8 as q8
-from hvd_trainer.comm.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
-from hvd_trainer.comm.compression import (
+from hvd_trainer.comm.ops.compression import (
     Compression,
     CompressionError,
     Int8Compressor,
     PowerSGDCompressor,
 )
+from hvd_trainer.comm.reduce.compressed import int8 as q8
+from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
 
 
 def test_int8_blocks_scale_by_absmax_and_keep_zeros() -> None:

@@ -53,8 +53,9 @@ COMM_ROWS = (
     ("runtime",),
     # reduce/
     ("reduce.fusion",),
-    ("reduce.hierarchical.allreduce",),
-    ("reduce.hierarchical.topology", "reduce.autotune", "reduce.link_probe"),
+    ("reduce.hierarchical.allreduce", "reduce.compressed.reductions", "reduce.localsgd.outer"),
+    ("reduce.hierarchical.topology", "reduce.autotune", "reduce.link_probe", "reduce.compressed.int8",
+     "reduce.compressed.powersgd"),
     # ops/
     ("ops.objects",),
     ("ops.collectives",),

@@ -18,7 +18,7 @@ Numerics (applied by the allreduce path, :mod:`hvd_trainer.comm.ops.reduce`):
 
 ``int8`` and ``powersgd`` are lossy and carry *error feedback* (what the wire lost this step is
 added to the next step's gradient), i.e. training state per parameter: they are specs here, the
-algorithms and their state live in :mod:`hvd_trainer.comm.compressed`, and only the gradient
+algorithms and their state live in :mod:`hvd_trainer.comm.reduce.compressed`, and only the gradient
 reducer (``DistributedOptimizer``, ``HorovodStrategy``) accepts them; a plain ``allreduce``
 rejects them (:meth:`Compression.resolve` with ``allow_error_feedback=False``).
 
@@ -131,7 +131,7 @@ class Int8Compressor(ErrorFeedbackCompressor):
     in fp32 in rank order (the same result on every rank). A rank sends ``(N-1) * (n + 4 n /
     block_size)`` bytes for ``n`` values in a ring allgather, against ``2 (N-1)/N * 4n`` for fp32
     ring allreduce: 3.9x fewer at N=2, 1.9x at N=4, break-even near N=8 (see
-    :mod:`hvd_trainer.comm.compressed.int8`).
+    :mod:`hvd_trainer.comm.reduce.compressed.int8`).
     """
 
     def __init__(self, block_size: int = 256) -> None:

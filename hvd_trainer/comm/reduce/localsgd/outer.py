@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm.compression import Compression, Compressor
-from hvd_trainer.comm.errors import CommValueError
-from hvd_trainer.comm.ops import ReduceOp
-from hvd_trainer.comm.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce import start_allreduce
-from hvd_trainer.comm.world import World
+from hvd_trainer.comm.base.errors import CommValueError
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.ops.reduce import start_allreduce
+from hvd_trainer.comm.world.world import World
 
 __all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
 

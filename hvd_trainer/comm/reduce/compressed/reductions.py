@@ -1,9 +1,9 @@
 """Error-feedback reductions of one gradient bucket: ``int8`` and ``powersgd``.
 
-The gradient reducer (:mod:`hvd_trainer.comm.fusion`) calls :func:`start_bucket_reduction`
+The gradient reducer (:mod:`hvd_trainer.comm.reduce.fusion`) calls :func:`start_bucket_reduction`
 instead of the plain allreduce when its compressor has ``error_feedback``; the returned object's
 ``finish()`` writes the reduced gradients into the bucket, like
-:class:`~hvd_trainer.comm.reduce.Reduction`. The bucket holds ``grad_numel`` gradient values
+:class:`~hvd_trainer.comm.ops.reduce.Reduction`. The bucket holds ``grad_numel`` gradient values
 (already multiplied by the pre-sum factor, ``1/N`` for Average) followed by one "used" flag
 per parameter; the flags always travel exactly (fp32 sum).
 
@@ -23,11 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hvd_trainer.comm.checks import Op, Signature
-from hvd_trainer.comm.compressed import int8 as q8
-from hvd_trainer.comm.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
-from hvd_trainer.comm.compression import Compressor, Int8Compressor, PowerSGDCompressor
-from hvd_trainer.comm.process_set import ProcessSet
+from hvd_trainer.comm.ops.checks import Op, Signature
+from hvd_trainer.comm.ops.compression import Compressor, Int8Compressor, PowerSGDCompressor
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.reduce.compressed import int8 as q8
+from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
 
 __all__ = ["FeedbackState", "BucketView", "start_bucket_reduction"]
 

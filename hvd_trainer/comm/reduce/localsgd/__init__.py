@@ -1,8 +1,8 @@
 """Local steps (DiLoCo / LocalSGD): ranks train alone for ``H`` steps, then an outer optimizer
-applies the averaged parameter change. See :mod:`hvd_trainer.comm.localsgd.outer`."""
+applies the averaged parameter change. See :mod:`hvd_trainer.comm.reduce.localsgd.outer`."""
 
 from __future__ import annotations
 
-from hvd_trainer.comm.localsgd.outer import LocalSGDConfig, LocalSGDConfigError, OuterSync
+from hvd_trainer.comm.reduce.localsgd.outer import LocalSGDConfig, LocalSGDConfigError, OuterSync
 
 __all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]

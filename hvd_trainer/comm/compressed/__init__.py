@@ -1,8 +1,0 @@
-"""Lossy gradient compression with error feedback: ``int8`` blocks and PowerSGD (the
-algorithms and their per-parameter state; the specs are in :mod:`hvd_trainer.comm.compression`)."""
-
-from __future__ import annotations
-
-from hvd_trainer.comm.compressed.reductions import BucketView, FeedbackState, start_bucket_reduction
-
-__all__ = ["BucketView", "FeedbackState", "start_bucket_reduction"]
