@@ -106,6 +106,10 @@ class ReducerSet:
         for r in self.reducers:
             r.wait()
 
+    @property
+    def wire_bytes_sent(self) -> int:
+        return sum(r.wire_bytes_sent for r in self.reducers)
+
     def compression_state_dict(self) -> dict[str, Any] | None:
         """The reducers' error-feedback states merged (parameter names are unique)."""
         states = [r.compression_state_dict() for r in self.reducers]

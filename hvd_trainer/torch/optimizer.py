@@ -648,6 +648,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._bpps
 
     @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank has sent for dense gradient buckets so far (see
+        :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent`; sparse gradients not counted)."""
+        return 0 if self._reducer is None else self._reducer.wire_bytes_sent
+
+    @property
     def op(self) -> ReduceOp:
         """``Average``, ``Sum`` or ``Adasum``."""
         return self._op

@@ -264,6 +264,7 @@ class GradientReducer:
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
         self.compression = Compression.resolve(compression, error=CommTypeError, allow_error_feedback=True)
         self._feedback = FeedbackState(self.compression.name) if self.compression.error_feedback else None
+        self._plain_bytes_sent = 0
         self.prescale_factor = prescale_factor
         self.postscale_factor = postscale_factor
         self.active = process_set is None or process_set.included()
@@ -518,6 +519,9 @@ class GradientReducer:
                 post_factor=self.postscale_factor)
             self._next_launch += 1
             return
+        wire = self.compression.wire_dtype if self.compression.applies_to(bucket.flat) else bucket.flat.dtype
+        n = self.process_set.size()
+        self._plain_bytes_sent += 2 * (n - 1) * bucket.flat.numel() * _itemsize(wire) // n
         bucket.work = start_allreduce(
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
@@ -528,6 +532,14 @@ class GradientReducer:
         self._next_launch += 1
 
     # -- public API -------------------------------------------------------------------------
+    @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for gradient buckets so far: the transport's
+        payload counted as a ring collective sends it (allreduce ``2 (N-1)/N`` of the wire
+        payload, allgather ``N-1`` times it); headers and the cross-rank checks not included."""
+        fb = 0 if self._feedback is None else self._feedback.bytes_sent
+        return self._plain_bytes_sent + fb
+
     @property
     def feedback_state(self) -> FeedbackState | None:
         """The error-feedback state (``int8``/``powersgd``), else ``None``."""
@@ -608,6 +620,10 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _check_unique(named: Sequence[tuple[str, torch.Tensor]]) -> None:

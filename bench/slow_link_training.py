@@ -1,0 +1,240 @@
+"""Slow-link training modes side by side: synchronous fp32, bf16, int8 and PowerSGD with error
+feedback, DiLoCo local steps; a small GPT (the recipe's model and Shakespeare bytes) or a small
+CNN (scikit-learn's 8x8 digits) in a plain torch loop.
+
+Run every mode under the same launcher (the shaped-link lab runs it on its namespace hosts):
+
+    hvdrun -np 2 python -m bench.slow_link_training --mode sync --steps 200
+    hvdrun -np 2 python -m bench.slow_link_training --mode powersgd:4 --steps 200
+    hvdrun -np 2 python -m bench.slow_link_training --mode localsgd:32 --steps 200 --model cnn
+    python -m bench.slow_link_training --mode local --steps 200      # compute only, one process
+
+Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
+``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
+32), ``local`` (no communication; world of one). Each rank prints one ``LAB {json}`` record
+(``bench.lab.records`` reads it: the timed window's seconds, steps, the host's interface bytes)
+with ``val_loss`` and ``comm_bytes_sent`` (what hvd_trainer's comm layer counted for this rank:
+ring-collective payload, see ``GradientReducer.wire_bytes_sent`` and ``OuterSync.bytes_sent``);
+rank 0 also prints a ``RESULT`` line. :func:`run_mode` is the workload function.
+
+The timed window excludes ``--warmup`` steps and validation. Validation runs on every rank on
+the same held-out data after the last step (local steps: after a final outer step, so the
+ranks' weights are equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench.lab.workers.common import Window, emit
+
+__all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
+
+MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "local")
+
+
+@dataclass
+class SlowLinkArgs:
+    """One run of one mode."""
+
+    mode: str = "sync"
+    model: str = "gpt"
+    steps: int = 50
+    warmup: int = 3
+    batch: int = 16
+    """Sequences (gpt) or images (cnn) per rank per step."""
+    lr: float = 3e-3
+    seed: int = 0
+    round: int = 0
+    val_batches: int = 8
+
+
+def parse_mode(mode: str) -> tuple[str, int]:
+    """``"powersgd:4"`` -> ``("powersgd", 4)``; the number defaults to 4 (PowerSGD's rank) or 32
+    (local steps' H), and is 0 for the other modes.
+
+    Raises:
+        ValueError: an unknown mode or a bad number.
+    """
+    name, _, num = mode.partition(":")
+    if name not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
+    default = {"powersgd": 4, "localsgd": 32}.get(name, 0)
+    if num and (not num.isdigit() or int(num) < 1 or not default):
+        raise ValueError(f"mode {mode!r}: only powersgd:R and localsgd:H take a number >= 1.")
+    return name, int(num) if num else default
+
+
+# -- models and data ---------------------------------------------------------------------------
+class _Digits:
+    """scikit-learn's 1,797 8x8 digits: the last 297 are validation."""
+
+    def __init__(self) -> None:
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+        y = torch.tensor(d.target, dtype=torch.long)
+        self.train, self.val = (x[:1500], y[:1500]), (x[1500:], y[1500:])
+
+    def batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, self.train[0].shape[0], (n,), generator=gen)
+        return self.train[0][idx], self.train[1][idx]
+
+    def val_batches(self, n: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = self.val
+        return [(x[i : i + n], y[i : i + n]) for i in range(0, min(len(x), n * count), n)]
+
+    tokens_per_sample = 1
+
+
+class _Bytes:
+    """Shakespeare bytes (the GPT recipe's data): random windows for training, fixed ones for
+    validation."""
+
+    def __init__(self, block: int) -> None:
+        from recipes._gpt_data import load_split
+
+        self.block = block
+        self.train_bytes, self.val_bytes = (t.long() for t in load_split(0.05))
+
+    def _windows(self, data: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = torch.stack([data[s : s + self.block + 1] for s in starts.tolist()])
+        return rows[:, :-1], rows[:, 1:]
+
+    def batch(self, n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._windows(self.train_bytes, torch.randint(0, len(self.train_bytes) - self.block - 1, (n,),
+                                                             generator=gen))
+
+    def val_batches(self, n: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        stride = (len(self.val_bytes) - self.block - 1) // (n * count)
+        starts = torch.arange(n * count) * stride
+        return [self._windows(self.val_bytes, starts[i * n : (i + 1) * n]) for i in range(count)]
+
+    @property
+    def tokens_per_sample(self) -> int:
+        return self.block
+
+
+def _cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 16, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _build(model: str) -> tuple[nn.Module, _Digits | _Bytes]:
+    if model == "cnn":
+        return _cnn(), _Digits()
+    from recipes._gpt_data import VOCAB_SIZE
+    from recipes._gpt_model import GPT, GPTShape
+
+    shape = GPTShape(vocab_size=VOCAB_SIZE, block_size=128, n_layer=3, n_head=4, n_embd=96, dropout=0.0)
+    return GPT(shape), _Bytes(shape.block_size)
+
+
+def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = net(x)
+    return F.cross_entropy(out.flatten(0, 1) if out.dim() == 3 else out, y.flatten() if out.dim() == 3 else y)
+
+
+# -- one mode ----------------------------------------------------------------------------------
+def _optimizer(name: str, num: int, net: nn.Module, lr: float):  # noqa: ANN202 - an optimizer
+    import hvd_trainer as hvd
+
+    inner = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    if name == "local":
+        return inner
+    if name == "localsgd":
+        return hvd.LocalSGD(inner, net, sync_every=num)
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}"}[name]
+    return hvd.DistributedOptimizer(inner, named_parameters=net.named_parameters(), compression=compression)
+
+
+def _bytes_sent(opt: torch.optim.Optimizer) -> int:
+    import hvd_trainer as hvd
+
+    if isinstance(opt, hvd.LocalSGD):
+        return opt.outer.bytes_sent
+    return getattr(opt, "wire_bytes_sent", 0)
+
+
+def run_mode(args: SlowLinkArgs) -> dict[str, float]:
+    """Train ``args.warmup + args.steps`` steps in ``args.mode`` (``hvd_trainer.init()`` done, except
+    for ``local``); print this rank's ``LAB`` record (and ``RESULT`` on rank 0); return the record.
+    """
+    import hvd_trainer as hvd
+
+    name, num = parse_mode(args.mode)
+    distributed = name != "local"
+    rank, world = (hvd.rank(), hvd.size()) if distributed else (0, 1)
+    torch.manual_seed(args.seed)
+    net, data = _build(args.model)
+    opt = _optimizer(name, num, net, args.lr)
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    window = Window()
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            if distributed:
+                hvd.barrier()
+            window.start()
+            bytes_before = _bytes_sent(opt)
+        opt.zero_grad()
+        _loss(net, *data.batch(args.batch, gen)).backward()
+        opt.step()
+    if name == "localsgd" and opt.outer.inner_steps:
+        opt.sync()  # equal weights for validation; its bytes count
+    if distributed:
+        hvd.barrier()
+    timed = window.stop()
+    sent = _bytes_sent(opt) - bytes_before
+    val_loss = _validate(net, data, args)
+    tokens = args.steps * args.batch * data.tokens_per_sample * world
+    record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
+              "steps": args.steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
+              "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"]}
+    emit(**record)
+    if rank == 0:
+        print(f"RESULT mode={args.mode} model={args.model} world_size={world} steps={args.steps} "
+              f"tokens_per_s={record['tokens_per_s']:.0f} val_loss={val_loss:.4f} comm_bytes_sent={sent} "
+              f"comm_bytes_per_token={sent * world / tokens:.3f}", flush=True)
+    return record
+
+
+@torch.no_grad()
+def _validate(net: nn.Module, data: _Digits | _Bytes, args: SlowLinkArgs) -> float:
+    net.eval()
+    losses = [float(_loss(net, x, y)) for x, y in data.val_batches(args.batch, args.val_batches)]
+    net.train()
+    return sum(losses) / len(losses) if losses else math.nan
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", default="sync", help=f"one of {MODES}; powersgd:R, localsgd:H")
+    p.add_argument("--model", default="gpt", choices=("gpt", "cnn"))
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    a = p.parse_args(argv)
+    parse_mode(a.mode)  # fail before init
+    torch.set_num_threads(a.threads)
+    if parse_mode(a.mode)[0] != "local":
+        import hvd_trainer as hvd
+
+        hvd.init()
+    run_mode(SlowLinkArgs(mode=a.mode, model=a.model, steps=a.steps, warmup=a.warmup, batch=a.batch, lr=a.lr,
+                          round=a.round))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""bench/slow_link_training.py: mode parsing, and one local (communication-free) CNN run whose
+record carries what the lab reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.slow_link_training import SlowLinkArgs, parse_mode, run_mode
+
+
+def test_parse_mode_defaults_and_errors() -> None:
+    assert parse_mode("sync") == ("sync", 0)
+    assert parse_mode("powersgd") == ("powersgd", 4) and parse_mode("powersgd:2") == ("powersgd", 2)
+    assert parse_mode("localsgd") == ("localsgd", 32) and parse_mode("localsgd:8") == ("localsgd", 8)
+    for bad in ("fp8", "int8:2", "localsgd:0", "localsgd:x"):
+        with pytest.raises(ValueError, match="mode"):
+            parse_mode(bad)
+
+
+def test_local_cnn_run_prints_a_lab_record(capsys: pytest.CaptureFixture[str]) -> None:
+    rec = run_mode(SlowLinkArgs(mode="local", model="cnn", steps=2, warmup=1, batch=8, val_batches=2))
+    assert rec["steps"] == 2 and rec["world"] == 1 and rec["comm_bytes_sent"] == 0
+    assert 0 < rec["val_loss"] < 10 and rec["tokens_per_s"] > 0
+    out = capsys.readouterr().out
+    assert out.count("LAB {") == 1 and "RESULT mode=local model=cnn" in out
