@@ -50,6 +50,9 @@ from hvd_trainer import comm
 from hvd_trainer.comm.base.launch_env import torchelastic_env
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
+from hvd_trainer.comm.ops.process_set import resolve_set
+from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
@@ -115,6 +118,9 @@ class _HorovodStrategyLogic:
             ``Compression.powersgd(rank=r)`` (``"int8"``, ``"powersgd:R"``) keep error-feedback
             residuals per parameter and rank; checkpoints hold every rank's (one allgather when a
             checkpoint is dumped) and a resume with the same world size restores each rank's.
+            ``"auto"``: chosen at the start of ``fit`` from the measured link
+            (:mod:`hvd_trainer.comm.reduce.auto`; all ranks on one host: plain allreduce),
+            printed on rank 0.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
             Off by default: hvd_trainer never changes hyperparameters silently.
@@ -141,6 +147,7 @@ class _HorovodStrategyLogic:
             Checkpoints hold the anchors and outer momentum (global) next to rank 0's model
             and inner optimizer state; a resume gives every rank rank 0's.
             ``compression`` (``fp16``/``bf16``) then narrows the outer allreduce.
+            ``"auto"``: chosen at the start of ``fit`` with ``compression="auto"`` below.
         outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
             ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
 
@@ -184,7 +191,7 @@ class _HorovodStrategyLogic:
         elastic: bool | None = None,
         elastic_checkpoint_dir: str | os.PathLike[str] | None = None,
         elastic_commit_every_n_steps: int = 100,
-        sync_every: int | None = None,
+        sync_every: int | str | None = None,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
@@ -201,6 +208,9 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes, autotune)
+        self._auto = {"compression": compression == AUTO, "sync_every": sync_every == AUTO}
+        compression = None if compression == AUTO else compression
+        sync_every = None if sync_every == AUTO else sync_every
         self._compression = Compression.resolve(compression, error=StrategyConfigError,
                                                 allow_error_feedback=sync_every is None)
         self._timeout_seconds = float(timeout_seconds)
@@ -311,6 +321,7 @@ class _HorovodStrategyLogic:
         if fitting:
             self.setup_optimizers(trainer)
             self._maybe_scale_lr()
+            self._resolve_auto()
             if self._local is None:
                 self._attach_reducer()
             else:
@@ -364,6 +375,32 @@ class _HorovodStrategyLogic:
                 p.requires_grad_(False)
         self._reducer.require_sync = self._sync_depth == 0
         self._managed_ids = {id(p) for _, p in named}
+
+    def _resolve_auto(self) -> None:
+        """``compression="auto"`` / ``sync_every="auto"``: choose from the measured link (one probe
+        when the ranks span several hosts; :mod:`hvd_trainer.comm.reduce.auto`), say so on rank 0."""
+        if not any(self._auto.values()):
+            return
+        module = self.lightning_module
+        assert module is not None
+        world = self._require_world()
+        grad_bytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
+        choice = choose_auto(world, resolve_set(None, world, "auto"), self.root_device, grad_bytes,
+                             local_steps=self._auto["sync_every"])
+        if self._auto["compression"]:
+            self._compression = choice.compression
+        if self._auto["sync_every"] and choice.sync_every is not None:
+            self._local = LocalSGDConfig(sync_every=choice.sync_every, compression=Compression.none)
+        asked = " and ".join(f"{k}=auto" for k, v in self._auto.items() if v)
+        chosen = f"compression={self._compression.name}" + (
+            f", sync_every={self._local.sync_every}" if self._local is not None else "")
+        rank_zero_info(f"hvd_trainer: {asked} chose {chosen}: {choice.reason}.")
+
+    @property
+    def auto_choice(self) -> str:
+        """What the strategy runs now: ``"compression=<name>[, sync_every=H]"``."""
+        return f"compression={self._compression.name}" + (
+            f", sync_every={self._local.sync_every}" if self._local is not None else "")
 
     def _attach_outer(self) -> None:
         """Local steps: the outer loop over the module's trainable parameters (already equal on

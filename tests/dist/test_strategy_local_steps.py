@@ -127,3 +127,18 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
         HorovodStrategy(sync_every=0)
     with pytest.raises(StrategyConfigError, match="outer_momentum"):
         HorovodStrategy(sync_every=4, outer_momentum=1.5)
+
+
+def _auto_worker() -> dict[str, Any]:
+    import hvd_trainer
+
+    model = Net("sgd", init_seed=hvd_trainer.rank())
+    t = _fit(model, 2, {"compression": "auto", "sync_every": "auto"})
+    return {"choice": t.strategy.auto_choice, "weights": weights(model)}
+
+
+@pytest.mark.timeout(200)
+def test_auto_on_one_host_chooses_plain_allreduce() -> None:
+    results = run_workers(_auto_worker, WORLD, env=TORCHRUN_ENV, timeout_seconds=180)
+    assert [r["choice"] for r in results] == ["compression=none"] * WORLD
+    assert np.array_equal(results[0]["weights"], results[1]["weights"])

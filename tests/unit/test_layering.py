@@ -52,7 +52,7 @@ COMM_ROWS = (
     ("session",),
     ("runtime",),
     # reduce/
-    ("reduce.fusion",),
+    ("reduce.fusion", "reduce.auto"),
     ("reduce.hierarchical.allreduce", "reduce.compressed.reductions", "reduce.localsgd.outer"),
     ("reduce.hierarchical.topology", "reduce.autotune", "reduce.link_probe", "reduce.compressed.int8",
      "reduce.compressed.powersgd"),
