@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -53,11 +54,16 @@ from hvd_trainer.comm.ops.optimizer_args import (
     check_backward_passes_per_step,
     check_optimizer_args,
 )
+from hvd_trainer.comm.ops.process_set import resolve_set
+from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
+
+_log = logging.getLogger(__name__)
 
 EXTRA_STATE_KEY = "hvd_trainer"
 """Key of hvd_trainer's own training state (error feedback) in an optimizer's ``state_dict``."""
@@ -150,6 +156,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             or the lossy ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings
             ``"int8"``, ``"powersgd:R"``) with error feedback: the per-parameter residuals (and
             PowerSGD's Q) are training state, in :meth:`state_dict` under ``"hvd_trainer"``.
+            ``"auto"``: chosen at the first ``synchronize()`` from the measured link (all ranks
+            on one host: none), logged on rank 0 and readable as :attr:`compression`.
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps the inner optimizer
@@ -209,8 +217,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             allow_adasum=True,
         )
         self._op = args.op
-        self._compression = Compression.resolve(compression, error=OptimizerConfigError,
-                                                allow_error_feedback=True)
+        self._auto_compression = compression == AUTO
+        self._compression = Compression.resolve(None if self._auto_compression else compression,
+                                                error=OptimizerConfigError, allow_error_feedback=True)
         if self._compression.error_feedback and self._op is ReduceOp.ADASUM:
             raise OptimizerConfigError(
                 f"compression={self._compression!r} with op=Adasum: Adasum combines weight changes "
@@ -431,6 +440,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in frozen:
                 p.requires_grad_(False)
 
+    def _resolve_auto_compression(self, dense: list[tuple[str, torch.Tensor]]) -> None:
+        """``compression="auto"``: choose from the measured link once (a collective; see
+        :mod:`hvd_trainer.comm.reduce.auto`), logged on rank 0."""
+        if not self._auto_compression or not dense:
+            return
+        self._auto_compression = False
+        pset = resolve_set(self._process_set, self._world, "compression=auto")
+        grad_bytes = sum(p.numel() * 4 for _, p in dense)
+        choice = choose_auto(self._world, pset, dense[0][1].device, grad_bytes, local_steps=False)
+        self._compression = choice.compression
+        self._reducer_kwargs = self._check_reducer_kwargs()
+        if self._world.rank == 0:
+            _log.info("hvd_trainer: compression=auto chose %s: %s.", choice.compression.name, choice.reason)
+
+    @property
+    def compression(self) -> Compressor:
+        """The compressor in use (after ``"auto"`` chose, at the first ``synchronize()``)."""
+        return self._compression
+
     def _build_reducer_over(self, trainable: list[tuple[str, torch.Tensor]]) -> None:
         sparse_ids = self._agree_sparse(trainable)
         self._sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
@@ -439,6 +467,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense, first step
                 p.grad = p.grad.to_dense()
         self._reducer_ids = {id(p) for _, p in dense}
+        self._resolve_auto_compression(dense)
         if not self._groups:
             self._reducer = GradientReducer(
                 dense, world=self._world, config=self._fusion_config, op=self._op,

@@ -146,3 +146,19 @@ def test_equals_single_process_reference_with_error_feedback(mode: str, passes: 
         assert r["resume_equal"]
     assert results[0]["params"] == results[1]["params"]  # bit-identical on both ranks
     assert results[0]["residuals"] != results[1]["residuals"]  # residuals are per rank
+
+
+def _auto() -> str:
+    import hvd_trainer as hvd
+
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters(), compression="auto")
+    torch.nn.functional.mse_loss(model(*_shard(0, 0, hvd.rank())[:1]), _shard(0, 0, hvd.rank())[1]).backward()
+    opt.step()
+    return opt.compression.name
+
+
+@pytest.mark.timeout(120)
+def test_auto_compression_on_one_host_is_plain_allreduce() -> None:
+    assert run_workers(_auto, WORLD, timeout_seconds=100) == ["none", "none"]
