@@ -162,3 +162,39 @@ def _auto() -> str:
 @pytest.mark.timeout(120)
 def test_auto_compression_on_one_host_is_plain_allreduce() -> None:
     assert run_workers(_auto, WORLD, timeout_seconds=100) == ["none", "none"]
+
+
+def _overflow() -> dict:
+    """A step where one rank's gradient is inf (AMP's GradScaler overflow): every rank gets a
+    non-finite reduced gradient (so GradScaler skips the step everywhere) and keeps its residuals
+    and Q as they were."""
+    import hvd_trainer as hvd
+
+    out = {}
+    for mode in ("int8", "powersgd"):
+        model = _model()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                       named_parameters=model.named_parameters(),
+                                       compression=_compression(mode))
+        x, y = _shard(0, 0, hvd.rank())
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        before = copy.deepcopy(opt.state_dict()["hvd_trainer"]["compression"])
+        scale = float("inf") if hvd.rank() == 1 else 1.0
+        (torch.nn.functional.mse_loss(model(x), y) * scale).backward()
+        opt.synchronize()
+        skipped = all(not torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.zero_grad()
+        after = opt.state_dict()["hvd_trainer"]["compression"]
+        out[mode] = {"skipped_everywhere": skipped,
+                     "kept": all(torch.equal(before[k][n], after[k][n]) for k in ("residuals", "q")
+                                 for n in before[k])}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_overflow_step_keeps_the_error_feedback_state() -> None:
+    for r in run_workers(_overflow, WORLD, timeout_seconds=100):
+        for mode in ("int8", "powersgd"):
+            assert r[mode] == {"skipped_everywhere": True, "kept": True}, (mode, r)

@@ -7,6 +7,11 @@ instead of the plain allreduce when its compressor has ``error_feedback``; the r
 (already multiplied by the pre-sum factor, ``1/N`` for Average) followed by one "used" flag
 per parameter; the flags always travel exactly (fp32 sum).
 
+A step whose gradients are not finite (AMP's ``GradScaler`` found an overflow; every rank then
+gets a non-finite result and skips the step) leaves the state as it was. The residual is in the
+units of the gradient it was computed from, so with AMP it follows the loss scale (a scale change
+rescales the next step's correction by that factor, a small transient bias).
+
 State (:class:`FeedbackState`) is kept per parameter *name*, so it survives re-bucketing
 (autotune) and is saved with the optimizer: the residual ``e`` (fp32, this rank's own) and, for
 PowerSGD, the warm-start ``Q`` (the same on every rank).
@@ -118,10 +123,7 @@ class _Int8Reduction:
         x = _with_residual(bucket, state)
         q, scales = q8.quantize(x, self.block)
         lost = x - q8.dequantize(q, scales, n)
-        offset = 0
-        for name, view in zip(bucket.names, bucket.views, strict=True):
-            state.residuals[name] = lost[offset : offset + view.numel()].view(view.shape)
-            offset += view.numel()
+        self.state, self.lost = state, lost  # the residuals are replaced in finish()
         self.extras = bucket.flat.numel() - n
         payload = q8.pack(q, scales, bucket.flat[n:])
         size = pset.size()
@@ -141,6 +143,16 @@ class _Int8Reduction:
             q, scales, extras = q8.unpack(buf, n, self.block, self.extras)
             total += q8.dequantize(q, scales, n)
             flags += extras
+        # A non-finite sum (AMP's GradScaler overflow on some rank: every rank skips the step)
+        # keeps the old residuals instead of poisoning every later step; decided on the device.
+        finite = torch.isfinite(total).all()
+        offset = 0
+        for name, view in zip(b.names, b.views, strict=True):
+            k = view.numel()
+            old = self.state.residual(name, view).reshape(-1)
+            kept = torch.where(finite, self.lost[offset : offset + k], old)
+            self.state.residuals[name] = kept.view(view.shape)
+            offset += k
         if self.post != 1.0:
             total.mul_(self.post)
         b.flat[:n].copy_(total)
@@ -198,13 +210,16 @@ class _PowerSGDReduction:
             state.bytes_sent += _ring_allreduce_bytes(qbuf.numel() * 4, self.pset.size())
             self.pset.coordinator.wait(op)
             qoff = 0
-            for (pos, m, _), p in zip(self.mats, ps, strict=True):
+            for (pos, m, q_used), p in zip(self.mats, ps, strict=True):
                 name, view = b.names[pos], b.views[pos]
                 q = qbuf[qoff : qoff + m.shape[1] * r].view(m.shape[1], r).clone()
                 qoff += m.shape[1] * r
                 approx = p @ q.T
-                state.residuals[name] = (m - approx).view(view.shape)
-                state.q[name] = q
+                # non-finite (AMP overflow, a skipped step): keep the old residual and Q
+                finite = torch.isfinite(approx).all()
+                old_e = state.residual(name, view)
+                state.residuals[name] = torch.where(finite, (m - approx).view(view.shape), old_e)
+                state.q[name] = torch.where(finite, q, q_used)
                 view.copy_((approx * self.post).view(view.shape))
         for pos in self.plain:
             view = b.views[pos]
