@@ -1,0 +1,109 @@
+"""DiLoCo-style local steps for ``model.fit``: each rank trains alone, the ranks synchronise the
+weights every ``sync_every`` batches with an outer Nesterov SGD (see
+:mod:`hvd_trainer.comm.reduce.localsgd.outer` for the algorithm)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import keras
+import numpy as np
+import torch
+
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterSync
+from hvd_trainer.comm.world.world import get_world
+from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
+
+__all__ = ["LocalSGDCallback"]
+
+
+class LocalSGDCallback(keras.callbacks.Callback):
+    """Local steps: no gradient is reduced; every ``sync_every`` training batches the ranks average
+    their weight change since the last synchronisation and an outer SGD applies it.
+
+    Compile the model with the plain Keras optimizer (not ``DistributedOptimizer``).
+
+    Example:
+        >>> model.compile(optimizer=keras.optimizers.AdamW(1e-3), loss="mse")
+        >>> model.fit(x_shard, y_shard, callbacks=[hvd_keras.callbacks.LocalSGDCallback(sync_every=32)])
+
+    At the start of training rank 0's weights are broadcast (the ranks must start from the same
+    anchor); ``fit`` ends with an outer step for the batches since the last one, so the ranks end
+    with equal weights. ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is
+    synchronous data parallel. The trainable weights travel through numpy/torch on the host once
+    per outer step (both backends). ``state_dict()``/``load_state_dict()`` hold the anchors, the
+    outer momentum and the counters (save them with the model to resume).
+
+    Args:
+        sync_every: training batches per outer step (``H``).
+        outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True).
+
+    Raises:
+        LocalSGDConfigError: an invalid setting.
+    """
+
+    def __init__(self, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True) -> None:
+        super().__init__()
+        self.config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                     nesterov=nesterov)
+        self._outer: OuterSync | None = None
+        self._vars: list[Any] = []
+        self._mirrors: list[torch.Tensor] = []
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def outer(self) -> OuterSync | None:
+        """The outer loop (after the start of training)."""
+        return self._outer
+
+    def _start(self) -> None:
+        broadcast_variables(self.model.weights, root_rank=0)
+        self._vars = list(self.model.trainable_weights)
+        self._mirrors = [torch.from_numpy(np.array(self._read(v), dtype=np.float32)) for v in self._vars]
+        for m in self._mirrors:
+            m.requires_grad_(True)
+        self._outer = OuterSync(self._mirrors, self.config, world=get_world())
+        if self._pending is not None:
+            self._outer.load_state_dict(self._pending)
+            self._pending = None
+
+    @staticmethod
+    def _read(var: Any) -> np.ndarray:
+        return np.asarray(keras.ops.convert_to_numpy(var.value))
+
+    def _sync(self) -> None:
+        assert self._outer is not None
+        with torch.no_grad():
+            for m, v in zip(self._mirrors, self._vars, strict=True):
+                m.copy_(torch.from_numpy(np.asarray(self._read(v), dtype=np.float32)))
+        self._outer.sync()
+        for v, m in zip(self._vars, self._mirrors, strict=True):
+            v.assign(m.detach().numpy().astype(v.dtype))
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._outer is None and self.model.built:
+            self._start()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        if self._outer is None:  # a model built by its first step (TensorFlow, subclassed)
+            self._start()
+            return
+        self._outer.inner_steps += 1
+        if self._outer.inner_steps >= self.config.sync_every:
+            self._sync()
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        if self._outer is not None and self._outer.inner_steps:
+            self._sync()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The outer state (anchors, outer momentum, counters); empty before training started."""
+        return {} if self._outer is None else self._outer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (applied when training starts, if not yet)."""
+        if self._outer is None:
+            self._pending = state
+        else:
+            self._outer.load_state_dict(state)

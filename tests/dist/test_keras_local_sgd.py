@@ -1,0 +1,56 @@
+"""hvd_trainer.keras.callbacks.LocalSGDCallback on 2 processes (Keras on the torch and TensorFlow backends):
+sync_every=1 with outer SGD lr 1 equals one process on the global batch; with DiLoCo's defaults
+the ranks end with equal weights after the final outer step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.multiproc import run_workers
+
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
+
+
+def _worker() -> dict:
+    import keras
+
+    import hvd_trainer.keras as hk
+    from tests.dist._keras_suite import BATCH, _data, _mlp
+
+    rank, size = hk.rank(), hk.size()
+    global_batch = BATCH * size
+    x, y = _data(seed=7, rows=4 * global_batch)
+    mine = np.concatenate([np.arange(k * global_batch + rank * BATCH, k * global_batch + (rank + 1) * BATCH)
+                           for k in range(4)])
+    model = _mlp(seed=3 + rank)  # rank-dependent init: the callback broadcasts rank 0's
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    sync = hk.callbacks.LocalSGDCallback(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[sync])
+    ref = _mlp(seed=3)
+    ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    ref.fit(x, y, batch_size=global_batch, epochs=2, shuffle=False, verbose=0)
+
+    def max_diff(m1, m2) -> float:  # noqa: ANN001
+        pairs = zip(m1.get_weights(), m2.get_weights(), strict=True)
+        return max(float(np.abs(a - b).max()) for a, b in pairs)
+
+    diff, moved = max_diff(model, ref), max_diff(_mlp(seed=3), ref)
+
+    dilo = _mlp(seed=3)
+    dilo.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    cb = hk.callbacks.LocalSGDCallback(sync_every=3)
+    dilo.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+    return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps,
+            "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict())}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_keras_local_steps(backend: str) -> None:
+    results = run_workers(_worker, 2, env={"KERAS_BACKEND": backend, **QUIET}, timeout_seconds=280)
+    for r in results:
+        assert r["moved"] > 1e-2 and r["h1_diff"] < 1e-5
+        assert r["outer_steps"] == 3  # 8 batches: after 3, 6 and the final one at the end
+        assert "anchors" in r["state_keys"]
+    assert results[0]["dilo"] == results[1]["dilo"]
