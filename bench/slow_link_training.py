@@ -11,7 +11,10 @@ Run every mode under the same launcher (the shaped-link lab runs it on its names
 
 Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
 ``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
-32), ``local`` (no communication; world of one). Each rank prints one ``LAB {json}`` record
+32), ``local`` (no communication; world of one), and torch's own for comparison: ``ddp`` (DDP,
+fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
+compressing from the 2nd step; its bytes are not counted by hvd_trainer: ``comm_bytes_sent=-1``,
+the lab's interface counters still are). Each rank prints one ``LAB {json}`` record
 (``bench.lab.records`` reads it: the timed window's seconds, steps, the host's interface bytes)
 with ``val_loss`` and ``comm_bytes_sent`` (what hvd_trainer's comm layer counted for this rank:
 ring-collective payload, see ``GradientReducer.wire_bytes_sent`` and ``OuterSync.bytes_sent``);
@@ -36,7 +39,7 @@ from bench.lab.workers.common import Window, emit
 
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
-MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "local")
+MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "local", "ddp", "ddp_powersgd")
 
 
 @dataclass
@@ -65,9 +68,9 @@ def parse_mode(mode: str) -> tuple[str, int]:
     name, _, num = mode.partition(":")
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
-    default = {"powersgd": 4, "localsgd": 32}.get(name, 0)
+    default = {"powersgd": 4, "localsgd": 32, "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
-        raise ValueError(f"mode {mode!r}: only powersgd:R and localsgd:H take a number >= 1.")
+        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R and localsgd:H take a number >= 1.")
     return name, int(num) if num else default
 
 
@@ -144,11 +147,23 @@ def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # -- one mode ----------------------------------------------------------------------------------
+def _ddp(name: str, num: int, net: nn.Module) -> nn.Module:
+    """``net`` in torch's DDP (``ddp``), with DDP's PowerSGD hook for ``ddp_powersgd``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    ddp = nn.parallel.DistributedDataParallel(net)
+    if name == "ddp_powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=num,
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
 def _optimizer(name: str, num: int, net: nn.Module, lr: float):  # noqa: ANN202 - an optimizer
     import hvd_trainer as hvd
 
     inner = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
-    if name == "local":
+    if name in ("local", "ddp", "ddp_powersgd"):
         return inner
     if name == "localsgd":
         return hvd.LocalSGD(inner, net, sync_every=num)
@@ -162,7 +177,7 @@ def _bytes_sent(opt: torch.optim.Optimizer) -> int:
 
     if isinstance(opt, hvd.LocalSGD):
         return opt.outer.bytes_sent
-    return getattr(opt, "wire_bytes_sent", 0)
+    return getattr(opt, "wire_bytes_sent", -1)
 
 
 def run_mode(args: SlowLinkArgs) -> dict[str, float]:
@@ -177,6 +192,8 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     torch.manual_seed(args.seed)
     net, data = _build(args.model)
     opt = _optimizer(name, num, net, args.lr)
+    if name.startswith("ddp"):
+        net = _ddp(name, num, net)  # DDP broadcasts rank 0's parameters itself
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     window = Window()
     for i in range(args.warmup + args.steps):
@@ -193,7 +210,9 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     if distributed:
         hvd.barrier()
     timed = window.stop()
-    sent = _bytes_sent(opt) - bytes_before
+    sent = _bytes_sent(opt) - bytes_before if name != "local" else 0
+    if name.startswith("ddp"):
+        sent = -1  # not ours to count
     val_loss = _validate(net, data, args)
     tokens = args.steps * args.batch * data.tokens_per_sample * world
     record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
@@ -203,7 +222,7 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     if rank == 0:
         print(f"RESULT mode={args.mode} model={args.model} world_size={world} steps={args.steps} "
               f"tokens_per_s={record['tokens_per_s']:.0f} val_loss={val_loss:.4f} comm_bytes_sent={sent} "
-              f"comm_bytes_per_token={sent * world / tokens:.3f}", flush=True)
+              f"comm_bytes_per_token={max(sent, 0) * world / tokens:.3f}", flush=True)
     return record
 
 
