@@ -46,13 +46,15 @@ class LocalSGD(torch.optim.Optimizer):
     Args:
         optimizer: the inner torch optimizer over ``model``'s parameters (not wrapped in
             ``DistributedOptimizer``).
-        model: the module whose trainable parameters are synchronised.
+        model: the module whose parameters are synchronised (all floating ones, frozen included,
+            so that parameters unfrozen later stay in step; frozen ones cost bytes, not change).
         sync_every: inner steps per outer step (``H``).
         outer_lr: outer learning rate (DiLoCo: 0.7).
         outer_momentum: outer momentum (DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
         compression: wire format of the outer allreduce (``None``, ``"fp16"``, ``"bf16"``).
-        process_set: synchronise over these ranks only.
+        process_set: synchronise over these ranks only (then broadcast the parameters within the
+            set yourself first: construction broadcasts only without a process set).
         world: default ``hvd_trainer.get_world()``.
 
     Raises:
@@ -80,9 +82,9 @@ class LocalSGD(torch.optim.Optimizer):
         config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                                 nesterov=nesterov, compression=compression)
         w = get_world() if world is None else world
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = list(model.named_parameters())
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        outside = [n for n, p in named if id(p) not in in_opt]
+        outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
         if outside:
             raise LocalSGDConfigError(
                 f"the optimizer does not update {outside[:5]} of the model. HINT: build the inner "

@@ -91,8 +91,9 @@ class OuterSync:
     (broadcast them first); the anchor is a copy of them.
 
     Args:
-        params: the parameters to synchronise (those with ``requires_grad``; the same, in the same
-            order, on every rank).
+        params: the parameters to synchronise (floating point; the same, in the same order, on
+            every rank). Frozen ones may be included (their delta is zero while frozen), so that
+            parameters unfrozen later are synchronised too.
         config: the outer settings.
         world: the world to reduce over.
         process_set: reduce over these ranks only (``None``: all).
@@ -107,9 +108,9 @@ class OuterSync:
         process_set: ProcessSet | None = None,
     ) -> None:
         self.config = config
-        self.params = [p for p in params if p.requires_grad]
+        self.params = [p for p in params if p.is_floating_point()]
         if not self.params:
-            raise LocalSGDConfigError("local steps got no parameter that requires grad.")
+            raise LocalSGDConfigError("local steps got no floating-point parameter to synchronise.")
         self._pset = resolve_set(process_set, world, "local steps")
         with torch.no_grad():
             self.anchors = [_anchor_copy(p) for p in self.params]
