@@ -55,7 +55,7 @@ def test_lab_smoke_at_100mbit(tmp_path: Path) -> None:
         assert 0.5 * grad_bytes <= per_step <= 0.65 * grad_bytes, (mode, per_step, grad_bytes)
     # link-aware buckets: the probe saw about the shaped link, and the 3.9 MB of gradients are cut
     # into buckets of ~0.05 s on it (the one-host default would be 2 buckets: 1 MiB + the rest)
-    (hvd,) = [r for r in recs if r["mode"] == "hvd" and r["rank"] == 0]
+    (hvd,) = [r for r in recs if r["workload"] == "loop" and r["mode"] == "hvd" and r["rank"] == 0]
     link = float(re.search(r"LINK lab_100mbit goodput_bytes_per_s=(\d+)", out).group(1))
     assert 0.5 * link <= hvd["probed_bytes_per_s"] <= 2.0 * link, (hvd["probed_bytes_per_s"], link)
     assert len(hvd["bucket_bytes"]) >= 5, hvd["bucket_bytes"]
