@@ -51,6 +51,11 @@ ALLOWED_LAYER_EDGES: set[tuple[str, str]] = set()
 COMM_ROWS = (
     ("session",),
     ("runtime",),
+    # zero/
+    ("zero.sharding",),
+    ("zero.reducer",),
+    ("zero.collectives",),
+    ("zero.plan",),
     # reduce/
     ("reduce.fusion", "reduce.auto"),
     ("reduce.hierarchical.allreduce", "reduce.compressed.reductions", "reduce.localsgd.outer"),
@@ -77,7 +82,7 @@ COMM_ROWS = (
 """The comm layer top to bottom (names relative to ``hvd_trainer.comm``), grouped by
 sub-package; a module may import only modules of the rows below its own."""
 
-COMM_SUBPACKAGES = ("base", "world", "ops", "reduce")
+COMM_SUBPACKAGES = ("base", "world", "ops", "reduce", "zero")
 """comm's sub-packages, bottom to top: a module may import modules of its own sub-package or of
 a lower one, never of a higher one."""
 

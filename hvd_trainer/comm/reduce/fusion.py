@@ -339,7 +339,7 @@ class GradientReducer:
         named = self._named
         self._buckets, self._slot = [], {}
         for indices in layout:
-            bucket = _Bucket(
+            bucket = self._new_bucket(
                 len(self._buckets), [named[i][0] for i in indices], [named[i][1] for i in indices]
             )
             self._buckets.append(bucket)
@@ -351,6 +351,10 @@ class GradientReducer:
                     p.grad = bucket.views[pos]
         for bucket in self._buckets:
             bucket.sig = self._bucket_signature(bucket)
+
+    def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
+        """One bucket of the layout (a subclass may lay its buffer out differently)."""
+        return _Bucket(index, names, params)
 
     def _make_tuner(self, world: World) -> tuple[Autotuner | None, dict[Candidate, list[list[int]]]]:
         tune = self.config.autotune

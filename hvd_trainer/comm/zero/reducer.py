@@ -1,0 +1,248 @@
+"""ZeRO stage 2's gradient reducer: the fused buckets, reduce-scattered to the parameters' owners.
+
+Same hooks, bucket order, overlap with backward, pre-sum scaling and cross-rank checks as
+:class:`~hvd_trainer.comm.fusion.GradientReducer` (it is a subclass); what differs is the
+bucket's buffer and its collective:
+
+1. Each bucket's buffer is laid out by owner (:mod:`hvd_trainer.comm.zero.plan`): segment ``r``
+   holds rank ``r``'s gradients then their "used" flags, segments padded to equal length.
+2. A complete bucket launches a reduce-scatter instead of an allreduce (or, for a bucket the
+   plan found unbalanced, an allreduce of the unpadded buffer), so each rank receives only the
+   sum of its own segment.
+3. :meth:`ShardedGradientReducer.wait` finishes them; afterwards a parameter this rank owns has
+   ``.grad`` = the averaged gradient (a view into a segment-sized tensor), every other
+   parameter ``.grad = None``, and the bucket buffers are freed (made again, zeroed, when the
+   bucket's first gradient arrives in the next backward).
+
+Memory: after ``wait()`` a rank holds ``1/N`` of the gradient bytes (within one parameter, see
+the plan's bound) plus its used flags. During backward the buckets hold the full gradient as
+in stage 1 (they are freed together at ``wait()``), and with ``no_sync``/accumulation passes
+the local gradients are full-size until the synchronising pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.reduce.fusion import (
+    _FUSE_SCALE_BYTES,
+    FusionConfig,
+    GradientReducer,
+    _assign_buckets,
+    _Bucket,
+)
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.reduce import signature
+from hvd_trainer.comm.world.world import World
+from hvd_trainer.comm.zero.collectives import ScatterWork, start_reducescatter
+from hvd_trainer.comm.zero.plan import BucketShard, ShardPlan, plan_shards
+
+__all__ = ["ShardedGradientReducer", "plan_parameters"]
+
+
+def plan_parameters(
+    named: Sequence[tuple[str, torch.Tensor]], config: FusionConfig | None, size: int
+) -> ShardPlan:
+    """The shard plan of ``named`` (trainable parameters, in registration order) over ``size``
+    ranks, on the buckets the reducer makes with ``config``."""
+    layout = _assign_buckets(named, config or FusionConfig(autotune=None))
+    return plan_shards(layout, [p.numel() for _, p in named], [p.element_size() for _, p in named],
+                       size)
+
+
+class _ShardedBucket(_Bucket):
+    """A bucket whose buffer is laid out by owner (see :class:`BucketShard`)."""
+
+    __slots__ = ("shard", "flag_index", "out", "dtype", "device")
+
+    def __init__(self, index: int, names: list[str], params: list[torch.Tensor],
+                 shard: BucketShard) -> None:
+        # Not _Bucket.__init__: the layout differs (segments by owner, flags inside them).
+        self.index, self.names, self.params, self.shard = index, names, params, shard
+        self.offsets = list(shard.offsets())
+        self.grad_numel = sum(p.numel() for p in params)
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.flag_index = torch.tensor(shard.flag_offsets(), dtype=torch.long, device=self.device)
+        self.used = None
+        self.used_flags = [1.0] * len(params)
+        self.ready = [False] * len(params)
+        self.pending = len(params)
+        self.adopted = [False] * len(params)
+        self.fuse_scale = self.grad_numel * params[0].element_size() >= _FUSE_SCALE_BYTES * len(params)
+        self.work: ScatterWork | None = None  # type: ignore[assignment]
+        self.sig = None
+        self.out: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None  # type: ignore[assignment]
+        self.views: list[torch.Tensor] | None = None  # type: ignore[assignment]
+        self.materialize()
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad_numel * torch.empty((), dtype=self.dtype).element_size()
+
+    def materialize(self) -> None:
+        """Make the (zeroed) buffer and the gradient views if they were freed."""
+        if self.flat is not None:
+            return
+        self.flat = torch.zeros(self.shard.buffer_numel, dtype=self.dtype, device=self.device)
+        self.views = [
+            self.flat[o : o + p.numel()].view_as(p)
+            for o, p in zip(self.offsets, self.params, strict=True)
+        ]
+
+    def release(self) -> None:
+        """Free the buffer (the full gradients of the bucket)."""
+        self.flat = None
+        self.views = None
+
+
+class ShardedGradientReducer(GradientReducer):
+    """Reduce-scatter the gradients of ``named_parameters`` to their owners while backward runs.
+
+    Example:
+        >>> reducer = ShardedGradientReducer(model.named_parameters(), world=hvd_trainer.comm.init())
+        >>> loss.backward()
+        >>> reducer.wait()    # owned p.grad: averaged over ranks; the others: None
+        >>> owned = reducer.plan.owned(reducer.process_set.rank())
+
+    Args:
+        named_parameters, world, config, op, prescale_factor, postscale_factor, process_set:
+            as :class:`~hvd_trainer.comm.reduce.fusion.GradientReducer`. ``config.autotune`` is
+            not supported (the layout fixes the ownership; turned off with a warning), nor are
+            ``link_aware`` and ``hierarchical`` (off: the caps given are used as they are).
+        compression: ``Compression.none`` or ``Compression.bf16``.
+
+    Raises:
+        ValueError: as the base class.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, torch.Tensor]] | Iterator[tuple[str, torch.Tensor]],
+        *,
+        world: World,
+        config: FusionConfig | None = None,
+        op: ReduceOp | str | None = None,
+        compression: Compressor = Compression.none,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet | None = None,
+    ) -> None:
+        config = config or FusionConfig()
+        if config.autotune is not None:
+            warnings.warn("ZeRO stage 2 keeps one bucket layout (it fixes which rank owns which "
+                          "parameter); autotune is off for it.", stacklevel=2)
+        # The layout is planned before the base class runs, so nothing may change it there
+        # (link pacing lowers caps on several hosts); buckets are reduce-scattered, never
+        # hierarchically allreduced.
+        config = dataclasses.replace(config, autotune=None, link_aware=False, hierarchical=False)
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        size = process_set.size() if process_set is not None else world.size
+        self.plan = plan_parameters(named, config, size)
+        self._index = {id(p): i for i, (_, p) in enumerate(named)}
+        self._plan_named = named
+        self._check_unused = False
+        super().__init__(named, world=world, config=config, op=op, compression=compression,
+                         prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                         process_set=process_set)
+
+    def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
+        shard = self.plan.buckets[index]
+        named = self._plan_named
+        assert sorted(shard.params) == sorted(self._index[id(p)] for p in params)
+        return _ShardedBucket(index, [named[i][0] for i in shard.params],
+                              [named[i][1] for i in shard.params], shard)
+
+    def _bucket_signature(self, bucket: _Bucket):  # type: ignore[override]
+        assert isinstance(bucket, _ShardedBucket) and bucket.flat is not None
+        layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
+        extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout),
+                 ("owners", list(bucket.shard.owners)), ("scatter", bucket.shard.scatter))
+        return signature(
+            "reducescatter", f"zero.gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat,
+            self.op, self.prescale_factor, self.postscale_factor, self.compression, extra,
+        )
+
+    @property
+    def owned_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, parameter)`` this rank owns (empty outside the process set)."""
+        if self.process_set is None:
+            return []
+        return [self._plan_named[i] for i in self.plan.owned(self.process_set.rank())]
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.require_sync:
+            bucket = self._slot[id(param)][0]
+            assert isinstance(bucket, _ShardedBucket)
+            bucket.materialize()
+        super()._on_grad_ready(param)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        assert self.process_set is not None and isinstance(bucket, _ShardedBucket)
+        assert bucket.flat is not None and bucket.sig is not None
+        if all(bucket.used_flags):
+            bucket.flat.index_fill_(0, bucket.flag_index, 1)
+        else:  # rare (unused parameters): a small synchronous copy
+            flags = torch.tensor(bucket.used_flags, dtype=bucket.dtype, device=bucket.device)
+            bucket.flat.index_copy_(0, bucket.flag_index, flags)
+        bucket.work = start_reducescatter(  # type: ignore[assignment]
+            bucket.flat, bucket.shard, pset=self.process_set, sig=bucket.sig,
+            post_factor=self.postscale_factor, compression=self.compression,
+        )
+        bucket.out = bucket.work.out  # type: ignore[attr-defined]  (the base resets .work)
+        self._next_launch += 1
+
+    def _drop_globally_unused(self) -> None:
+        self._check_unused = True  # done in _keep_own_segment, from this rank's flags
+
+    # -- wait ---------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Finish the reduce-scatter of this step: owned ``.grad`` averaged, others ``None``,
+        bucket buffers freed. No-op outside the process set."""
+        if not self.active:
+            return
+        for bucket in self._buckets:
+            assert isinstance(bucket, _ShardedBucket)
+            bucket.materialize()  # a bucket without any gradient this step still takes part
+        super().wait()
+        self._keep_own_segment()
+
+    def _keep_own_segment(self) -> None:
+        """Point owned gradients at this rank's reduced segment, drop the others, free buffers."""
+        assert self.process_set is not None
+        me = self.process_set.rank()
+        check, self._check_unused = self._check_unused, False
+        for bucket in self._buckets:
+            assert isinstance(bucket, _ShardedBucket) and bucket.views is not None
+            out, shard = bucket.out, bucket.shard
+            assert out is not None
+            # Used flags follow the gradients in the segment; 0 = no rank produced a gradient.
+            flags = out[shard.seg_numel[me] :].tolist() if check else None
+            pos = k = 0
+            for param, owner, view in zip(bucket.params, shard.owners, bucket.views, strict=True):
+                is_view = param.grad is not None and param.grad.data_ptr() == view.data_ptr()
+                if owner != me:
+                    if is_view:
+                        param.grad = None
+                    continue
+                n = param.numel()
+                if is_view:
+                    unused = flags is not None and flags[k] == 0
+                    param.grad = None if unused else out[pos : pos + n].view_as(param)
+                pos, k = pos + n, k + 1
+            bucket.out = None
+            bucket.release()
+
+    @property
+    def grad_bytes_held(self) -> int:
+        """Bytes of ``.grad`` tensors this rank holds for the reducer's parameters now
+        (``numel * element_size`` of each non-``None`` gradient)."""
+        return sum(p.grad.numel() * p.grad.element_size() for _, p in self._plan_named
+                   if p.grad is not None)

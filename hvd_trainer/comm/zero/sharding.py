@@ -1,0 +1,313 @@
+"""ZeRO stages 1 and 2 around a torch optimizer: step only the owned parameters, give the
+others their update from their owners, and keep optimizer state for the owned ones only.
+
+Used by the torch ``DistributedOptimizer(zero_stage=...)`` and by the Lightning strategy;
+it knows no framework. One step (after the gradients were averaged: allreduced in stage 1,
+reduce-scattered to their owners in stage 2):
+
+1. Stage 1 sets ``.grad = None`` on the parameters this rank does not own (restored after the
+   step, so the user still sees every averaged gradient); in stage 2 they are ``None`` already.
+   torch's per-parameter optimizers skip a parameter whose ``.grad`` is ``None`` and create no
+   state for it, so the inner ``step()`` updates (and keeps moments for) the owned ones only.
+2. The inner optimizer steps.
+3. :func:`~hvd_trainer.comm.zero.collectives.exchange_parameters` copies every parameter from
+   its owner (an allgather per balanced bucket, broadcasts for the others).
+
+Optimizer state bytes per rank: ``(state bytes per parameter byte) * owned_bytes(r)``, with
+``owned_bytes(r) = total/N`` within one parameter (:mod:`hvd_trainer.comm.zero.plan`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hvd_trainer.comm.base.errors import CommValueError
+from hvd_trainer.comm.reduce.fusion import FusionConfig
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.ops.reduce import start_allreduce
+from hvd_trainer.comm.world.world import World
+from hvd_trainer.comm.zero.collectives import exchange_parameters
+from hvd_trainer.comm.zero.plan import ShardPlan
+from hvd_trainer.comm.zero.reducer import plan_parameters
+
+__all__ = ["ZeroSharding", "UnshardableOptimizerError", "check_per_parameter", "state_bytes"]
+
+PER_PARAMETER = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
+                 "RMSprop", "Rprop", "ASGD", "Adafactor", "Muon")
+"""``torch.optim`` classes whose step updates each parameter from its own gradient and state
+(and skips a parameter whose ``.grad`` is ``None``): safe to shard by parameter."""
+
+NOT_PER_PARAMETER = {
+    "LBFGS": "its step is one line search over all parameters at once (closure-driven)",
+    "SparseAdam": "it needs sparse gradients, which the sharded reduction makes dense",
+}
+"""``torch.optim`` classes refused, with the reason."""
+
+
+class UnshardableOptimizerError(CommValueError):
+    """The optimizer's step is not per parameter, so its state cannot be sharded by parameter."""
+
+
+def check_per_parameter(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose step is not per parameter.
+
+    A ``torch.optim`` class listed in :data:`PER_PARAMETER` passes; one of
+    :data:`NOT_PER_PARAMETER` is refused; any other (a custom optimizer) passes unless its
+    ``step`` requires a closure, and is then assumed to update each parameter from its own
+    gradient and state and to skip parameters without a gradient (as torch's do).
+
+    Raises:
+        UnshardableOptimizerError: naming the optimizer and why.
+    """
+    name = type(optimizer).__name__
+    module = type(optimizer).__module__
+    reason = NOT_PER_PARAMETER.get(name) if module.startswith("torch.optim") else None
+    if reason is None:
+        params = inspect.signature(optimizer.step).parameters
+        closure = params.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            reason = "its step() requires a closure (it evaluates the loss over all parameters)"
+    if reason is not None:
+        raise UnshardableOptimizerError(
+            f"ZeRO sharding cannot wrap {module}.{name}: {reason}. ZeRO assigns each parameter "
+            "to one rank, which steps it alone. HINT: use zero_stage=0 with this optimizer, or a "
+            f"per-parameter one ({', '.join(PER_PARAMETER[:6])}, ...)."
+        )
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Sum of ``numel * element_size`` over every tensor in ``optimizer.state`` (bytes)."""
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor))
+
+
+class ZeroSharding:
+    """Which parameters this rank steps, and the step / state-dict logic of ZeRO 1 and 2.
+
+    Args:
+        named: ``(name, parameter)`` of every parameter the optimizer updates, the same order
+            on every rank; those with ``requires_grad=False`` are not sharded (they keep no
+            state and are not exchanged).
+        optimizer: the torch optimizer whose parameters these are (checked with
+            :func:`check_per_parameter`; state of parameters owned elsewhere is dropped).
+        stage: 1 or 2.
+        world: the world.
+        config: the reducer's bucket sizes (the plan follows its buckets).
+        process_set: shard over these ranks (``None``: all). On a rank outside it nothing is
+            sharded (it steps every parameter itself, as its reducer does nothing).
+
+    Raises:
+        UnshardableOptimizerError: see :func:`check_per_parameter`.
+        CommValueError: ``stage`` not 1 or 2.
+    """
+
+    def __init__(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        optimizer: torch.optim.Optimizer,
+        *,
+        stage: int,
+        world: World,
+        config: FusionConfig | None = None,
+        process_set: ProcessSet | None = None,
+    ) -> None:
+        if stage not in (1, 2):
+            raise CommValueError(f"zero_stage={stage!r}: ZeroSharding implements stages 1 and 2.")
+        check_per_parameter(optimizer)
+        self.stage = stage
+        self.active = process_set is None or process_set.included()
+        self.pset = resolve_set(process_set, world, "ZeRO sharding") if self.active else None
+        self.named = [(n, p) for n, p in named if p.requires_grad]
+        size = self.pset.size() if self.pset is not None else 1
+        self.plan: ShardPlan = plan_parameters(self.named, config, size)
+        me = self.pset.rank() if self.pset is not None else 0
+        self.rank = me
+        self.owned_ids = {id(self.named[i][1]) for i in self.plan.owned(me)} if self.active else \
+            {id(p) for _, p in self.named}
+        self._sharded_ids = {id(p) for _, p in self.named}
+        self._buckets = [
+            (shard, [self.named[i][1] for i in shard.params],
+             f"{self.named[shard.params[0]][0]}..{self.named[shard.params[-1]][0]}")
+            for shard in self.plan.buckets if shard.params
+        ]
+        self._consolidated: dict[str, Any] | None = None
+        self.drop_unowned_state(optimizer)
+
+    # -- ownership ---------------------------------------------------------------------------
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether this rank steps ``p`` (parameters outside the plan: always)."""
+        return id(p) in self.owned_ids or id(p) not in self._sharded_ids
+
+    def owned_parameters(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named if id(p) in self.owned_ids]
+
+    def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Delete optimizer state of parameters owned by another rank (e.g. after loading a
+        full state dict, or the eager state Adagrad makes in its constructor)."""
+        for p in [p for p in optimizer.state if not self.owns(p)]:
+            del optimizer.state[p]
+
+    # -- step --------------------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        """Step ``optimizer`` on the owned parameters, then exchange the updated ones.
+
+        ``closure`` (optional) is evaluated first, under ``enable_grad`` (it runs backward and
+        returns the loss), then the step runs without it, so a parameter's gradient from the
+        closure cannot make a non-owner step it. Returns the closure's loss (or the inner
+        step's return value).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stash = []
+        if self.active:
+            for p in self._unowned():
+                if p.grad is not None:
+                    stash.append((p, p.grad))
+                    p.grad = None
+        try:
+            out = optimizer.step()
+        finally:
+            for p, g in stash:
+                p.grad = g
+        if self.active and self.pset is not None and self.pset.size() > 1:
+            exchange_parameters(self._buckets, pset=self.pset)
+        return loss if closure is not None else out
+
+    def _unowned(self) -> list[torch.Tensor]:
+        return [p for _, p in self.named if id(p) not in self.owned_ids]
+
+    # -- gradients ---------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``
+        over every parameter would (call after the gradients were averaged).
+
+        Stage 1 holds every averaged gradient: the norm is computed locally (no communication).
+        Stage 2 holds only owned ones: each rank sums ``|g|^p`` over its gradients (max for
+        ``inf``) and one 8-byte allreduce combines them. Returns the total norm (float32 for
+        fp32 gradients, as torch's).
+        """
+        grads = [p.grad for _, p in self.named if p.grad is not None]
+        norm_type = float(norm_type)
+        if self.stage == 2 and self.active and self.pset is not None and self.pset.size() > 1:
+            total = self._sharded_norm([g for g in grads if g is not None], norm_type)
+        else:
+            total = self._local_norm(grads, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}). "
+                "HINT: pass error_if_nonfinite=False to clip anyway."
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return total
+
+    @staticmethod
+    def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        if not grads:
+            return torch.tensor(0.0)
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+    def _sharded_norm(self, grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+        assert self.pset is not None
+        dtype = grads[0].dtype if grads else torch.float32
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads])
+            norms = norms.double().cpu()
+            local = norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+        else:
+            local = torch.tensor(0.0, dtype=torch.float64)
+        op = ReduceOp.MAX if math.isinf(norm_type) else ReduceOp.SUM
+        both = local.reshape(1).clone()
+        start_allreduce(both, op=op, pset=self.pset, name="zero.grad_norm").finish()
+        total = both[0] if math.isinf(norm_type) else both[0] ** (1.0 / norm_type)
+        return total.to(dtype)
+
+    def agree_nonfinite(self) -> None:
+        """Stage 2: make every rank see a non-finite gradient when any rank's shard has one.
+
+        ``GradScaler`` decides to skip a step from the gradients it unscales, and a stage-2 rank
+        holds only its shard: without this, ranks could disagree and the parameter exchange of
+        the step would hang. Cost: one fused finiteness pass over the owned gradients and one
+        4-byte allreduce. A rank whose shard is finite while another's is not gets a NaN
+        written into one owned gradient (the step is skipped anyway).
+        """
+        if self.stage != 2 or not self.active or self.pset is None or self.pset.size() < 2:
+            return
+        grads = [g for g in (p.grad for p in self.owned_parameters()) if g is not None]
+        found = torch.zeros(1, dtype=torch.float32)
+        if grads:
+            inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            one = torch.ones(1, dtype=torch.float32, device=grads[0].device)
+            per_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in grads:
+                per_dtype.setdefault(g.dtype, []).append(g)
+            for group in per_dtype.values():
+                if group[0].is_floating_point():
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, inf, one)
+            found = inf.cpu()
+        local = bool(found.item())
+        start_allreduce(found, op=ReduceOp.MAX, pset=self.pset, name="zero.nonfinite").finish()
+        if found.item() and not local and grads:
+            grads[0].view(-1)[:1] = float("nan")
+
+    # -- state dict --------------------------------------------------------------------------
+    def consolidate(self, optimizer: torch.optim.Optimizer, to: int = 0) -> None:
+        """Gather every rank's optimizer state on rank ``to`` of the process set (a collective:
+        every member calls it). Rank ``to`` then returns the full state from
+        :meth:`state_dict`; the others keep nothing extra.
+
+        The states travel as pickled CPU tensors (``torch.distributed.gather_object`` on the
+        gloo group); only rank ``to`` holds the full state.
+        """
+        self._consolidated = None
+        local = optimizer.state_dict()
+        if not self.active or self.pset is None or self.pset.size() == 1:
+            self._consolidated = local
+            return
+        if not 0 <= to < self.pset.size():
+            raise CommValueError(f"to={to} is not a rank of the process set (size {self.pset.size()}).")
+        cpu_state = {k: {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                         for n, v in s.items()} for k, s in local["state"].items()}
+        me = self.pset.rank()
+        gathered: list[Any] | None = [None] * self.pset.size() if me == to else None
+        dist.gather_object(cpu_state, gathered, dst=self.pset.ranks[to], group=self.pset.cpu_group)
+        if me == to:
+            assert gathered is not None
+            merged: dict[Any, Any] = {}
+            for part in gathered:
+                merged.update(part)
+            self._consolidated = {"state": dict(sorted(merged.items())),
+                                  "param_groups": local["param_groups"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full state gathered by :meth:`consolidate` (loadable by a plain torch optimizer).
+
+        Raises:
+            CommValueError: :meth:`consolidate` did not put it on this rank.
+        """
+        if self._consolidated is None:
+            raise CommValueError(
+                "the optimizer state is sharded and was not consolidated on this rank. HINT: call "
+                "optimizer.consolidate_state_dict(to=r) on every rank first, then state_dict() "
+                "on rank r."
+            )
+        return self._consolidated
+
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a full (unsharded) state and keep the owned parameters' part; it may come from
+        any number of ranks (the plan is this job's)."""
+        optimizer.load_state_dict(state_dict)
+        self.drop_unowned_state(optimizer)
+        self._consolidated = None
