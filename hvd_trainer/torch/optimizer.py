@@ -57,9 +57,11 @@ from hvd_trainer.comm.ops.optimizer_args import (
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
+from hvd_trainer.torch.zero_optimizer import check_same_plan, make_sharding
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
 
@@ -174,6 +176,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: reduce sparse gradients as dense tensors (allreduce) instead of by
             allgather of indices and values.
         process_set: the comm layer's process set to reduce over (``None`` = all ranks).
+        zero_stage: ``0`` (default): every rank keeps the whole optimizer state. ``1``: the
+            optimizer state is sharded: each parameter is owned by one rank, which alone steps
+            it and keeps its state; updated parameters are then exchanged. ``2``: also the
+            gradients: buckets are reduce-scattered, so after ``synchronize()`` only owned
+            parameters have a ``.grad`` (the others ``None``). See :mod:`hvd_trainer.comm.zero`
+            and :mod:`hvd_trainer.torch.zero_optimizer` (clipping: :meth:`clip_grad_norm_`;
+            checkpoints: :meth:`consolidate_state_dict`).
         fusion_config: bucket sizes for the reducer (bytes).
         world: the world to reduce over (default: ``hvd_trainer.get_world()``).
 
@@ -203,6 +212,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool = False,
         process_set: Any = None,
         *,
+        zero_stage: int = 0,
         fusion_config: FusionConfig | None = None,
         world: World | None = None,
     ) -> None:
@@ -259,6 +269,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Reduced: what required grad at construction (Horovod registers its hooks then), even
         # if frozen when the first synchronize() builds the buckets.
         self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
+        self._zero: ZeroSharding | None = make_sharding(self, zero_stage, OptimizerConfigError)
 
     # -- delegation ---------------------------------------------------------------------------
     @property
@@ -298,7 +309,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The inner optimizer's ``state_dict()`` (loadable without hvd_trainer). With
         error-feedback compression (``int8``, ``powersgd``) it also holds this rank's residuals
-        (and PowerSGD's Q) under the key ``"hvd_trainer"`` (``{"compression": ...}``)."""
+        (and PowerSGD's Q) under the key ``"hvd_trainer"`` (``{"compression": ...}``).
+
+        With ``zero_stage`` 1 or 2: the full state gathered by :meth:`consolidate_state_dict`
+        on this rank (``CommValueError`` if it was not)."""
+        if self._zero is not None:
+            return self._zero.state_dict()
         state = self._inner.state_dict()
         compression = self._compression_state()
         if compression is not None:
@@ -307,8 +323,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load into the inner optimizer (and the error-feedback state, when saved) and reset the
-        backward-pass counters."""
+        backward-pass counters.
+
+        With ``zero_stage`` 1 or 2, ``state_dict`` is a full state (from
+        :meth:`consolidate_state_dict`, saved at any number of ranks, or from a plain torch
+        optimizer); each rank keeps its own parameters' part. Every rank loads the same one."""
         self._check_not_due("load_state_dict()")
+        if self._zero is not None:
+            self._zero.load_state_dict(self._inner, state_dict)
+            self._reset_counts()
+            return
         state_dict = dict(state_dict)
         extra = state_dict.pop(EXTRA_STATE_KEY, None) or {}
         self._inner.load_state_dict(state_dict)
@@ -332,10 +356,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._pending_compression_state
         return self._reducer.compression_state_dict()
 
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """ZeRO: gather the sharded optimizer state on rank ``to`` (a collective: every rank
+        calls it); then ``state_dict()`` on rank ``to`` is the full state a plain torch optimizer
+        loads. Without ZeRO: nothing to gather (``state_dict()`` is full everywhere)."""
+        if self._zero is not None:
+            self._zero.consolidate(self._inner, to)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm (call after :meth:`synchronize`);
+        returns the total norm, as ``torch.nn.utils.clip_grad_norm_`` over all parameters.
+
+        Needed with ``zero_stage=2``, where a rank holds only its parameters' gradients (one
+        8-byte allreduce combines the shards' norms); with stage 0 and 1 it equals torch's
+        function over the optimizer's parameters, which works there too."""
+        if self._zero is not None:
+            return self._zero.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        params = [p for group in self._inner.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+
+    @property
+    def zero_stage(self) -> int:
+        """0, 1 or 2."""
+        return 0 if self._zero is None else self._zero.stage
+
+    @property
+    def zero_sharding(self) -> ZeroSharding | None:
+        """The ZeRO ownership plan and logic (``None`` with ``zero_stage=0``)."""
+        return self._zero
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:  # type: ignore[override]
         """Add a group to the inner optimizer; its parameters are reduced from the next step
         on (every rank must add the same group)."""
         self._check_not_due("add_param_group()")
+        if self._zero is not None:
+            raise OptimizerConfigError(
+                "add_param_group() with zero_stage>0: the shard plan covers the parameters given "
+                "at construction. HINT: put every parameter group into the optimizer before "
+                "wrapping it."
+            )
         self._inner.add_param_group(param_group)
         g = len(self._inner.param_groups) - 1
         for i, p in enumerate(self._inner.param_groups[g]["params"]):
@@ -468,6 +528,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_dense()
         self._reducer_ids = {id(p) for _, p in dense}
         self._resolve_auto_compression(dense)
+        if self._zero is not None and self._zero.stage == 2:
+            if self._sparse:
+                raise OptimizerConfigError(
+                    f"zero_stage=2 reduces dense buckets, but {[n for n, _ in self._sparse][:3]} "
+                    "produced sparse gradients. HINT: DistributedOptimizer(..., "
+                    "sparse_as_dense=True)."
+                )
+            self._reducer = ShardedGradientReducer(
+                dense, world=self._world, config=self._fusion_config, op=self._op,
+                **self._reducer_kwargs,
+            )
+            check_same_plan(self._reducer, self._zero)
+            return
         if not self._groups:
             self._reducer = GradientReducer(
                 dense, world=self._world, config=self._fusion_config, op=self._op,
@@ -517,6 +590,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_reducer()
         assert self._reducer is not None
         self._reducer.wait()
+        if self._zero is not None:
+            self._zero.agree_nonfinite()
         self._reduce_sparse()
         for _, p in self._named:
             if id(p) in self._densified and p.grad is not None:
@@ -609,8 +684,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             params = [p for _, p in self._named if p.requires_grad]
             return adasum_step(self._inner, params, compression=self._compression,
                                process_set=self._process_set, world=self._world)
-        if closure is not None:
-            return self._inner.step(self._distributed_closure(closure))
+        distributed = self._distributed_closure(closure) if closure is not None else None
+        if self._zero is not None:
+            return self._zero.step(self._inner, distributed)
+        if distributed is not None:
+            return self._inner.step(distributed)
         return self._inner.step()
 
     def _backward_flag(self) -> torch.Tensor:

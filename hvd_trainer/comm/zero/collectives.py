@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.checks import Op, Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.zero.plan import BucketShard
 

@@ -29,6 +29,9 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.reduce import signature
 from hvd_trainer.comm.reduce.fusion import (
     _FUSE_SCALE_BYTES,
     FusionConfig,
@@ -36,9 +39,6 @@ from hvd_trainer.comm.reduce.fusion import (
     _assign_buckets,
     _Bucket,
 )
-from hvd_trainer.comm.ops.ops import ReduceOp
-from hvd_trainer.comm.ops.process_set import ProcessSet
-from hvd_trainer.comm.ops.reduce import signature
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import ScatterWork, start_reducescatter
 from hvd_trainer.comm.zero.plan import BucketShard, ShardPlan, plan_shards

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.base.errors import CommValueError
-from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import start_allreduce
+from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import exchange_parameters
 from hvd_trainer.comm.zero.plan import ShardPlan

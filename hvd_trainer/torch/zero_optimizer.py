@@ -1,0 +1,70 @@
+"""ZeRO in the torch ``DistributedOptimizer``: argument checks and the wiring of
+:class:`~hvd_trainer.comm.zero.ZeroSharding` (the algorithm lives in :mod:`hvd_trainer.comm.zero`).
+
+Usage (Horovod's loop; only ``zero_stage`` and the clipping call are new)::
+
+    opt = hvd.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters(), zero_stage=2)
+    loss.backward()
+    opt.synchronize()
+    opt.clip_grad_norm_(1.0)          # global norm over every rank's shard
+    with opt.skip_synchronize():
+        opt.step()                    # steps the owned parameters, then exchanges them
+
+    opt.consolidate_state_dict(to=0)  # every rank; then on rank 0:
+    if hvd.rank() == 0:
+        torch.save(opt.state_dict(), "opt.pt")   # a plain torch optimizer loads it
+    opt.load_state_dict(torch.load("opt.pt"))    # every rank, any world size: resharded
+
+What stays as without ZeRO: ``backward_passes_per_step`` (passes before the synchronising one
+accumulate full local gradients), ``op=Average/Sum``, ``gradient_predivide_factor``, process
+sets (ranks outside the set step everything locally, as their reducer does nothing), LR
+schedulers (they write the inner optimizer's ``param_groups``), ``GradScaler`` (stage 2 makes
+every rank see an inf/NaN found in any shard, so all skip the same step). Not supported:
+``op=Adasum``, ``groups``, ``add_param_group`` after wrapping, sparse gradients in stage 2
+(use ``sparse_as_dense=True``), ``Compression.fp16`` in stage 2 (``bf16`` works), ``join``
+(the parameter exchange is not an allreduce a joined rank can take part in).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hvd_trainer.comm import ReduceOp
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+
+__all__ = ["make_sharding", "check_same_plan"]
+
+
+def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroSharding | None:
+    """The :class:`ZeroSharding` of the ``DistributedOptimizer`` ``opt`` (``None`` for stage 0).
+
+    Raises:
+        error: ``zero_stage`` not 0, 1 or 2 (``True`` included), or combined with an option
+            ZeRO does not support (named in the message).
+        UnshardableOptimizerError: the inner optimizer's step is not per parameter.
+    """
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+        raise error(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
+    if zero_stage == 0:
+        return None
+    if opt._op is ReduceOp.ADASUM:
+        raise error(f"zero_stage={zero_stage} with op=Adasum: Adasum combines whole weight "
+                    "changes on every rank. HINT: use op=Average with ZeRO.")
+    if opt._groups:
+        raise error(f"zero_stage={zero_stage} with groups: the shard plan follows the fused "
+                    "buckets. HINT: drop groups=/num_groups= with ZeRO.")
+    if getattr(opt, "_auto_compression", False) or opt._compression.error_feedback:
+        raise error(f"zero_stage={zero_stage} with compression={opt._compression.name}: error "
+                    "feedback keeps per-rank residuals of whole gradients, and 'auto' may choose "
+                    "it. HINT: use compression='none' or 'bf16' with ZeRO.")
+    if zero_stage == 2 and getattr(opt._compression, "needs_global_scale", False):
+        raise error(f"zero_stage=2 with compression={opt._compression.name}: the fp16 global "
+                    "scale is not applied to reduce-scatter. HINT: use Compression.bf16.")
+    return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
+                        config=opt._fusion_config, process_set=opt._process_set)
+
+
+def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:
+    """Internal invariant: the stage-2 reducer scatters to the owners the optimizer steps."""
+    assert reducer.plan.owner == sharding.plan.owner, "ZeRO: reducer and optimizer plans differ"
