@@ -57,6 +57,7 @@ from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.comm.world.world import World
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -68,6 +69,7 @@ from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
 from hvd_trainer.lightning.signals import install_sigterm_handler
+from hvd_trainer.torch.zero_optimizer import ZeroStep, check_same_plan
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -150,9 +152,19 @@ class _HorovodStrategyLogic:
             ``"auto"``: chosen at the start of ``fit`` with ``compression="auto"`` below.
         outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
             ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
+        zero_stage: ``0`` (default): every rank keeps the whole optimizer state. ``1``: each
+            optimizer's state is sharded over the ranks (each parameter stepped by one owner,
+            then exchanged); ``2``: the gradient buckets are also reduce-scattered, so after
+            backward a rank holds only its parameters' gradients (one optimizer only). Gradient
+            clipping by norm uses the global norm over all shards; checkpoints hold the full
+            optimizer state (gathered on rank 0) and load at any world size. See
+            :mod:`hvd_trainer.comm.zero`.
 
     Raises:
-        StrategyConfigError: a negative byte size or timeout; ``elastic`` not a bool or None;
+        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not 0, 1 or 2
+            (or with ``sync_every``/``"auto"``; 2 with an error-feedback or fp16 compression,
+            several optimizers, or parameters unfrozen during the fit);
+            ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
             an int >= 0.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
@@ -195,6 +207,7 @@ class _HorovodStrategyLogic:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
+        zero_stage: int = 0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -226,6 +239,24 @@ class _HorovodStrategyLogic:
         self._elastic: ElasticFit | None = None
         self._local = _local_config(sync_every, outer_lr, outer_momentum, outer_nesterov, self._compression)
         self._outer: OuterSync | None = None
+        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+            raise StrategyConfigError(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
+        if zero_stage and (self._local is not None or any(self._auto.values())):
+            raise StrategyConfigError(
+                f"zero_stage={zero_stage} with sync_every or an 'auto' option: local steps average "
+                "parameter changes (nothing to shard), and 'auto' may choose them or an "
+                "error-feedback compression. HINT: zero_stage with sync_every=None and an explicit "
+                "compression ('none' or 'bf16')."
+            )
+        if zero_stage == 2 and (self._compression.error_feedback
+                                or getattr(self._compression, "needs_global_scale", False)):
+            raise StrategyConfigError(
+                f"zero_stage=2 with compression={self._compression.name}: the buckets are "
+                "reduce-scattered, which takes no error feedback or fp16 global scale. HINT: "
+                "compression='none' or 'bf16'."
+            )
+        self._zero_stage = zero_stage
+        self._zero: dict[int, ZeroSharding] = {}  # id(optimizer) -> its sharding
 
     # -- topology ---------------------------------------------------------------------------
     @property
@@ -324,6 +355,7 @@ class _HorovodStrategyLogic:
             self._resolve_auto()
             if self._local is None:
                 self._attach_reducer()
+                self._attach_zero()
             else:
                 self._attach_outer()
         self.setup_precision_plugin()
@@ -366,8 +398,9 @@ class _HorovodStrategyLogic:
         frozen = [p for _, p in named if not p.requires_grad]
         for p in frozen:  # hooks can only be registered on tensors that require grad
             p.requires_grad_(True)
+        reducer_cls = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
         try:
-            self._reducer = GradientReducer(
+            self._reducer = reducer_cls(
                 named, world=self._require_world(), config=self._fusion, compression=self._compression
             )
         finally:
@@ -511,8 +544,91 @@ class _HorovodStrategyLogic:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    # -- ZeRO -------------------------------------------------------------------------------
+    def _attach_zero(self) -> None:
+        """Shard each optimizer's state (``zero_stage`` 1/2) over the trainable parameters."""
+        self._zero = {}
+        if not self._zero_stage:
+            return
+        module = self.lightning_module
+        assert module is not None and self._reducer is not None
+        if self._zero_stage == 2 and len(self.optimizers) != 1:
+            raise StrategyConfigError(
+                f"zero_stage=2 reduce-scatters one set of buckets to the owners of one optimizer, "
+                f"but configure_optimizers returned {len(self.optimizers)}. HINT: use zero_stage=1 "
+                "with several optimizers."
+            )
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        for optimizer in self.optimizers:
+            ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            mine = named if self._zero_stage == 2 else [(n, p) for n, p in named if id(p) in ids]
+            zero = ZeroSharding(mine, optimizer, stage=self._zero_stage, world=self._require_world(),
+                                config=self._fusion)
+            if isinstance(self._reducer, ShardedGradientReducer):
+                check_same_plan(self._reducer, zero)
+            self._zero[id(optimizer)] = zero
+        if self._zero_stage == 2:
+            self._clip_by_global_norm()
+
+    def _clip_by_global_norm(self) -> None:
+        """Stage 2: the precision plugin's clipping by norm uses the global norm over all shards
+        (a rank holds only its own gradients, so torch's clip over ``param_groups`` would see a
+        part). Set on this plugin instance; removed at teardown."""
+        plugin = self.precision_plugin
+        original = type(plugin).clip_grad_by_norm
+        zeros = self._zero
+
+        def clip_grad_by_norm(optimizer: torch.optim.Optimizer, clip_val: float) -> None:
+            inner = optimizer.optimizer if isinstance(optimizer, ZeroStep) else optimizer
+            zero = zeros.get(id(inner))
+            if zero is None:
+                original(plugin, optimizer, clip_val)
+            else:
+                zero.clip_grad_norm_(float(clip_val))
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
+
+    @override
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None,
+                       **kwargs: Any) -> Any:
+        """With ZeRO: the precision plugin steps a :class:`ZeroStep` view of ``optimizer`` (owned
+        parameters stepped, then exchanged); otherwise Lightning's step."""
+        zero = self._zero.get(id(optimizer))
+        if zero is not None:
+            optimizer = ZeroStep(optimizer, zero)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """With ZeRO: the full state gathered on global rank 0 (``{}`` on the others), as
+        Lightning does for torch's ZeroRedundancyOptimizer; a collective."""
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        zero = self._zero.get(id(inner))
+        if zero is None:
+            return super().optimizer_state(optimizer)
+        zero.consolidate(inner, to=0)
+        return zero.pop_state_dict() if self.is_global_zero else {}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """With ZeRO: each rank keeps its own parameters' part of the full state (written at
+        any world size)."""
+        if not self._zero:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
+            zero = self._zero.get(id(optimizer))
+            if zero is None:
+                optimizer.load_state_dict(state)
+            else:
+                zero.load_state_dict(optimizer, state)
+        optimizers_to_device(self.optimizers, self.root_device)
+        return None
+
     @override
     def teardown(self) -> None:
+        self._zero = {}
+        if self.precision_plugin is not None:
+            vars(self.precision_plugin).pop("clip_grad_by_norm", None)
         if self._reducer is not None:
             self._reducer.remove()
             self._reducer = None
@@ -545,6 +661,12 @@ class _HorovodStrategyLogic:
         Freezing is deterministic, so every rank rebuilds the same buckets at the same step.
         """
         if self._reducer is not None and self._has_new_trainable_params():
+            if self._zero:
+                raise StrategyConfigError(
+                    f"zero_stage={self._zero_stage}: parameters were unfrozen during the fit, but "
+                    "the shard plan covers the parameters trainable at setup. HINT: unfreeze "
+                    "before fit, or use zero_stage=0 with BackboneFinetuning-style unfreezing."
+                )
             log.info("hvd_trainer: parameters were unfrozen; rebuilding gradient buckets")
             self._attach_reducer()
 
@@ -558,6 +680,8 @@ class _HorovodStrategyLogic:
             if tuner is not None and tuner.done and not self._autotune_reported:
                 self._autotune_reported = True
                 rank_zero_info(tuner.summary())
+            for zero in self._zero.values():
+                zero.agree_nonfinite()  # stage 2: AMP's skip decision agrees on every rank
 
     @override
     @contextlib.contextmanager

@@ -30,11 +30,12 @@ def check_slow_link_keys(cfg: Any) -> None:
 
 
 def build_strategy(cfg: Any) -> str | HorovodStrategy:
-    """``cfg.strategy`` itself, or ``HorovodStrategy(sync_every=..., compression=...)`` when a
-    slow-link key differs from its default."""
-    if cfg.strategy != "horovod" or (not cfg.sync_every and cfg.compression == "none"):
+    """``cfg.strategy`` itself, or ``HorovodStrategy(sync_every=..., compression=...,
+    zero_stage=...)`` when a slow-link key or ``zero_stage`` differs from its default."""
+    zero_stage = getattr(cfg, "zero_stage", 0)  # a key of the recipes that have it (gpt)
+    if cfg.strategy != "horovod" or (not cfg.sync_every and cfg.compression == "none" and not zero_stage):
         return cfg.strategy
     return HorovodStrategy(
         sync_every=cfg.sync_every or None, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        compression=cfg.compression,
+        compression=cfg.compression, zero_stage=zero_stage,
     )

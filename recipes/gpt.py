@@ -82,6 +82,9 @@ class TrainerConfig:
     """Log train loss and learning rate (and print a progress line) every this many steps."""
     strategy: str = "horovod"
     """Lightning strategy name; "horovod" averages gradients through hvd_trainer's comm layer."""
+    zero_stage: int = 0
+    """ZeRO sharding with strategy "horovod" (README "ZeRO sharding"): 0 none, 1 optimizer state
+    sharded over the ranks, 2 also the averaged gradients."""
     accelerator: str = "auto"
     """"cpu", "gpu" or "auto"."""
     precision: str = "32-true"
@@ -111,6 +114,9 @@ class TrainerConfig:
             raise ValueError("trainer.val_every_n_steps, threads_per_process and gradient_clip_val "
                              "must be >= 0.")
         check_slow_link_keys(self)
+        if self.zero_stage not in (0, 1, 2) or (self.zero_stage and self.strategy != "horovod"):
+            raise ValueError(f"trainer.zero_stage={self.zero_stage!r} must be 0, 1 or 2, and 1 or 2 "
+                             f"needs trainer.strategy=horovod (got {self.strategy!r}).")
         if self.progress_bar not in ("auto", "tqdm", "lines", "none"):
             raise ValueError(f"trainer.progress_bar={self.progress_bar!r}; expected auto, tqdm, lines "
                              "or none.")

@@ -28,12 +28,16 @@ every rank see an inf/NaN found in any shard, so all skip the same step). Not su
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from hvd_trainer.comm import ReduceOp
+from hvd_trainer.comm._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 
-__all__ = ["make_sharding", "check_same_plan"]
+__all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
 
 
 def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroSharding | None:
@@ -68,3 +72,50 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroShar
 def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:
     """Internal invariant: the stage-2 reducer scatters to the owners the optimizer steps."""
     assert reducer.plan.owner == sharding.plan.owner, "ZeRO: reducer and optimizer plans differ"
+
+
+class ZeroStep(torch.optim.Optimizer):
+    """A view of ``optimizer`` whose ``step`` is ZeRO's: for a front end that keeps the user's
+    optimizer unwrapped (the Lightning strategy hands this to its precision plugin for one step).
+
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's (shared, not copied);
+    ``step(closure)`` runs the closure, steps the owned parameters and exchanges the updated
+    ones (:meth:`ZeroSharding.step`). ``GradScaler`` unscales through ``param_groups``.
+
+    Args:
+        optimizer: the user's optimizer.
+        sharding: its :class:`ZeroSharding`.
+    """
+
+    _step_supports_amp_scaling = False  # GradScaler unscales param_groups first (as for ours)
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sharding: ZeroSharding) -> None:
+        self._inner = optimizer
+        self._sharding = sharding
+        init_optimizer_bookkeeping(self)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self._inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self._inner.defaults
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer."""
+        return self._inner
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        return self._sharding.step(self._inner, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def __repr__(self) -> str:
+        return f"ZeroStep({self._inner!r}, stage={self._sharding.stage})"

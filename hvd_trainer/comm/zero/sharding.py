@@ -305,6 +305,12 @@ class ZeroSharding:
             )
         return self._consolidated
 
+    def pop_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict`, after which this object no longer holds the gathered state."""
+        state = self.state_dict()
+        self._consolidated = None
+        return state
+
     def load_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a full (unsharded) state and keep the owned parameters' part; it may come from
         any number of ranks (the plan is this job's)."""
