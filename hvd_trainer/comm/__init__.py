@@ -1,14 +1,19 @@
 """hvd_trainer's comm layer: process-group bootstrap, collectives, gradient fusion, cross-rank
 checks, compression, process sets and the timeline.
 
-Knows nothing of Lightning or Keras; every upper layer sits on it. Four sub-packages are its
-layers, bottom to top ``base < world < ops < reduce``, with ``session`` and ``runtime`` on top; a
+Knows nothing of Lightning or Keras; every upper layer sits on it. Five sub-packages are its
+layers, bottom to top ``base < world < ops < reduce < zero``, with ``session`` and ``runtime`` on top; a
 module never imports one of a higher sub-package. Inside, every import points down: a module
 imports only modules of the rows below its own (no cycle, and no import inside a function except
 the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
 
     session                init / shutdown, Horovod's init(comm, process_sets)
-    runtime                per-world state: config, store, timeline, the live process sets
+runtime                per-world state: config, store, timeline, the live process sets
+  zero/                    ZeRO stages 1 and 2 (imported as hvd_trainer.comm.zero, not re-exported)
+    sharding               owned-parameter step, parameter exchange, state consolidation, clipping
+    reducer                stage 2's reduce-scattering bucket reducer (a GradientReducer)
+    collectives            a bucket's reduce-scatter; the exchange of updated parameters
+    plan                   which rank owns which parameter (balanced by bytes over the buckets)
   reduce/                  gradient reduction over fused buckets
     fusion                 the gradient reducer (hook-driven buckets)
     hierarchical/          inside each host, then across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE)
