@@ -87,7 +87,10 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
         grad_bytes_after_sync.append(sum(p.grad.numel() * p.grad.element_size()
                                          for p in model.parameters() if p.grad is not None))
         if clip is not None:
-            opt.clip_grad_norm_(clip)
+            if stage == 1:  # every averaged gradient is present: torch's own clip is exact
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            else:  # a rank holds its shard only: the global norm needs the shards' norms
+                opt.clip_grad_norm_(clip)
             torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         with opt.skip_synchronize():
             opt.step()
@@ -248,3 +251,35 @@ def test_non_per_parameter_optimizer_refused() -> None:
     messages = run_workers(_lbfgs_refused, 2, timeout_seconds=60)
     for msg in messages:
         assert "torch.optim.lbfgs.LBFGS" in msg and "line search" in msg and "HINT" in msg
+
+
+# -- process sets --------------------------------------------------------------------------------
+def _process_set_worker() -> dict:
+    import hvd_trainer as hvd
+
+    pair = hvd.add_process_set([0, 1])
+    rank = hvd.rank()
+    model, ref = _model(), _model()
+    opt = _wrap(model, "adamw", 2, process_set=pair)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    for step in range(STEPS):
+        x, y = _batch(step)
+        if rank < 2:  # the pair averages over its two halves of the global batch
+            _loss(model, _local(x, rank, 2), _local(y, rank, 2)).backward()
+            _loss(ref, x, y).backward()
+        else:  # outside the set: local training on its own data, unsharded
+            _loss(model, x[:2], y[:2]).backward()
+            _loss(ref, x[:2], y[:2]).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return {"max_diff": float((_flat(model) - _flat(ref)).abs().max()),
+            "owned": sum(opt.zero_sharding.owns(p) for p in model.parameters())}
+
+
+@pytest.mark.timeout(180)
+def test_process_set_shards_over_its_members_only() -> None:
+    results = run_workers(_process_set_worker, 3, timeout_seconds=150)
+    assert all(r["max_diff"] <= TOL for r in results), results
+    assert results[0]["owned"] + results[1]["owned"] == 8 and results[2]["owned"] == 8
