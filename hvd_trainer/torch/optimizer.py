@@ -528,7 +528,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.grad = p.grad.to_dense()
         self._reducer_ids = {id(p) for _, p in dense}
         self._resolve_auto_compression(dense)
-        if self._zero is not None and self._zero.stage == 2:
+        if self._zero is not None and self._zero.stage == 2 and self._zero.active:
             if self._sparse:
                 raise OptimizerConfigError(
                     f"zero_stage=2 reduces dense buckets, but {[n for n, _ in self._sparse][:3]} "

@@ -2,11 +2,11 @@
 and the exchange of updated parameters.
 
 Transport (``torch.distributed``, gloo on CPU, NCCL on CUDA; torch 2.13): gloo implements
-``reduce_scatter_tensor`` natively (checked on CPU with 2 ranks), so a bucket's reduce-scatter
-moves ``(N-1)/N`` of the padded bucket per rank, half of an allreduce. On a backend or torch
-version without it the bucket is allreduced whole and sliced (``RuntimeError`` from the launch
-selects this once per process): the traffic of today's allreduce and a full-size buffer, with
-the same result.
+``reduce_scatter_single`` (``reduce_scatter_tensor`` before 2.13) natively (checked on CPU with
+2 ranks), so a bucket's reduce-scatter moves ``(N-1)/N`` of the padded bucket per rank, half of
+an allreduce. On a backend or torch version without it the bucket is allreduced whole and sliced
+(a ``RuntimeError`` from the launch selects this once per process): the traffic of today's
+allreduce and a full-size buffer, with the same result.
 
 Scaling: gradients enter the bucket already multiplied by ``prescale/N`` (Average; fused with
 the copy, see :mod:`hvd_trainer.comm.fusion`), so after the sum only ``postscale`` is applied,
@@ -31,6 +31,9 @@ __all__ = ["ScatterWork", "start_reducescatter", "exchange_parameters", "all_gat
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_single`` (torch >= 2.13; the older name warns there) or ``all_gather_into_tensor``."""
+
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""``reduce_scatter_single`` (torch >= 2.13; the older name warns there) or ``reduce_scatter_tensor``."""
 
 _native_reduce_scatter = [True]
 """False once the backend refused ``reduce_scatter_tensor`` (then: allreduce and slice)."""
@@ -127,8 +130,8 @@ def start_reducescatter(
         padded = wire_out if shard.chunk == out.numel() else torch.empty(
             shard.chunk, dtype=wire.dtype, device=wire.device)
         try:
-            work = dist.reduce_scatter_tensor(padded, wire, op=dist.ReduceOp.SUM, group=group,
-                                              async_op=True)
+            work = _reduce_scatter_flat(padded, wire, op=dist.ReduceOp.SUM, group=group,
+                                        async_op=True)
         except RuntimeError:  # the backend has no reduce-scatter: allreduce and slice
             _native_reduce_scatter[0] = False
             wire_out = None
