@@ -174,7 +174,10 @@ def _spec(value: Any) -> tuple[str, Any]:
 def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
     """Horovod's visible side effect on an optimizer without state: every trainable parameter
     without a ``.grad`` gets a zero one (frozen ones keep ``None``). No step is taken."""
-    if optimizer.state_dict()["state"]:
+    if getattr(optimizer, "zero_sharding", None) is not None:  # ZeRO: this rank's shard
+        if any(optimizer.state.values()):
+            return
+    elif optimizer.state_dict()["state"]:
         return
     inner = getattr(optimizer, "optimizer", optimizer)
     sparse = isinstance(inner, torch.optim.SparseAdam)  # it only takes sparse gradients
@@ -194,14 +197,40 @@ def _optimizer_layout(optimizer: torch.optim.Optimizer) -> Layout:
     ]
 
 
+def _state_buffers(
+    meta: dict[str, Any], root_state: dict[Any, dict[str, Any]] | None, device: torch.device
+) -> tuple[dict[Any, dict[str, Any]], list[torch.Tensor]]:
+    """The state dict to load and its tensors in broadcast order: the root's own tensors
+    (``root_state``) or, elsewhere, empty ones of the specs in ``meta``."""
+    state: dict[Any, dict[str, Any]] = {}
+    tensors: list[torch.Tensor] = []
+    for idx in sorted(meta["state"], key=str):
+        entry = state.setdefault(idx, {})
+        for key in sorted(meta["state"][idx]):
+            kind, spec = meta["state"][idx][key]
+            if kind == "object":
+                entry[key] = spec
+                continue
+            if root_state is not None:
+                entry[key] = root_state[idx][key]
+            else:
+                shape, dtype, on_device = spec
+                entry[key] = torch.empty(shape, dtype=dtype,
+                                         device=device if on_device else torch.device("cpu"))
+            tensors.append(entry[key])
+    return state, tensors
+
+
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer, root_rank: int = 0, model: Any = None, *,
     world: World | None = None,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer hyperparameters and state buffers.
 
-    Works for any ``torch.optim`` optimizer (and :class:`~hvd_trainer.DistributedOptimizer`),
-    stateless ones included, and for parameters that are frozen or have no state yet. The
+    Works for any ``torch.optim`` optimizer (and :class:`~hvd_trainer.DistributedOptimizer`,
+    with ZeRO too: the root's full state is gathered from the shards, sent, and every rank keeps
+    its own shard; so with ZeRO load a checkpoint on every rank, not on the root only), stateless
+    ones included, and for parameters that are frozen or have no state yet. The
     root's state is sent and the others load the root's ``state_dict``: a rank without state
     receives the root's buffers, and when the root has no state yet (a fresh optimizer) every
     rank ends with none, so training starts exactly as a single process's would. Unlike Horovod
@@ -229,6 +258,11 @@ def broadcast_optimizer_state(
                         compare_names=False)
     _zero_missing_grads(optimizer)
     is_root = w.rank == root_rank
+    # ZeRO (DistributedOptimizer(zero_stage=1|2)): the root's full state is its shard and the
+    # others' gathered first; each rank's load_state_dict then keeps its own shard of it.
+    sharding = getattr(optimizer, "zero_sharding", None)
+    if sharding is not None and w.size > 1:
+        optimizer.consolidate_state_dict(to=root_rank)
     meta = None
     if is_root:
         sd = optimizer.state_dict()
@@ -239,22 +273,9 @@ def broadcast_optimizer_state(
             },
         }
     meta = broadcast_object(meta, root_rank, world=w)
-    state: dict[Any, dict[str, Any]] = {}
-    tensors: list[torch.Tensor] = []
-    for idx in sorted(meta["state"], key=str):
-        entry = state.setdefault(idx, {})
-        for key in sorted(meta["state"][idx]):
-            kind, spec = meta["state"][idx][key]
-            if kind == "object":
-                entry[key] = spec
-                continue
-            if is_root:
-                entry[key] = sd["state"][idx][key]
-            else:
-                shape, dtype, on_device = spec
-                device = w.device if on_device else torch.device("cpu")
-                entry[key] = torch.empty(shape, dtype=dtype, device=device)
-            tensors.append(entry[key])
+    state, tensors = _state_buffers(meta, sd["state"] if is_root else None, w.device)
     broadcast_tensors_(tensors, root_rank, world=w)
     if not is_root:
         optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    elif sharding is not None and w.size > 1:
+        sharding.pop_state_dict()  # the gathered copy is not kept on the root

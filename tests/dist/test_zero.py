@@ -76,6 +76,7 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
     rank, size = hvd.rank(), hvd.size()
     model, ref = _model(), _model()
     opt = _wrap(model, opt_name, stage, backward_passes_per_step=accum)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)  # Horovod scripts' first call: a no-op here
     ref_opt = OPTIMIZERS[opt_name](ref.parameters())
     grad_bytes_after_sync = []
     for step in range(STEPS):
@@ -169,10 +170,14 @@ def _run_steps(model: torch.nn.Module, opt, first: int, count: int) -> list[floa
 
 def _save_then_continue(path: str, stage: int) -> list[float]:
     import hvd_trainer as hvd
+    from hvd_trainer.comm.zero import state_bytes
 
     model = _model()
     opt = _wrap(model, "adamw", stage)
     _run_steps(model, opt, 0, CKPT_STEPS)
+    before = state_bytes(opt.optimizer)
+    hvd.broadcast_optimizer_state(opt, root_rank=1)  # every rank already agrees: changes nothing
+    assert state_bytes(opt.optimizer) == before  # each rank kept its shard only
     opt.consolidate_state_dict(to=0)
     if hvd.rank() == 0:
         torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
