@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import ReduceOp
-from hvd_trainer.comm._torch_compat import init_optimizer_bookkeeping
+from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 
 __all__ = ["ZeroStep", "make_sharding", "check_same_plan"]

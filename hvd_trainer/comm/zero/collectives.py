@@ -9,7 +9,7 @@ an allreduce. On a backend or torch version without it the bucket is allreduced 
 allreduce and a full-size buffer, with the same result.
 
 Scaling: gradients enter the bucket already multiplied by ``prescale/N`` (Average; fused with
-the copy, see :mod:`hvd_trainer.comm.fusion`), so after the sum only ``postscale`` is applied,
+the copy, see :mod:`hvd_trainer.comm.reduce.fusion`), so after the sum only ``postscale`` is applied,
 to this rank's segment.
 """
 

@@ -2,7 +2,7 @@
 
 A parameter is owned whole by one rank (its optimizer state lives only there, and with stage 2
 its averaged gradient too). Ownership is planned bucket by bucket over the reducer's layout
-(``hvd_trainer.comm.fusion._assign_buckets``), so a bucket's reduce-scatter hands each rank
+(``hvd_trainer.comm.reduce.fusion._assign_buckets``), so a bucket's reduce-scatter hands each rank
 exactly the gradients of the parameters it owns.
 
 Algorithm (``N`` ranks, buckets in launch order, sizes in bytes; deterministic, so every rank
@@ -21,7 +21,7 @@ computes the same plan without communicating):
 
    so each rank owns ``total/N`` bytes within one parameter (hence within one bucket).
 3. *Lay the bucket out by owner*: rank ``r``'s parameters first-to-last in the bucket's order,
-   followed by one "used" flag per parameter (see :mod:`hvd_trainer.comm.fusion`), form
+   followed by one "used" flag per parameter (see :mod:`hvd_trainer.comm.reduce.fusion`), form
    segment ``r`` of ``seg_r`` elements. Segment ``r`` starts at ``r * chunk`` with
    ``chunk = max_r seg_r`` (zeros fill the gap), so the padded bucket is ``N * chunk`` elements
    and ``reduce_scatter`` gives rank ``r`` exactly segment ``r``.

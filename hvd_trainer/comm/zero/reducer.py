@@ -1,7 +1,7 @@
 """ZeRO stage 2's gradient reducer: the fused buckets, reduce-scattered to the parameters' owners.
 
 Same hooks, bucket order, overlap with backward, pre-sum scaling and cross-rank checks as
-:class:`~hvd_trainer.comm.fusion.GradientReducer` (it is a subclass); what differs is the
+:class:`~hvd_trainer.comm.reduce.fusion.GradientReducer` (it is a subclass); what differs is the
 bucket's buffer and its collective:
 
 1. Each bucket's buffer is laid out by owner (:mod:`hvd_trainer.comm.zero.plan`): segment ``r``
