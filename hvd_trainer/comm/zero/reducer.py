@@ -11,7 +11,7 @@ bucket's buffer and its collective:
    sum of its own segment.
 3. :meth:`ShardedGradientReducer.wait` finishes them; afterwards a parameter this rank owns has
    ``.grad`` = the averaged gradient (a view into a segment-sized tensor), every other
-   parameter ``.grad = None``, and the bucket buffers are freed (made again, zeroed, when the
+   parameter ``.grad = None``, and the bucket buffers are freed (made again when the
    bucket's first gradient arrives in the next backward).
 
 Memory: after ``wait()`` a rank holds ``1/N`` of the gradient bytes (within one parameter, see
@@ -87,10 +87,14 @@ class _ShardedBucket(_Bucket):
         return self.grad_numel * torch.empty((), dtype=self.dtype).element_size()
 
     def materialize(self) -> None:
-        """Make the (zeroed) buffer and the gradient views if they were freed."""
+        """Make the buffer and the gradient views if they were freed.
+
+        Not zeroed (no memset pass): every view is written before the launch (a gradient copied
+        in, or zeros for a parameter without one) and the flags at the launch; the padding after
+        a segment is summed but never read."""
         if self.flat is not None:
             return
-        self.flat = torch.zeros(self.shard.buffer_numel, dtype=self.dtype, device=self.device)
+        self.flat = torch.empty(self.shard.buffer_numel, dtype=self.dtype, device=self.device)
         self.views = [
             self.flat[o : o + p.numel()].view_as(p)
             for o, p in zip(self.offsets, self.params, strict=True)
