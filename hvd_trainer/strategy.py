@@ -456,7 +456,11 @@ class _HorovodStrategyLogic:
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The optimizer step; with ``sync_every``, every ``sync_every``-th also runs the outer
-        step (a collective, the same step on every rank)."""
+        step (a collective, the same step on every rank). With ZeRO the precision plugin steps
+        a :class:`ZeroStep` view of ``optimizer`` (owned parameters stepped, then exchanged)."""
+        zero = self._zero.get(id(optimizer))
+        if zero is not None:
+            optimizer = ZeroStep(optimizer, zero)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._outer is not None:
             self._outer.after_inner_step()
@@ -472,8 +476,9 @@ class _HorovodStrategyLogic:
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The optimizer's ``state_dict``; the first optimizer's also carries the local-steps state
-        under the key ``"hvd_trainer"`` (removed again by :meth:`load_optimizer_state_dict`)."""
-        state = super().optimizer_state(optimizer)
+        under the key ``"hvd_trainer"`` (removed again by :meth:`load_optimizer_state_dict`).
+        With ZeRO: the full state on global rank 0, ``{}`` elsewhere (a collective)."""
+        state = self._gathered_optimizer_state(optimizer)
         extra = self._extra_training_state()
         if extra and self.optimizers and _unwrap(optimizer) is _unwrap(self.optimizers[0]):
             state = {**state, _EXTRA_KEY: extra}
@@ -483,7 +488,7 @@ class _HorovodStrategyLogic:
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         states = [dict(s) for s in checkpoint["optimizer_states"]]
         extras = [s.pop(_EXTRA_KEY, None) for s in states]
-        super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
+        self._load_optimizer_states({**checkpoint, "optimizer_states": states})
         extra = next((e for e in extras if e), None)
         if extra is not None:
             self._load_extra_training_state(extra)
@@ -588,20 +593,9 @@ class _HorovodStrategyLogic:
 
         plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]
 
-    @override
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, closure: Any, model: Any = None,
-                       **kwargs: Any) -> Any:
-        """With ZeRO: the precision plugin steps a :class:`ZeroStep` view of ``optimizer`` (owned
-        parameters stepped, then exchanged); otherwise Lightning's step."""
-        zero = self._zero.get(id(optimizer))
-        if zero is not None:
-            optimizer = ZeroStep(optimizer, zero)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """With ZeRO: the full state gathered on global rank 0 (``{}`` on the others), as
-        Lightning does for torch's ZeroRedundancyOptimizer; a collective."""
+        Lightning does for torch's ZeroRedundancyOptimizer; a collective. Else Lightning's."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
         zero = self._zero.get(id(inner))
         if zero is None:
@@ -609,10 +603,9 @@ class _HorovodStrategyLogic:
         zero.consolidate(inner, to=0)
         return zero.pop_state_dict() if self.is_global_zero else {}
 
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+    def _load_optimizer_states(self, checkpoint: Any) -> None:
         """With ZeRO: each rank keeps its own parameters' part of the full state (written at
-        any world size)."""
+        any world size). Else Lightning's."""
         if not self._zero:
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=False):
