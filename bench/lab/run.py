@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                    lightning_modes=tuple(a.lightning_modes.split(",")))
     from tests.multihost.netns import cluster
 
+    # SIGTERM (a timeout, pkill) unwinds like Ctrl-C, so cluster() removes its namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()
     print(f"LAB hosts={a.hosts} procs_per_host={a.procs} rates={a.rates} workloads={a.workloads} "
           f"rounds={a.rounds} steps={a.steps} qdisc={a.qdisc} cores={os.cpu_count()} {_load()}", flush=True)
