@@ -201,6 +201,7 @@ class Compression:
         """
         if value is None:
             return Compression.none
+        received = value  # echoed in errors as the caller wrote it
         if isinstance(value, str) and value.lower().startswith("powersgd"):
             value = _powersgd_from_string(value, error)
         if isinstance(value, str) and value.lower() in _BY_NAME:
@@ -215,9 +216,9 @@ class Compression:
         _check_compressor(value, error)
         if value.error_feedback and not allow_error_feedback:
             raise error(
-                f"compression={value!r} keeps error-feedback state per parameter, which only the "
-                "gradient reducer holds. HINT: use it as compression= of DistributedOptimizer or "
-                "HorovodStrategy; for this collective use Compression.fp16 / .bf16."
+                f"compression={received!r} keeps error-feedback state per parameter, which only the "
+                "torch DistributedOptimizer's and HorovodStrategy's gradient reducer holds. HINT: use "
+                "it there; here use Compression.fp16 / .bf16 (or 'fp16' / 'bf16')."
             )
         return value
 
