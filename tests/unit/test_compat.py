@@ -455,6 +455,9 @@ def test_lightning_signal_connector_sigterm_notifier(no_launcher: None) -> None:
     replace_sigterm_notifier(trainer, lambda signum, frame, connector: calls.append(signum))
     before = signal.getsignal(signal.SIGTERM)
     try:
+        # an earlier test in this process may have left another library's SIGTERM handler
+        # (ray.init installs one that calls sys.exit); Lightning chains to it, so start clean
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         trainer._signal_connector.register_signal_handlers()
         signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
     finally:

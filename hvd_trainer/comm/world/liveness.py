@@ -206,6 +206,10 @@ def raise_if_peer_failed(store: Any, ranks: Sequence[int], me: int, what: str) -
     try:
         dead, _remote = find_dead_peers(store, ranks, me)
         relayed = stopped_for_peers(store, dead)
+    except RankFailedError:
+        # raised by this same function in a signal handler that interrupted the lookup (the
+        # launcher's SIGTERM arriving twice): that verdict stands, never swallow it
+        raise
     except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
         return
     message = describe_failure(what, dead, [], relayed, until="while this rank still ran") if dead else None

@@ -35,6 +35,10 @@ class Regressor(pl.LightningModule):
     def training_step(self, batch, batch_idx):  # noqa: ANN001, ANN201
         victim = 1 if "--kill-rank1" in sys.argv else 0 if "--kill-rank0" in sys.argv else None
         if self.global_rank == victim and batch_idx == 2:
+            # let the survivor finish step 1's last bucket and enter its compute first: a kill
+            # while gloo still delivers that bucket is the other scenario (a collective in flight)
+            if "--busy-survivor" in sys.argv:
+                time.sleep(1.0)
             print(f"KILLED pid={os.getpid()} at={time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         busy = "--busy-survivor" in sys.argv
