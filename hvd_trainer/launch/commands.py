@@ -49,6 +49,9 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
     if opts.as_horovod is not None:
         env.update(_as_horovod_env(opts.as_horovod))
+    if opts.verbose:
+        # third-party notices the workers otherwise drop (hvd_trainer.lightning.quiet.VERBOSE_ENV)
+        env["HVD_TRAINER_VERBOSE"] = "1"
     if restarts(opts) > 0:
         # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
         # restarted rank can read a dead rank's gloo address left by the previous attempt

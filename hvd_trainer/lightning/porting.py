@@ -24,6 +24,8 @@ from typing import Any
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 
+from hvd_trainer.lightning import quiet
+
 __all__ = ["LightningPortingError", "HorovodAcceleratorName", "horovod_launched", "install"]
 
 STRATEGY = "horovod"
@@ -86,6 +88,7 @@ def install(connector_cls: type, accelerator_registry: Any) -> None:
         connector_cls: that package's ``_AcceleratorConnector`` (its ``_choose_strategy`` is wrapped).
         accelerator_registry: that package's ``AcceleratorRegistry`` (gets ``"horovod"``).
     """
+    quiet.install()
     choose = connector_cls._choose_strategy
     if not getattr(choose, _WRAPPED, False):
         connector_cls._choose_strategy = _auto_horovod(choose)

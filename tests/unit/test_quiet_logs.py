@@ -1,0 +1,52 @@
+"""Lightning's litlogger tip under hvdrun (hvd_trainer/lightning/quiet.py): a real Trainer in a
+fresh interpreter, its real stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TIP = "try installing [litlogger]"
+CODE = (
+    "import hvd_trainer, pytorch_lightning as pl\n"
+    "pl.Trainer(accelerator='cpu', devices=1, logger=False, enable_progress_bar=False)\n"
+)
+LAUNCHER_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HVD_TRAINER_VERBOSE", "HOROVOD_LOG_LEVEL", "RANK",
+                 "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def _stderr(**env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    base["PYTHONPATH"] = str(ROOT)
+    res = subprocess.run([sys.executable, "-c", CODE], env={**base, **env}, capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    return res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(("env", "shown"), [
+    ({}, True),  # not launched by hvdrun: Lightning as it is
+    ({"HOROVOD_RANK": "0"}, False),
+    ({"HOROVOD_RANK": "0", "HVD_TRAINER_VERBOSE": "1"}, True),  # hvdrun --verbose
+    ({"HOROVOD_RANK": "0", "HOROVOD_LOG_LEVEL": "debug"}, True),
+])
+def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(env: dict[str, str], shown: bool) -> None:
+    out = _stderr(**env)
+    assert (TIP in out) is shown, out
+    assert "GPU available:" in out, out  # Lightning's other lines are kept
+
+
+def test_hvdrun_verbose_exports_the_switch() -> None:
+    from hvd_trainer.launch.commands import worker_env
+    from hvd_trainer.launch.options import parse_options
+
+    verbose, _ = parse_options(["-np", "2", "--verbose", "python", "x.py"])
+    plain, _ = parse_options(["-np", "2", "python", "x.py"])
+    assert verbose is not None and plain is not None
+    assert worker_env(verbose).get("HVD_TRAINER_VERBOSE") == "1"
+    assert "HVD_TRAINER_VERBOSE" not in worker_env(plain)
