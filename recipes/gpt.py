@@ -10,7 +10,7 @@ same validation bytes, computed in the same run: a model below it has learnt con
 
 Launch (settings: dataclass defaults < conf/gpt.yaml < command line):
 
-    # one node, 2 CPU processes (what `make demo` runs; 2-3 minutes on 2 cores)
+    # one node, 2 CPU processes (what `make demo` runs; ~3 minutes of training on 2 cores)
     hvdrun -np 2 hvd-train recipe=gpt
     # one GPU, or 8 GPUs of one node: the larger GPU config (conf/gpt_gpu.yaml), bf16 autocast
     hvd-train recipe=gpt_gpu
@@ -335,6 +335,37 @@ class _ProgressLines(pl.Callback):
               f"tokens_per_s={self.throughput.tokens_per_s:.0f}", flush=True)
 
 
+class _ValidationLines(pl.Callback):
+    """On global rank 0, after every validation (the periodic ones of
+    ``trainer.val_every_n_steps`` and the final one): ``val step <step>/<max_steps>
+    val_loss=<nats per byte> train_s=<seconds>``, where ``train_s`` is the wall time since
+    training started with the validations' own time taken out (what ``bench/gpt_curve.py``
+    plots the loss against)."""
+
+    def __init__(self, max_steps: int) -> None:
+        self.max_steps = max_steps
+        self._train_start: float | None = None
+        self._val_start = 0.0
+        self._val_seconds = 0.0
+
+    def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._train_start = time.perf_counter()
+
+    def on_validation_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+        self._val_start = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if self._train_start is None or trainer.sanity_checking:
+            return
+        train_s = self._val_start - self._train_start - self._val_seconds
+        if trainer.state.fn == "fit":  # periodic: its own time is not training time
+            self._val_seconds += time.perf_counter() - self._val_start
+        loss = trainer.callback_metrics.get("val_loss")
+        if trainer.is_global_zero and loss is not None:
+            print(f"val step {trainer.global_step}/{self.max_steps} val_loss={float(loss):.4f} "
+                  f"train_s={train_s:.1f}", flush=True)
+
+
 class _TimelineSpans(pl.Callback):
     """With ``HOROVOD_TIMELINE`` set: each rank's forward, backward and clip + optimizer step
     on a ``compute`` row of its timeline, next to the gradient buckets' allreduce rows, so the
@@ -507,7 +538,8 @@ def run(cfg: Config) -> dict[str, float]:
     throughput = _Throughput()
     spans = _TimelineSpans()
     progress_bar, progress = _progress(cfg.trainer, throughput)
-    trainer, run_dir = _trainer(cfg, [throughput, spans, *progress], progress_bar)
+    val_lines = _ValidationLines(cfg.trainer.max_steps)
+    trainer, run_dir = _trainer(cfg, [throughput, spans, val_lines, *progress], progress_bar)
     if trainer.is_global_zero:
         print(_header(trainer, cfg, module), flush=True)
         if run_dir is not None:

@@ -31,7 +31,7 @@ RESULT = re.compile(  # a language model's fields only: no accuracy, epochs or s
     r"unigram_loss=(?P<uni>\d+\.\d{4}) tokens_per_s=(?P<tps>\d+\.\d) steps=(?P<steps>\d+)$"
 )
 STEPS = 60
-SHORT = [  # the demo's model and batch (conf/gpt.yaml), 60 instead of 500 steps
+SHORT = [  # the demo's model and batch (conf/gpt.yaml), 60 instead of 1500 steps
     f"trainer.max_steps={STEPS}", "trainer.log_every_n_steps=15", "trainer.val_every_n_steps=30",
     "optim.warmup_steps=10", "data.val_windows=64", "sample.new_tokens=60",
 ]
@@ -84,6 +84,14 @@ def test_only_rank_0_prints(gpt_run: tuple[Result, Path]) -> None:
     assert out.count("<stdout>:gpt: world_size=2 ") == 1 and "[0]<stdout>:gpt: world_size=2 " in out
     progress = re.findall(r"(?m)^\[(\d)\]<stdout>:step (\d+)/60 train_loss=\d+\.\d+ ", out)
     assert progress == [("0", "15"), ("0", "30"), ("0", "45"), ("0", "60")], result.explain()
+    # a line per validation (every 30 steps, then the final one on all of the text): the
+    # learning curve of bench/gpt_curve.py, training time growing, the final equal to RESULT's
+    vals = re.findall(r"(?m)^\[0\]<stdout>:val step (\d+)/60 val_loss=(\d+\.\d+) train_s=(\d+\.\d+)$", out)
+    assert [v[0] for v in vals] == ["30", "60", "60"], result.explain()
+    assert 0 < float(vals[0][2]) < float(vals[1][2]) <= float(vals[2][2]) + 0.1, vals
+    (final,) = [m for m in map(RESULT.match, out.splitlines()) if m]
+    assert float(vals[2][1]) == pytest.approx(float(final["val"]), abs=1e-4), vals
+    assert "[1]<stdout>:val step" not in out
     assert out.count("<stdout>:----- sample -----") == 1 and "[0]<stdout>:ROMEO." in out
     assert "[1]<stdout>:" not in out, result.explain()
 
