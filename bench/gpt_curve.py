@@ -47,7 +47,9 @@ def run_curve(np_: int, val_every: int, val_windows: int, overrides: list[str]) 
                for m in VAL_LINE.finditer(out)}  # the final validation repeats the last step's
     points = sorted(by_step.values(), key=lambda p: p["step"])
     result = next((line for line in out.splitlines() if "RESULT" in line), "")
-    sample = out.split("----- sample -----")[-1].split("------------------")[0] if "----- sample" in out else ""
+    sample = ""
+    if "----- sample" in out:
+        sample = out.split("----- sample -----")[-1].split("------------------")[0]
     if sample:
         print("sample:" + sample.rstrip(), flush=True)
     return points, result
@@ -63,7 +65,8 @@ def plot(runs: dict[str, list[dict]], out: Path, target: float | None) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for label, points in runs.items():
-        ax.plot([p["train_s"] for p in points], [p["val_loss"] for p in points], marker="o", ms=3, label=label)
+        ax.plot([p["train_s"] for p in points], [p["val_loss"] for p in points], marker="o", ms=3,
+                label=label)
     if target is not None:
         ax.axhline(target, ls="--", color="grey", lw=1, label=f"{target} (nanoGPT CPU, tiny Shakespeare)")
     ax.set_xlabel("training time (s, validation excluded)")
@@ -97,7 +100,8 @@ def main() -> None:
         points, result = run_curve(args.np, args.val_every, args.val_windows, args.overrides)
         print(f"LOAD after={os.getloadavg()[0]:.2f}", flush=True)
         for pt in points:
-            print(f"CURVE label={args.label!r} step={pt['step']} train_s={pt['train_s']} val_loss={pt['val_loss']}")
+            print(f"CURVE label={args.label!r} step={pt['step']} train_s={pt['train_s']} "
+                  f"val_loss={pt['val_loss']}")
         print(result, flush=True)
         runs[args.label] = points
         if args.runs is not None:
