@@ -43,7 +43,8 @@ def test_recipe_help_shows_every_key_with_type_value_default_and_doc(
         assert lines[row + 1].startswith("      ") and len(lines[row + 1].strip()) > 5, (key, out)
     assert "  model.n_layer: int = 3" in out  # the value after conf/gpt.yaml...
     assert ("  trainer.log_every_n_steps: int = 100  (from gpt.yaml or the command line; schema "
-            "default 25)\n      Log train loss and learning rate (and print a progress line) every this many steps.") in out
+            "default 25)\n      Log train loss and learning rate (and print a progress line) every "
+            "this many steps.") in out
     assert "  trainer.max_steps: int = 1500  (from gpt.yaml" in out
     assert "      Context length in bytes." in out  # ...and the field's docstring
     assert "  trainer.strategy: str = 'horovod'" in out and "  optim.lr: float = 0.003" in out
