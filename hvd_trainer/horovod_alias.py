@@ -25,6 +25,10 @@ What resolves to what:
 ``horovod.common.exceptions``                   ``HorovodInternalError``, ``HostsUpdatedInterrupt``
 ==============================================  ===================================================
 
+While the alias is installed, ``reducescatter``'s gradient has Horovod's scale (the set size
+times the exact adjoint: ``HVD_TRAINER_REDUCESCATTER_GRAD=horovod``, set by :func:`install`
+unless the variable is already set, removed again by :func:`uninstall`).
+
 Anything else under ``horovod.`` (``horovod.spark``, ``horovod.ray``, ``horovod.mxnet``, a
 module hvd_trainer lacks) raises ``ModuleNotFoundError`` naming what to use instead.
 
@@ -43,9 +47,12 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 from collections.abc import Callable, Sequence
+
+from hvd_trainer.comm.base.config import REDUCESCATTER_GRAD_ENV
 
 __all__ = ["install", "uninstall", "is_installed", "target_of", "HorovodAliasFinder"]
 
@@ -157,6 +164,8 @@ class HorovodAliasFinder(importlib.abc.MetaPathFinder):
 
     def __init__(self, force: bool = False) -> None:
         self.force = force
+        self.set_grad_env = False
+        """Whether :func:`install` set ``HVD_TRAINER_REDUCESCATTER_GRAD`` (uninstall removes it)."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
@@ -198,12 +207,18 @@ def install(force: bool = False) -> None:
     _FINDER.force = force
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+    if REDUCESCATTER_GRAD_ENV not in os.environ:  # Horovod's numbers for Horovod's code
+        os.environ[REDUCESCATTER_GRAD_ENV] = "horovod"
+        _FINDER.set_grad_env = True
 
 
 def uninstall() -> None:
     """Stop serving ``horovod`` and forget the aliased ``horovod.*`` modules of this process."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+    if _FINDER.set_grad_env:
+        os.environ.pop(REDUCESCATTER_GRAD_ENV, None)
+        _FINDER.set_grad_env = False
     if getattr(sys.modules.get("horovod"), _MARK, False):
         for name in [n for n in sys.modules if n == "horovod" or n.startswith("horovod.")]:
             del sys.modules[name]

@@ -139,3 +139,44 @@ def test_variant_gradients_inside_a_process_set() -> None:
     assert results[1] == {}
     _check(results[0], 0, 2)
     _check(results[2], 1, 2)
+
+
+def _horovod_scale() -> dict:
+    """Horovod's ``test_horovod_reducescatter_grad`` and ``..._grad_average`` (test_torch.py):
+    a [4 * size]^dim tensor, the output's gradient all ones; under
+    ``HVD_TRAINER_REDUCESCATTER_GRAD=horovod`` the input's gradient is size (Sum) and 1
+    (Average), and the variable is read at each backward (so unset gives the adjoint again)."""
+    import os
+
+    import hvd_trainer as hvd
+
+    size, out = hvd.size(), {}
+    for dim in (1, 2, 3):
+        for op in ("Sum", "Average"):
+            x = torch.empty(*([size * 4] * dim), dtype=torch.float64).uniform_(-100, 100).requires_grad_()
+            y = hvd.reducescatter(x, op=getattr(hvd, op))
+            y.backward(torch.ones([4] + [size * 4] * (dim - 1), dtype=torch.float64))
+            out[(op, dim)] = sorted(set(x.grad.flatten().tolist()))
+    os.environ["HVD_TRAINER_REDUCESCATTER_GRAD"] = "adjoint"
+    x = torch.ones(size * 4, dtype=torch.float64, requires_grad=True)
+    hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+    out["adjoint"] = sorted(set(x.grad.tolist()))
+    os.environ["HVD_TRAINER_REDUCESCATTER_GRAD"] = "hovorod"  # a typo is refused, not ignored
+    x = torch.ones(size * 4, dtype=torch.float64, requires_grad=True)
+    try:
+        hvd.reducescatter(x, op=hvd.Sum).sum().backward()
+        out["typo"] = "accepted"
+    except ValueError as exc:
+        out["typo"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_horovod_reducescatter_gradient_scale_on_request(n: int) -> None:
+    results = run_workers(_horovod_scale, n, env={"HVD_TRAINER_REDUCESCATTER_GRAD": "horovod"},
+                          timeout_seconds=180)
+    for res in results:
+        for dim in (1, 2, 3):
+            assert res[("Sum", dim)] == [float(n)] and res[("Average", dim)] == [1.0], res
+        assert res["adjoint"] == [1.0]
+        assert "HVD_TRAINER_REDUCESCATTER_GRAD='hovorod'" in res["typo"] and "'horovod'" in res["typo"]

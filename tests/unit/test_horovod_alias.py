@@ -111,3 +111,25 @@ def test_hvdrun_flag(flag: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> N
     assert env["HVDRUN_AS_HOROVOD"] == mode
     opts, _ = parse_options(["-np", "2", "python", "train.py"])
     assert opts is not None and "HVDRUN_AS_HOROVOD" not in worker_env(opts)
+
+
+GRAD_ENV = """
+import os
+import hvd_trainer.horovod_alias as alias
+print(os.environ.get("HVD_TRAINER_REDUCESCATTER_GRAD"))
+alias.uninstall()
+print(os.environ.get("HVD_TRAINER_REDUCESCATTER_GRAD"))
+"""
+
+
+@pytest.mark.parametrize(("user", "expected"), [(None, ["horovod", "None"]),
+                                               ("adjoint", ["adjoint", "adjoint"])])
+def test_alias_gives_horovods_reducescatter_gradient_unless_the_user_chose(user: str | None,
+                                                                          expected: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HVD_TRAINER_REDUCESCATTER_GRAD"}
+    if user is not None:
+        env["HVD_TRAINER_REDUCESCATTER_GRAD"] = user
+    proc = subprocess.run([sys.executable, "-c", GRAD_ENV], capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == expected

@@ -90,6 +90,30 @@ def hierarchical_allreduce_env(environ: Mapping[str, str] | None = None) -> bool
                      "the measured choice.")
 
 
+REDUCESCATTER_GRAD_ENV = "HVD_TRAINER_REDUCESCATTER_GRAD"
+
+
+def reducescatter_grad_horovod(environ: Mapping[str, str] | None = None) -> bool:
+    """``HVD_TRAINER_REDUCESCATTER_GRAD``: ``adjoint`` (unset: the default) or ``horovod``.
+
+    ``horovod`` makes the gradient of ``reducescatter`` what ``horovod.torch`` returns: the set
+    size times the exact adjoint (``op=Sum``: size x the allgathered output gradients; ``op=Average``:
+    the allgathered output gradients themselves), as Horovod's own ``test_horovod_reducescatter_grad``
+    and ``..._grad_average`` expect. Read at each backward.
+
+    Raises:
+        ValueError: another value.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(REDUCESCATTER_GRAD_ENV, "").strip().lower()
+    if value in ("", "adjoint"):
+        return False
+    if value == "horovod":
+        return True
+    raise ValueError(f"{REDUCESCATTER_GRAD_ENV}={value!r}: expected 'adjoint' (the default: the exact "
+                     "adjoint of the forward) or 'horovod' (Horovod's scale: the set size times it).")
+
+
 @dataclass(kw_only=True, slots=True)
 class CommConfig:
     """Cross-rank checks, stall inspection and the timeline."""

@@ -13,7 +13,9 @@ over the global batch, for instance) train as they do with ``horovod.torch``:
   the received splits), so each rank gets the gradient of the rows it sent;
 * reducescatter, grouped_reducescatter: the gradients of every member's block are allgathered
   (the adjoint of reduce-then-slice), times ``prescale_factor * postscale_factor``, divided by
-  the set size for Average (as the allreduce rule above gives for the reduced tensor).
+  the set size for Average (as the allreduce rule above gives for the reduced tensor);
+  ``HVD_TRAINER_REDUCESCATTER_GRAD=horovod`` multiplies that by the set size, Horovod's scale
+  (:func:`~hvd_trainer.comm.base.config.reducescatter_grad_horovod`).
 
 All of these also hold inside a process set (the backward runs on the same set).
 
@@ -28,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hvd_trainer.comm.base.config import reducescatter_grad_horovod
 from hvd_trainer.comm.base.errors import CommError
 from hvd_trainer.comm.ops.movement_async import (
     allgather_async,
@@ -168,9 +171,14 @@ class _Alltoall(torch.autograd.Function):
 
 
 def _scatter_scale(op: ReduceOp, pre: float, post: float, pset: Any, world: Any) -> float:
+    """The factor on the allgathered output gradients: the exact adjoint's, or with
+    ``HVD_TRAINER_REDUCESCATTER_GRAD=horovod`` the set size times it (Horovod's)."""
     _require_linear(op, "reducescatter")
     scale = pre * post
-    return scale / resolve_set(pset, world, "reducescatter").size() if op is ReduceOp.AVERAGE else scale
+    size = resolve_set(pset, world, "reducescatter").size()
+    if op is ReduceOp.AVERAGE:
+        scale /= size
+    return scale * size if reducescatter_grad_horovod() else scale
 
 
 class _Reducescatter(torch.autograd.Function):
