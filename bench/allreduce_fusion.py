@@ -163,7 +163,7 @@ def _bench(reps: int, thresholds: list[int], default_threshold: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--thresholds-mib", type=float, nargs="+", default=[4, 16, 25, 64, 128])
     args = parser.parse_args()

@@ -157,7 +157,7 @@ def bench_lightning(reps: int, directory: Path) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--reps", type=int, default=7, help="interleaved repetitions (>= 5)")
     parser.add_argument("--skip-lightning", action="store_true")
     args = parser.parse_args()

@@ -80,7 +80,7 @@ def plot(runs: dict[str, list[dict]], out: Path, target: float | None) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--val-every", type=int, default=50, help="optimizer steps between validations")
     p.add_argument("--val-windows", type=int, default=0, help="0: all of the validation text")

@@ -62,7 +62,7 @@ def _make_step(model, opt, x, y, reducer: GradientReducer | None):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default=None, help="resnet50 (default on CUDA) or mlp")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)

@@ -32,7 +32,7 @@ def _step_ms(model: torch.nn.Module, x: torch.Tensor, steps: int, reducer: Gradi
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)

@@ -126,7 +126,7 @@ def _run_backend(backend: str, argv: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--steps", type=int, default=40, help="steps per epoch (2 epochs per fit)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=128)

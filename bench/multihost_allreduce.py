@@ -90,7 +90,7 @@ def run_cross_host(args: argparse.Namespace) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--mib", type=float, default=16.0, help="tensor size, MiB (float32)")
     p.add_argument("--iters", type=int, default=20, help="timed allreduces per run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -72,7 +72,7 @@ def _worker(rank: int, size: int, port: int, steps: int, reps: int, q) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--reps", type=int, default=3)

@@ -46,7 +46,7 @@ class Point:
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--max-np", type=int, default=2, help="largest process count (default 2)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per run (default 60)")
     p.add_argument("--repeats", type=int, default=1, help="runs per process count; the median counts")

@@ -80,7 +80,7 @@ def _launch(mode: str, exe_dir: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worker", nargs=2, metavar=("MODE", "OUT_DIR"), help=argparse.SUPPRESS)
     args = parser.parse_args()

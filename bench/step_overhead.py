@@ -168,7 +168,7 @@ MODES = ("plain", "dist", "inline", "ddp")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=128)

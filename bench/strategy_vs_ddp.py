@@ -167,7 +167,7 @@ def _measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--worker", metavar="STRATEGY", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="runs per strategy (median)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")

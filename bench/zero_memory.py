@@ -140,7 +140,7 @@ def _run(size: int, args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--np", type=int, nargs="+", default=[2, 3])
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=8)

@@ -56,7 +56,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)

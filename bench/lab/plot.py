@@ -52,7 +52,7 @@ def plot(records: list[dict], out: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) != 3:
-        raise SystemExit(__doc__.splitlines()[0])
+        raise SystemExit(" ".join(__doc__.split("\n\n")[0].split()))
     lines = Path(sys.argv[1]).read_text().splitlines()
     plot([json.loads(line) for line in lines if line.strip()], Path(sys.argv[2]))
 

@@ -36,7 +36,8 @@ def _load() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.lab", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.lab",
+                                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--rates", default="20mbit", help=f"comma-separated tc rates or {UNSHAPED!r}")
     p.add_argument("--workloads", default="allreduce,loop,lightning", help=f"comma-separated: {WORKLOADS}")
     p.add_argument("--hosts", type=int, default=2)

@@ -1,4 +1,4 @@
-"""Lightning's advertising tip, kept off the console of jobs that hvdrun started.
+"""Third-party notices that say nothing about a job hvdrun started, kept off its console.
 
 Every ``Trainer(...)`` of Lightning 2.6 logs, on rank 0 at INFO level, a tip to install
 ``litlogger`` (its logger connector, ``logger_connector.py``). Under hvdrun each job would print
@@ -8,15 +8,22 @@ hvdrun or horovodrun (``HOROVOD_RANK`` set) and the user did not ask for everyth
 (``hvdrun --verbose``, which exports ``HVD_TRAINER_VERBOSE=1``, or ``HOROVOD_LOG_LEVEL`` of
 ``debug``/``trace``). Every other record, including Lightning's own
 ``GPU available: ...`` lines, passes unchanged; a script run without hvdrun sees Lightning as it is.
+
+Under the same condition two warnings are ignored (Python's warning filters, set when the
+Lightning integration is installed): Lightning's "The `srun` command is available on your
+system but is not used" (its SLURM check, whose HINT to prepend ``srun`` is wrong for a job that
+hvdrun launched), and torch's ``isinstance(treespec, LeafSpec)`` deprecation, which Lightning
+2.6's own pytree code triggers once per rank.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping
 
-__all__ = ["VERBOSE_ENV", "TIP_PREFIX", "quiet_wanted", "install"]
+__all__ = ["VERBOSE_ENV", "TIP_PREFIX", "WARNINGS", "quiet_wanted", "install"]
 
 VERBOSE_ENV = "HVD_TRAINER_VERBOSE"
 """Set to ``1`` (``hvdrun --verbose`` does) to keep every third-party line."""
@@ -51,9 +58,18 @@ class _DropTip(logging.Filter):
         return not message.startswith(TIP_PREFIX)
 
 
+WARNINGS = (r"The `srun` command is available on your system but is not used",
+            r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+"""Regular expressions (matched at the start of the message) of the warnings ignored under hvdrun."""
+
+
 def install() -> None:
-    """Add the filter to Lightning's rank-zero loggers (idempotent)."""
+    """Add the filter to Lightning's rank-zero loggers, and the warning filters of
+    :data:`WARNINGS` when :func:`quiet_wanted` (idempotent)."""
     for name in _LOGGERS:
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropTip) for f in log.filters):
             log.addFilter(_DropTip())
+    if quiet_wanted():
+        for message in WARNINGS:
+            warnings.filterwarnings("ignore", message=message)

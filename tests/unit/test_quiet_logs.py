@@ -20,9 +20,14 @@ LAUNCHER_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HVD_TRAINER_VERBOSE", "HOROVOD
                  "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")
 
 
-def _stderr(**env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+SRUN = "The `srun` command is available on your system but is not used"
+
+
+def _stderr(path_dir: Path, **env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     base["PYTHONPATH"] = str(ROOT)
+    # an `srun` on PATH (a stand-in, never run): Lightning's SLURM check then warns
+    base["PATH"] = os.pathsep.join([str(path_dir), base.get("PATH", "")])
     res = subprocess.run([sys.executable, "-c", CODE], env={**base, **env}, capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 0, res.stderr
@@ -35,9 +40,14 @@ def _stderr(**env: str) -> str:
     ({"HOROVOD_RANK": "0", "HVD_TRAINER_VERBOSE": "1"}, True),  # hvdrun --verbose
     ({"HOROVOD_RANK": "0", "HOROVOD_LOG_LEVEL": "debug"}, True),
 ])
-def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(env: dict[str, str], shown: bool) -> None:
-    out = _stderr(**env)
+def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(env: dict[str, str], shown: bool,
+                                                          tmp_path: Path) -> None:
+    srun = tmp_path / "srun"
+    srun.write_text("#!/bin/sh\nexit 1\n")
+    srun.chmod(0o755)
+    out = _stderr(tmp_path, **env)
     assert (TIP in out) is shown, out
+    assert (SRUN in out) is shown, out  # the SLURM hint goes with it
     assert "GPU available:" in out, out  # Lightning's other lines are kept
 
 
