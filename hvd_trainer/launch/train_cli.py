@@ -14,6 +14,7 @@ one ``RESULT`` line (under torchrun/hvdrun, mpirun, srun or Lightning's self-lau
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import importlib.util
 import sys
@@ -97,8 +98,10 @@ def load_config(schema: type, yaml_path: Path | None, overrides: Sequence[str]) 
         raise
     except ConfigKeyError as exc:
         key = getattr(exc, "full_key", None) or str(exc).splitlines()[0]
+        close = difflib.get_close_matches(str(key), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(
-            f"unknown config key {key!r}. Valid keys: {', '.join(valid)}"
+            f"unknown config key {key!r}{hint}. Valid keys: {', '.join(valid)}"
         ) from None
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None)

@@ -38,6 +38,13 @@ def test_unknown_key_is_named_with_valid_keys() -> None:
     assert "learning_rate" in msg
     for key in ("optim.lr", "trainer.max_epochs", "data.batch_size_per_rank", "model.hidden"):
         assert key in msg
+    assert "did you mean" not in msg  # nothing close to 'optim.learning_rate'
+
+
+def test_unknown_key_near_a_valid_one_gets_a_suggestion() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(Config, None, ["trainer.max_epoch=3"])
+    assert "unknown config key 'trainer.max_epoch' (did you mean 'trainer.max_epochs'?)" in str(info.value)
 
 
 def test_wrong_type_is_an_error() -> None:
