@@ -11,7 +11,9 @@ Run every mode under the same launcher (the shaped-link lab runs it on its names
 
 Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
 ``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
-32), ``local`` (no communication; world of one), and torch's own for comparison: ``ddp`` (DDP,
+32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``auto``
+(``compression="auto"``: the link probe's choice), ``local`` (no communication; world of one),
+and torch's own for comparison: ``ddp`` (DDP,
 fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
 compressing from the 2nd step; its bytes are not counted by hvd_trainer: ``comm_bytes_sent=-1``,
 the lab's interface counters still are). Each rank prints one ``LAB {json}`` record
@@ -20,15 +22,18 @@ with ``val_loss`` and ``comm_bytes_sent`` (what hvd_trainer's comm layer counted
 ring-collective payload, see ``GradientReducer.wire_bytes_sent`` and ``OuterSync.bytes_sent``);
 rank 0 also prints a ``RESULT`` line. :func:`run_mode` is the workload function.
 
-The timed window excludes ``--warmup`` steps and validation. Validation runs on every rank on
-the same held-out data after the last step (local steps: after a final outer step, so the
-ranks' weights are equal).
+The timed window excludes ``--warmup`` steps and validation. ``--eval-every N`` also validates
+every N steps (not timed) and adds the ``curve`` of (step, training seconds, val_loss, bytes) to
+the record: the lab's time-to-loss figures (``python -m bench.lab --workloads slow_link``).
+Validation runs on every rank on the same held-out data after the last step (local steps: after
+a final outer step, so the ranks' weights are equal).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +44,8 @@ from bench.lab.workers.common import Window, emit
 
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
-MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "local", "ddp", "ddp_powersgd")
+MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "auto", "local", "ddp",
+         "ddp_powersgd")
 
 
 @dataclass
@@ -56,6 +62,13 @@ class SlowLinkArgs:
     seed: int = 0
     round: int = 0
     val_batches: int = 8
+    eval_every: int = 0
+    """Also validate after every this many steps (warmup steps counted; 0: at the end only),
+    outside the timed window: the record's ``curve`` of (step, train seconds, val_loss)."""
+    stop_below: float = 0.0
+    """With ``eval_every``: stop at the first validation at or after ``min_steps`` whose
+    val_loss is at most this (0: run every step)."""
+    min_steps: int = 0
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
@@ -68,9 +81,10 @@ def parse_mode(mode: str) -> tuple[str, int]:
     name, _, num = mode.partition(":")
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
-    default = {"powersgd": 4, "localsgd": 32, "ddp_powersgd": 4}.get(name, 0)
+    default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
-        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R and localsgd:H take a number >= 1.")
+        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R, localsgd:H and localsgd_int8:H "
+                         "take a number >= 1.")
     return name, int(num) if num else default
 
 
@@ -165,10 +179,12 @@ def _optimizer(name: str, num: int, net: nn.Module, lr: float):  # noqa: ANN202 
     inner = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
     if name in ("local", "ddp", "ddp_powersgd"):
         return inner
-    if name == "localsgd":
-        return hvd.LocalSGD(inner, net, sync_every=num)
+    if name in ("localsgd", "localsgd_int8"):
+        outer_wire = "int8" if name == "localsgd_int8" else None
+        return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
-    compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}"}[name]
+    compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}",
+                   "auto": "auto"}[name]
     return hvd.DistributedOptimizer(inner, named_parameters=net.named_parameters(), compression=compression)
 
 
@@ -187,6 +203,9 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     import hvd_trainer as hvd
 
     name, num = parse_mode(args.mode)
+    if args.eval_every and name.startswith("localsgd") and args.eval_every % num:
+        raise ValueError(f"--eval-every {args.eval_every} must be a multiple of H={num} in mode {args.mode} "
+                         "(the ranks' weights are equal only after an outer step).")
     distributed = name != "local"
     rank, world = (hvd.rank(), hvd.size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
@@ -194,8 +213,36 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     opt = _optimizer(name, num, net, args.lr)
     if name.startswith("ddp"):
         net = _ddp(name, num, net)  # DDP broadcasts rank 0's parameters itself
+    steps, timed, sent, curve = _train(args, net, opt, data, rank, distributed)
+    if name == "local":
+        sent = 0
+    if name.startswith("ddp"):
+        sent = -1  # not ours to count
+    val_loss = _validate(net, data, args)
+    tokens_per_step = args.batch * data.tokens_per_sample * world
+    tokens = steps * tokens_per_step
+    record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
+              "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
+              "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"],
+              "tokens_per_step": tokens_per_step, "curve": curve}
+    emit(**record)
+    if rank == 0:
+        print(f"RESULT mode={args.mode} model={args.model} world_size={world} steps={steps} "
+              f"tokens_per_s={record['tokens_per_s']:.0f} val_loss={val_loss:.4f} comm_bytes_sent={sent} "
+              f"comm_bytes_per_token={max(sent, 0) * world / tokens:.3f}", flush=True)
+    return record
+
+
+def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data: _Digits | _Bytes, rank: int,
+           distributed: bool) -> tuple[int, dict[str, float], int, list[dict[str, float]]]:
+    """The training loop: ``(timed steps, window, comm bytes sent, curve)``; validation (every
+    ``eval_every`` steps) is outside the window's seconds."""
+    import hvd_trainer as hvd
+
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)
     window = Window()
+    curve: list[dict[str, float]] = []
+    eval_s = 0.0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             if distributed:
@@ -205,25 +252,24 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
         opt.zero_grad()
         _loss(net, *data.batch(args.batch, gen)).backward()
         opt.step()
-    if name == "localsgd" and opt.outer.inner_steps:
+        if not args.eval_every or i < args.warmup or (i + 1) % args.eval_every:
+            continue
+        t0 = time.perf_counter()
+        val = _validate(net, data, args)
+        if distributed:  # the ranks' mean (equal weights: the same value) -> one stop decision
+            val = float(hvd.allreduce(torch.tensor([val]), op=hvd.Average, name="bench.val_loss"))
+        curve.append({"step": i + 1, "seconds": t0 - window.started - eval_s,
+                      "val_loss": val, "comm_bytes_sent": _bytes_sent(opt) - bytes_before})
+        eval_s += time.perf_counter() - t0
+        if args.stop_below and i + 1 >= args.min_steps and val <= args.stop_below:
+            break  # the same value on every rank: all stop here
+    if isinstance(opt, hvd.LocalSGD) and opt.outer.inner_steps:
         opt.sync()  # equal weights for validation; its bytes count
     if distributed:
         hvd.barrier()
     timed = window.stop()
-    sent = _bytes_sent(opt) - bytes_before if name != "local" else 0
-    if name.startswith("ddp"):
-        sent = -1  # not ours to count
-    val_loss = _validate(net, data, args)
-    tokens = args.steps * args.batch * data.tokens_per_sample * world
-    record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
-              "steps": args.steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
-              "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"]}
-    emit(**record)
-    if rank == 0:
-        print(f"RESULT mode={args.mode} model={args.model} world_size={world} steps={args.steps} "
-              f"tokens_per_s={record['tokens_per_s']:.0f} val_loss={val_loss:.4f} comm_bytes_sent={sent} "
-              f"comm_bytes_per_token={max(sent, 0) * world / tokens:.3f}", flush=True)
-    return record
+    timed["seconds"] -= eval_s
+    return i + 1 - args.warmup, timed, _bytes_sent(opt) - bytes_before, curve
 
 
 @torch.no_grad()
@@ -244,6 +290,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--round", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="also validate every N steps (not timed); the LAB record's curve")
+    p.add_argument("--stop-below", type=float, default=0.0,
+                   help="with --eval-every: stop once val_loss <= this, at or after --min-steps")
+    p.add_argument("--min-steps", type=int, default=0)
     a = p.parse_args(argv)
     parse_mode(a.mode)  # fail before init
     torch.set_num_threads(a.threads)
@@ -252,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
 
         hvd.init()
     run_mode(SlowLinkArgs(mode=a.mode, model=a.model, steps=a.steps, warmup=a.warmup, batch=a.batch, lr=a.lr,
-                          round=a.round))
+                          round=a.round, eval_every=a.eval_every,
+                          stop_below=a.stop_below, min_steps=a.min_steps))
 
 
 if __name__ == "__main__":

@@ -148,7 +148,8 @@ class _HorovodStrategyLogic:
             validation in between runs each rank's local weights (metrics averaged as usual).
             Checkpoints hold the anchors and outer momentum (global) next to rank 0's model
             and inner optimizer state; a resume gives every rank rank 0's.
-            ``compression`` (``fp16``/``bf16``) then narrows the outer allreduce.
+            ``compression`` (``fp16``/``bf16``/``int8``) then narrows the outer gradient
+            (``int8``: block-quantised allgather, no error feedback; ``powersgd`` is refused).
             ``"auto"``: chosen at the start of ``fit`` with ``compression="auto"`` below.
         outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
             ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
@@ -225,7 +226,7 @@ class _HorovodStrategyLogic:
         compression = None if compression == AUTO else compression
         sync_every = None if sync_every == AUTO else sync_every
         self._compression = Compression.resolve(compression, error=StrategyConfigError,
-                                                allow_error_feedback=sync_every is None)
+                                                allow_error_feedback=True)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()

@@ -17,11 +17,13 @@ def check_slow_link_keys(cfg: Any) -> None:
     """Validate ``cfg`` (a recipe's TrainerConfig) in ``__post_init__``.
 
     Raises:
-        ValueError: a negative ``sync_every``, or a slow-link option with a strategy other than
-            "horovod".
+        ValueError: ``sync_every`` neither an int >= 0 nor "auto", or a slow-link option with a
+            strategy other than "horovod".
     """
-    if cfg.sync_every < 0:
-        raise ValueError(f"trainer.sync_every={cfg.sync_every} must be >= 0 (0: synchronous).")
+    auto = cfg.sync_every == "auto"
+    if not auto and (not isinstance(cfg.sync_every, int) or cfg.sync_every < 0):
+        raise ValueError(f"trainer.sync_every={cfg.sync_every!r} must be an int >= 0 (0: synchronous) "
+                         "or auto (chosen from the measured link).")
     if cfg.strategy != "horovod" and (cfg.sync_every or cfg.compression != "none"):
         raise ValueError(
             f"trainer.sync_every / trainer.compression need trainer.strategy=horovod, got "

@@ -93,15 +93,17 @@ class TrainerConfig:
     """Seed of model initialisation (rank 0's weights are broadcast), shuffling and sampling."""
     threads_per_process: int = 0
     """torch intra-op threads per process; 0 = CPU cores / processes on this node (at least 1)."""
-    sync_every: int = 0
+    sync_every: int | str = 0
     """DiLoCo local steps: optimizer steps between two outer steps (each rank trains alone in
-    between; no gradient allreduce). 0: synchronous data parallel (the default)."""
+    between; no gradient allreduce). 0: synchronous data parallel (the default). "auto" (with
+    trainer.compression=auto): chosen at the start of fit from the measured link."""
     outer_lr: float = 0.7
     """Outer SGD learning rate of local steps (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum of local steps (DiLoCo: 0.9)."""
     compression: str = "none"
-    """Gradient wire format: "none", "fp16", "bf16" (with sync_every: of the outer allreduce)."""
+    """Gradient wire format: "none", "fp16", "bf16", "int8", "powersgd:R" (error feedback), "auto"
+    (from the measured link); with sync_every, of the outer gradient ("none", "bf16", "int8")."""
     progress_bar: str = "auto"
     """"tqdm" (Lightning's bar, rank 0), "lines" (a line per log_every_n_steps), "none", or "auto"
     (tqdm when stderr is a terminal, else lines: hvdrun forwards whole lines only)."""

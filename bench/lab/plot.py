@@ -1,4 +1,6 @@
-"""``python -m bench.lab.plot RECORDS.jsonl OUT.png``: samples/s vs link rate, one line per mode.
+"""``python -m bench.lab.plot RECORDS.jsonl OUT.png``: samples/s vs link rate, one line per mode;
+``python -m bench.lab.plot --curves RECORDS.jsonl OUT.png``: the ``slow_link`` workload's
+val_loss vs training time, one panel per link rate, one line per mode.
 
 Reads the records a lab run wrote with ``--records`` (several runs' files may be concatenated)
 and draws, for each workload with distributed modes, the median samples/s (tokens/s for the GPT
@@ -15,7 +17,7 @@ from pathlib import Path
 from bench.lab.net import parse_rate
 from bench.lab.records import summarise
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_curves"]
 
 
 def plot(records: list[dict], out: Path) -> None:
@@ -50,11 +52,41 @@ def plot(records: list[dict], out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
+def plot_curves(records: list[dict], out: Path) -> None:
+    """Write val_loss vs training seconds (rank 0's curve of every ``slow_link`` run) to ``out``,
+    with the synchronous runs' target as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in records if r.get("curve") and r.get("rank", 0) == 0 and r.get("rate")]
+    rates = sorted({r["rate"] for r in runs}, key=lambda rate: parse_rate(rate) or float("inf"))
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        for r in sorted((r for r in runs if r["rate"] == rate), key=lambda r: r["mode"]):
+            xs = [p["seconds"] for p in r["curve"]]
+            ax.plot(xs, [p["val_loss"] for p in r["curve"]], marker=".", label=r["mode"])
+            target = r.get("target_val_loss")
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target (sync fp32 final)")
+        ax.set_xlabel("training seconds (validation excluded)")
+        ax.set_ylabel("val_loss (Shakespeare bytes)")
+        ax.set_title(f"GPT, 2 hosts x 1 process, {rate}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
-    if len(sys.argv) != 3:
+    args = sys.argv[1:]
+    curves = args[:1] == ["--curves"]
+    args = args[1:] if curves else args
+    if len(args) != 2:
         raise SystemExit(" ".join(__doc__.split("\n\n")[0].split()))
-    lines = Path(sys.argv[1]).read_text().splitlines()
-    plot([json.loads(line) for line in lines if line.strip()], Path(sys.argv[2]))
+    lines = Path(args[0]).read_text().splitlines()
+    (plot_curves if curves else plot)([json.loads(line) for line in lines if line.strip()], Path(args[1]))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Examples (root; the lab makes and removes its own network namespaces)::
     python -m bench.lab --rates 20mbit --workloads loop                 # the CNN loop at 20 Mbit/s
     python -m bench.lab --rates 20mbit,100mbit,1gbit,unshaped --rounds 3
     python -m bench.lab --hosts 2 --procs 2 --rates 100mbit --workloads allreduce
+    python -m bench.lab --rates 20mbit,100mbit --workloads slow_link --records curves.jsonl
+    python -m bench.lab --rates unshaped --workloads auto --rounds 3
 
 For every rate: shape each host's port (``tc`` TBF, or HTB with ``--qdisc htb``), measure one
 iperf3 TCP stream (``LINK`` line and ``RATIO lab_<rate>_iperf3_goodput_vs_rate``), then run each
@@ -54,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keras-backends", default="torch,tensorflow")
     p.add_argument("--lightning-modes", default="horovod,ddp",
                    help="of horovod, ddp, horovod_bf16, ddp_bf16 (also for the GPT recipe)")
+    p.add_argument("--slow-link-modes", default="powersgd:4,ddp_powersgd:4,localsgd:32,localsgd_int8:32",
+                   help="slow_link workload: modes of bench.slow_link_training besides sync and ddp")
+    p.add_argument("--slow-link-steps", type=int, default=384,
+                   help="slow_link workload: steps of the synchronous runs (others: to the target)")
+    p.add_argument("--slow-link-eval-every", type=int, default=32)
     p.add_argument("--iperf-seconds", type=float, default=3.0)
     p.add_argument("--records", metavar="FILE", help="also write every worker record here (JSON lines)")
     return p
@@ -78,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                    sizes=tuple(int(s) for s in a.sizes.split(",")), seconds_per_size=a.seconds_per_size,
                    loop_modes=tuple(a.loop_modes.split(",")),
                    keras_backends=tuple(a.keras_backends.split(",")),
-                   lightning_modes=tuple(a.lightning_modes.split(",")))
+                   lightning_modes=tuple(a.lightning_modes.split(",")),
+                   slow_link_modes=tuple(a.slow_link_modes.split(",")), slow_link_steps=a.slow_link_steps,
+                   slow_link_eval_every=a.slow_link_eval_every)
     from tests.multihost.netns import cluster
 
     # SIGTERM (a timeout, pkill) unwinds like Ctrl-C, so cluster() removes its namespaces.

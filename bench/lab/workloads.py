@@ -20,7 +20,7 @@ from tests.multihost.netns import Cluster
 
 __all__ = ["LabArgs", "WORKLOADS", "run_workload"]
 
-WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras")
+WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto")
 DEFAULT_SIZES = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 
 
@@ -38,6 +38,11 @@ class LabArgs:
     loop_modes: tuple[str, ...] = ("hvd", "ddp", "hvd_bf16", "ddp_bf16")
     keras_backends: tuple[str, ...] = ("torch", "tensorflow")
     lightning_modes: tuple[str, ...] = ("horovod", "ddp")
+    slow_link_modes: tuple[str, ...] = ("powersgd:4", "ddp_powersgd:4", "localsgd:32", "localsgd_int8:32")
+    """Modes of ``slow_link`` besides the synchronous ``sync`` and ``ddp`` it always runs."""
+    slow_link_steps: int = 384
+    """Steps of the synchronous runs (the other modes: up to 3x, stopping at the target)."""
+    slow_link_eval_every: int = 32
     timeout_seconds: float = 1200.0
 
 
@@ -166,6 +171,91 @@ def _keras(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
     return recs
 
 
+def _time_to(curve: list[dict], target: float) -> float | None:
+    """Training seconds at the first validation with ``val_loss <= target`` (``None``: never)."""
+    return next((p["seconds"] for p in curve if p["val_loss"] <= target), None)
+
+
+def _at_step(curve: list[dict], step: int) -> float | None:
+    return next((p["val_loss"] for p in curve if p["step"] == step), None)
+
+
+def _per_token(recs: list[dict]) -> tuple[float, float]:
+    """(comm-counted bytes, busiest interface direction bytes) per global training token."""
+    r0 = recs[0]
+    tokens = r0["steps"] * r0["tokens_per_step"]
+    comm = sum(max(r["comm_bytes_sent"], 0) for r in recs)
+    wire = max(max(r["tx"], r["rx"]) for r in recs)
+    return comm / tokens, wire / tokens
+
+
+def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
+    """Time to the synchronous fp32 run's final val_loss, per mode (one run each, GPT model).
+
+    ``sync`` and ``ddp`` train ``slow_link_steps`` steps; the target is the larger of their final
+    val_loss. Every other mode trains until it validates at or below the target (at least
+    ``slow_link_steps``, at most 3x). Prints ``SLOW`` lines and ``RATIO`` lines: speed-up of the
+    time to target vs DDP fp32 and vs DDP's PowerSGD hook, val_loss at equal tokens vs ``sync``,
+    and ``sync``'s bytes per token over each mode's.
+    """
+    args = launch.args
+    steps, every = args.slow_link_steps, args.slow_link_eval_every
+    worker = ["bench.slow_link_training", "--model", "gpt", "--warmup", "0", "--eval-every", str(every)]
+    runs: dict[str, list[dict]] = {}
+    for mode in ("sync", "ddp"):
+        runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(steps)], distributed=True)
+    target = max(runs[m][0]["curve"][-1]["val_loss"] for m in ("sync", "ddp"))
+    print(f"SLOW {tag} target_val_loss={target:.4f} (the larger final val_loss of sync and ddp after "
+          f"{steps} steps)", flush=True)
+    for mode in args.slow_link_modes:
+        runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(3 * steps), "--stop-below",
+                                 f"{target:.6f}", "--min-steps", str(steps)], distributed=True)
+    times: dict[str, float | None] = {}
+    for mode, recs in runs.items():
+        curve = recs[0]["curve"]
+        times[mode] = _time_to(curve, target)
+        comm, wire = _per_token(recs)
+        at = _at_step(curve, steps)
+        print(f"SLOW {tag} {mode} steps={recs[0]['steps']} seconds={max(r['seconds'] for r in recs):.1f} "
+              f"time_to_target_s={'never' if times[mode] is None else f'{times[mode]:.1f}'} "
+              f"val_loss_at_{steps}_steps={at if at is None else f'{at:.4f}'} "
+              f"final_val_loss={curve[-1]['val_loss']:.4f} comm_bytes_per_token={comm:.2f} "
+              f"wire_bytes_per_token={wire:.2f}", flush=True)
+    sync_at = _at_step(runs["sync"][0]["curve"], steps)
+    sync_comm, sync_wire = _per_token(runs["sync"])
+    for mode, recs in runs.items():
+        if mode == "sync":
+            continue
+        for base in ("ddp", "ddp_powersgd:4"):
+            if mode != base and times.get(base) and times[mode]:
+                _ratio(f"{tag}_slow_link_{mode}_time_to_target_speedup_vs_{base}", times[base] / times[mode])
+        at = _at_step(recs[0]["curve"], steps)
+        if at is not None and sync_at:
+            _ratio(f"{tag}_slow_link_{mode}_val_loss_at_equal_tokens_vs_sync", at / sync_at)
+        comm, wire = _per_token(recs)
+        if comm > 0:
+            _ratio(f"{tag}_slow_link_sync_vs_{mode}_comm_bytes_per_token", sync_comm / comm)
+        _ratio(f"{tag}_slow_link_sync_vs_{mode}_wire_bytes_per_token", sync_wire / wire)
+    return [{**r, "target_val_loss": target} for recs in runs.values() for r in recs]
+
+
+def _auto(tag: str, launch: _Launcher) -> list[dict]:
+    """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s."""
+    args, recs = launch.args, []
+    worker = ["bench.slow_link_training", "--model", "gpt", *_common(args)]
+    for r in range(args.rounds):
+        for mode in ("sync", "auto"):
+            recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
+    s = summarise(recs)
+    for mode in ("sync", "auto"):
+        print(f"STEP {tag} auto {mode} step_s={s[('slow_link_gpt', mode)].step_s:.3f} tokens_per_s="
+              f"{s[('slow_link_gpt', mode)].samples_per_s:.0f} rounds={s[('slow_link_gpt', mode)].rounds}",
+              flush=True)
+    _ratio(f"{tag}_auto_vs_sync_tokens_per_s",
+           s[("slow_link_gpt", "auto")].samples_per_s / s[("slow_link_gpt", "sync")].samples_per_s)
+    return recs
+
+
 def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasure) -> list[dict]:
     """Run workload ``name`` on ``c`` (already shaped); print its lines; return its records.
 
@@ -182,4 +272,8 @@ def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasu
         return _lightning(tag, launch, link, "cnn" if name == "lightning" else "gpt")
     if name == "keras":
         return _keras(tag, launch, link)
+    if name == "slow_link":
+        return _slow_link(tag, launch)
+    if name == "auto":
+        return _auto(tag, launch)
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")

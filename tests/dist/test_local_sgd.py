@@ -64,7 +64,7 @@ def _train_local_sgd(inner: str, steps: int, kwargs: dict) -> dict:
             synced.append(_flat(model).clone())
     # plain lists: tensors through the result queue would need the worker alive to be read
     return {"final": _flat(model).tolist(), "synced": [s.tolist() for s in synced],
-            "outer_steps": opt.outer.outer_steps}
+            "outer_steps": opt.outer.outer_steps, "bytes_sent": opt.outer.bytes_sent}
 
 
 def _single_process_sync(inner: str, steps: int) -> torch.Tensor:
@@ -90,9 +90,17 @@ def test_h1_outer_sgd_lr1_equals_synchronous_data_parallel(inner: str) -> None:
     assert results[0]["final"] == results[1]["final"]
 
 
-def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool) -> list[torch.Tensor]:
+def _int8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """One block (the model has 66 values < 256): scale absmax / 127, values rounded."""
+    scale = x.abs().max() / 127.0
+    return torch.round(x / scale).clamp(-127, 127) * scale
+
+
+def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool,
+                       int8: bool = False) -> list[torch.Tensor]:
     """DiLoCo by hand in one process: two replicas with their own Adam, an explicit outer
-    Nesterov SGD on the average of (anchor - replica)."""
+    Nesterov SGD on the average of (anchor - replica); ``int8``: each replica's flat delta goes
+    through an int8 round trip first."""
     replicas = [_model(), _model()]
     inners = [INNER["adam"](m.parameters()) for m in replicas]
     anchor = [p.detach().clone() for p in replicas[0].parameters()]
@@ -106,9 +114,14 @@ def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool)
         if (step + 1) % h:
             continue
         with torch.no_grad():
+            flat = [torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, m.parameters(), strict=True)])
+                    for m in replicas]
+            if int8:
+                flat = [_int8_roundtrip(f) for f in flat]
+            mean = ((flat[0] + flat[1]) / 2).split([a.numel() for a in anchor])
             for i, a in enumerate(anchor):
                 ps = [list(m.parameters())[i] for m in replicas]
-                delta = ((a - ps[0]) + (a - ps[1])) / 2
+                delta = mean[i].view_as(a)
                 buf[i] = mu * buf[i] + delta
                 update = delta + mu * buf[i] if nesterov else buf[i]
                 a -= lr * update
@@ -130,6 +143,24 @@ def test_h4_equals_hand_written_dilo_co_and_ranks_agree_after_each_sync() -> Non
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
     for a, b in zip(results[0]["synced"], results[1]["synced"], strict=True):
         assert a == b  # bit-identical on every rank after each outer step
+
+
+@pytest.mark.timeout(120)
+def test_int8_outer_gradient_equals_reference_and_counts_its_bytes() -> None:
+    steps, h = 12, 4
+    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {"sync_every": h,
+                                                                         "compression": "int8"}))
+    expected = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True, int8=True)
+    exact = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True)
+    assert not torch.equal(expected[-1], exact[-1])  # the quantisation is visible
+    for r in results:
+        assert r["outer_steps"] == steps // h
+        for got, want in zip(r["synced"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
+        # one block of 256 int8 values + one fp32 scale, to the one other rank, per outer step
+        assert r["bytes_sent"] == (steps // h) * (256 + 4)
+    for a, b in zip(results[0]["synced"], results[1]["synced"], strict=True):
+        assert a == b
 
 
 def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +204,7 @@ def test_invalid_settings_raise_with_a_hint() -> None:
     from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError
 
     for bad in ({"sync_every": 0}, {"sync_every": True}, {"sync_every": 2, "outer_lr": 0.0},
-                {"sync_every": 2, "outer_momentum": 1.0}, {"sync_every": 2, "compression": "int3"}):
+                {"sync_every": 2, "outer_momentum": 1.0}, {"sync_every": 2, "compression": "int3"},
+                {"sync_every": 2, "compression": "powersgd:2"}):
         with pytest.raises(LocalSGDConfigError, match="HINT"):
             LocalSGDConfig(**bad)

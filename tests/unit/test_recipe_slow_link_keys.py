@@ -41,3 +41,18 @@ def test_the_command_line_reaches_the_keys() -> None:
     yaml = Path(__file__).resolve().parents[2] / "conf" / "gpt.yaml"
     cfg = load_config(gpt.Config, yaml, ["trainer.sync_every=32", "trainer.compression=bf16"])
     assert cfg.trainer.sync_every == 32 and cfg.trainer.compression == "bf16"
+
+
+def test_sync_every_auto_from_the_command_line() -> None:
+    yaml = Path(__file__).resolve().parents[2] / "conf" / "gpt.yaml"
+    cfg = load_config(gpt.Config, yaml, ["trainer.sync_every=auto", "trainer.compression=auto"])
+    assert cfg.trainer.sync_every == "auto"
+    strategy = build_strategy(cfg.trainer)
+    assert strategy._auto == {"compression": True, "sync_every": True}
+    assert strategy._local is None  # decided at the start of fit, from the measured link
+
+
+@pytest.mark.parametrize("bad", ["sometimes", -2, 2.5])
+def test_sync_every_must_be_an_int_or_auto(bad) -> None:
+    with pytest.raises(ValueError, match="an int >= 0 .* or auto"):
+        gpt.TrainerConfig(sync_every=bad)

@@ -56,7 +56,7 @@ def test_fusion_kwargs_reach_the_comm_config() -> None:
         (dict(first_bucket_bytes=1.5), "first_bucket_bytes=1.5"),
         (dict(timeout_seconds=0), "timeout_seconds=0"),
         (dict(compression="int4"), "compression='int4'"),
-        (dict(compression="int8", sync_every=4), "compression='int8'"),
+        (dict(compression="powersgd:2", sync_every=4), "compression='powersgd"),
     ],
 )
 def test_bad_arguments_are_named(kwargs: dict, needle: str) -> None:

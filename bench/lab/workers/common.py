@@ -35,6 +35,11 @@ class Window:
         self._tx, self._rx = wire_bytes()
         self._t = time.perf_counter()
 
+    @property
+    def started(self) -> float:
+        """``time.perf_counter()`` at :meth:`start`."""
+        return self._t
+
     def stop(self) -> dict[str, float]:
         seconds = time.perf_counter() - self._t
         tx, rx = wire_bytes()
