@@ -1,6 +1,6 @@
 """hvd_trainer.keras.callbacks.LocalSGDCallback on 2 processes (Keras on the torch and TensorFlow backends):
 sync_every=1 with outer SGD lr 1 equals one process on the global batch; with DiLoCo's defaults
-the ranks end with equal weights after the final outer step."""
+the ranks end with equal weights after the final outer step; an int8 outer gradient too."""
 
 from __future__ import annotations
 
@@ -41,8 +41,18 @@ def _worker() -> dict:
     dilo.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     cb = hk.callbacks.LocalSGDCallback(sync_every=3)
     dilo.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
+
+    narrow = _mlp(seed=3)
+    narrow.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    cb8 = hk.callbacks.LocalSGDCallback(sync_every=3, compression="int8")
+    narrow.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cb8])
+    n_values = sum(int(np.prod(w.shape)) for w in narrow.trainable_weights)
     return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps,
-            "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict())}
+            "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict()),
+            "int8": [w.tolist() for w in narrow.get_weights()], "int8_bytes": cb8.outer.bytes_sent,
+            "int8_diff": max(float(np.abs(a - b).max()) for a, b in
+                             zip(narrow.get_weights(), dilo.get_weights(), strict=True)),
+            "n_values": n_values}
 
 
 @pytest.mark.timeout(300)
@@ -54,3 +64,10 @@ def test_keras_local_steps(backend: str) -> None:
         assert r["outer_steps"] == 3  # 8 batches: after 3, 6 and the final one at the end
         assert "anchors" in r["state_keys"]
     assert results[0]["dilo"] == results[1]["dilo"]
+    # int8 outer gradient: equal on every rank, close to (not equal to) the fp32 outer step, and
+    # one int8 byte per value plus a 4-byte scale per 256 to the other rank, per outer step
+    assert results[0]["int8"] == results[1]["int8"]
+    for r in results:
+        assert 0 < r["int8_diff"] < 5e-2, r["int8_diff"]
+        blocks = -(-r["n_values"] // 256)
+        assert r["int8_bytes"] == 3 * (blocks * 256 + 4 * blocks)
