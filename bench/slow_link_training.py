@@ -65,6 +65,10 @@ class SlowLinkArgs:
     eval_every: int = 0
     """Also validate after every this many steps (warmup steps counted; 0: at the end only),
     outside the timed window: the record's ``curve`` of (step, train seconds, val_loss)."""
+    outer_lr: float = 0.7
+    """Local-steps modes: the outer SGD's learning rate (DiLoCo: 0.7)."""
+    outer_momentum: float = 0.9
+    """Local-steps modes: the outer Nesterov momentum (DiLoCo: 0.9; 0: none)."""
     stop_below: float = 0.0
     """With ``eval_every``: stop at the first validation at or after ``min_steps`` whose
     val_loss is at most this (0: run every step)."""
@@ -173,15 +177,16 @@ def _ddp(name: str, num: int, net: nn.Module) -> nn.Module:
     return ddp
 
 
-def _optimizer(name: str, num: int, net: nn.Module, lr: float):  # noqa: ANN202 - an optimizer
+def _optimizer(name: str, num: int, net: nn.Module, args: SlowLinkArgs):  # noqa: ANN202 - an optimizer
     import hvd_trainer as hvd
 
-    inner = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.0)
+    inner = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     if name in ("local", "ddp", "ddp_powersgd"):
         return inner
     if name in ("localsgd", "localsgd_int8"):
         outer_wire = "int8" if name == "localsgd_int8" else None
-        return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire)
+        return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire, outer_lr=args.outer_lr,
+                            outer_momentum=args.outer_momentum)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}",
                    "auto": "auto"}[name]
@@ -210,7 +215,7 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     rank, world = (hvd.rank(), hvd.size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
     net, data = _build(args.model)
-    opt = _optimizer(name, num, net, args.lr)
+    opt = _optimizer(name, num, net, args)
     if name.startswith("ddp"):
         net = _ddp(name, num, net)  # DDP broadcasts rank 0's parameters itself
     steps, timed, sent, curve = _train(args, net, opt, data, rank, distributed)
@@ -224,7 +229,8 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
               "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
               "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"],
-              "tokens_per_step": tokens_per_step, "curve": curve}
+              "tokens_per_step": tokens_per_step, "curve": curve, "outer_lr": args.outer_lr,
+              "outer_momentum": args.outer_momentum}
     emit(**record)
     if rank == 0:
         print(f"RESULT mode={args.mode} model={args.model} world_size={world} steps={steps} "
@@ -295,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stop-below", type=float, default=0.0,
                    help="with --eval-every: stop once val_loss <= this, at or after --min-steps")
     p.add_argument("--min-steps", type=int, default=0)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="local-steps modes: outer SGD lr")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="local-steps modes: outer Nesterov momentum")
     a = p.parse_args(argv)
     parse_mode(a.mode)  # fail before init
     torch.set_num_threads(a.threads)
@@ -304,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         hvd.init()
     run_mode(SlowLinkArgs(mode=a.mode, model=a.model, steps=a.steps, warmup=a.warmup, batch=a.batch, lr=a.lr,
                           round=a.round, eval_every=a.eval_every,
-                          stop_below=a.stop_below, min_steps=a.min_steps))
+                          stop_below=a.stop_below, min_steps=a.min_steps, outer_lr=a.outer_lr,
+                          outer_momentum=a.outer_momentum))
 
 
 if __name__ == "__main__":
