@@ -169,7 +169,13 @@ def _ddp(name: str, num: int, net: nn.Module) -> nn.Module:
     """``net`` in torch's DDP (``ddp``), with DDP's PowerSGD hook for ``ddp_powersgd``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    ddp = nn.parallel.DistributedDataParallel(net)
+    if name != "ddp_powersgd":
+        return nn.parallel.DistributedDataParallel(net)
+    # One bucket (an explicit bucket_cap_mb also sizes the first one): torch's PowerSGD hook
+    # issues its Q allreduce from the P allreduce's completion callback, which on gloo may run
+    # while the main thread starts the next bucket's P allreduce, in another order on each rank
+    # (seen here: gloo "Received data size doesn't match expected size" on the 2nd host).
+    ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=64)
     if name == "ddp_powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=num,
                                             start_powerSGD_iter=2)
@@ -230,6 +236,7 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
               "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
               "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"],
               "tokens_per_step": tokens_per_step, "curve": curve, "outer_lr": args.outer_lr,
+              "compression": getattr(getattr(opt, "compression", None), "name", None),
               "outer_momentum": args.outer_momentum}
     emit(**record)
     if rank == 0:

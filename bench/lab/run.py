@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-link-steps", type=int, default=384,
                    help="slow_link workload: steps of the synchronous runs (others: to the target)")
     p.add_argument("--slow-link-eval-every", type=int, default=32)
+    p.add_argument("--slow-link-max-factor", type=float, default=2.0,
+                   help="slow_link workload: the other modes stop at the target or after this x steps")
+    p.add_argument("--slow-link-outer", default="1.0,0.0",
+                   help="slow_link workload: outer lr,momentum of the local-steps modes")
     p.add_argument("--iperf-seconds", type=float, default=3.0)
     p.add_argument("--records", metavar="FILE", help="also write every worker record here (JSON lines)")
     return p
@@ -87,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                    keras_backends=tuple(a.keras_backends.split(",")),
                    lightning_modes=tuple(a.lightning_modes.split(",")),
                    slow_link_modes=tuple(a.slow_link_modes.split(",")), slow_link_steps=a.slow_link_steps,
-                   slow_link_eval_every=a.slow_link_eval_every)
+                   slow_link_eval_every=a.slow_link_eval_every, slow_link_max_factor=a.slow_link_max_factor,
+                   slow_link_outer=tuple(float(v) for v in a.slow_link_outer.split(",")))
     from tests.multihost.netns import cluster
 
     # SIGTERM (a timeout, pkill) unwinds like Ctrl-C, so cluster() removes its namespaces.

@@ -43,6 +43,11 @@ class LabArgs:
     slow_link_steps: int = 384
     """Steps of the synchronous runs (the other modes: up to 3x, stopping at the target)."""
     slow_link_eval_every: int = 32
+    slow_link_max_factor: float = 2.0
+    """The other modes stop at the target or after this many times ``slow_link_steps``."""
+    slow_link_outer: tuple[float, float] = (1.0, 0.0)
+    """Outer lr and momentum of the local-steps modes. Plain averaging by default: from scratch
+    at this scale DiLoCo's 0.7 / 0.9 lagged (README, "Slow links")."""
     timeout_seconds: float = 1200.0
 
 
@@ -181,12 +186,13 @@ def _at_step(curve: list[dict], step: int) -> float | None:
 
 
 def _per_token(recs: list[dict]) -> tuple[float, float]:
-    """(comm-counted bytes, busiest interface direction bytes) per global training token."""
+    """(bytes the busiest rank's comm layer sent, bytes of the busiest direction of the busiest
+    host interface) per global training token; the first is -1 where not counted (DDP)."""
     r0 = recs[0]
     tokens = r0["steps"] * r0["tokens_per_step"]
-    comm = sum(max(r["comm_bytes_sent"], 0) for r in recs)
+    comm = max(r["comm_bytes_sent"] for r in recs)
     wire = max(max(r["tx"], r["rx"]) for r in recs)
-    return comm / tokens, wire / tokens
+    return (comm / tokens if comm >= 0 else -1.0), wire / tokens
 
 
 def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
@@ -194,13 +200,14 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
 
     ``sync`` and ``ddp`` train ``slow_link_steps`` steps; the target is the larger of their final
     val_loss. Every other mode trains until it validates at or below the target (at least
-    ``slow_link_steps``, at most 3x). Prints ``SLOW`` lines and ``RATIO`` lines: speed-up of the
-    time to target vs DDP fp32 and vs DDP's PowerSGD hook, val_loss at equal tokens vs ``sync``,
-    and ``sync``'s bytes per token over each mode's.
+    ``slow_link_steps``, at most ``slow_link_max_factor`` times as many). Prints ``SLOW`` lines
+    and ``RATIO`` lines: speed-up of the time to target vs DDP fp32 and vs DDP's PowerSGD hook,
+    val_loss at equal tokens vs ``sync``, and ``sync``'s bytes per token over each mode's.
     """
     args = launch.args
     steps, every = args.slow_link_steps, args.slow_link_eval_every
-    worker = ["bench.slow_link_training", "--model", "gpt", "--warmup", "0", "--eval-every", str(every)]
+    worker = ["bench.slow_link_training", "--model", "gpt", "--warmup", "0", "--eval-every", str(every),
+              "--outer-lr", str(args.slow_link_outer[0]), "--outer-momentum", str(args.slow_link_outer[1])]
     runs: dict[str, list[dict]] = {}
     for mode in ("sync", "ddp"):
         runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(steps)], distributed=True)
@@ -208,7 +215,8 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
     print(f"SLOW {tag} target_val_loss={target:.4f} (the larger final val_loss of sync and ddp after "
           f"{steps} steps)", flush=True)
     for mode in args.slow_link_modes:
-        runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(3 * steps), "--stop-below",
+        most = int(args.slow_link_max_factor * steps) // every * every
+        runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(most), "--stop-below",
                                  f"{target:.6f}", "--min-steps", str(steps)], distributed=True)
     times: dict[str, float | None] = {}
     for mode, recs in runs.items():
@@ -219,7 +227,8 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
         print(f"SLOW {tag} {mode} steps={recs[0]['steps']} seconds={max(r['seconds'] for r in recs):.1f} "
               f"time_to_target_s={'never' if times[mode] is None else f'{times[mode]:.1f}'} "
               f"val_loss_at_{steps}_steps={at if at is None else f'{at:.4f}'} "
-              f"final_val_loss={curve[-1]['val_loss']:.4f} comm_bytes_per_token={comm:.2f} "
+              f"final_val_loss={curve[-1]['val_loss']:.4f} "
+              f"comm_bytes_per_token={'n/a' if comm < 0 else f'{comm:.2f}'} "
               f"wire_bytes_per_token={wire:.2f}", flush=True)
     sync_at = _at_step(runs["sync"][0]["curve"], steps)
     sync_comm, sync_wire = _per_token(runs["sync"])
@@ -247,6 +256,8 @@ def _auto(tag: str, launch: _Launcher) -> list[dict]:
         for mode in ("sync", "auto"):
             recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
     s = summarise(recs)
+    chosen = sorted({r.get("compression") for r in recs if r["mode"] == "auto"} - {None})
+    print(f"AUTO {tag} compression=auto chose {', '.join(chosen) or '?'}", flush=True)
     for mode in ("sync", "auto"):
         print(f"STEP {tag} auto {mode} step_s={s[('slow_link_gpt', mode)].step_s:.3f} tokens_per_s="
               f"{s[('slow_link_gpt', mode)].samples_per_s:.0f} rounds={s[('slow_link_gpt', mode)].rounds}",

@@ -23,3 +23,16 @@ def test_local_cnn_run_prints_a_lab_record(capsys: pytest.CaptureFixture[str]) -
     assert 0 < rec["val_loss"] < 10 and rec["tokens_per_s"] > 0
     out = capsys.readouterr().out
     assert out.count("LAB {") == 1 and "RESULT mode=local model=cnn" in out
+
+
+def test_curve_and_stop_below() -> None:
+    assert parse_mode("localsgd_int8:16") == ("localsgd_int8", 16)
+    rec = run_mode(SlowLinkArgs(mode="local", model="cnn", steps=12, warmup=0, batch=8, val_batches=2,
+                                eval_every=3))
+    assert [p["step"] for p in rec["curve"]] == [3, 6, 9, 12]
+    seconds = [p["seconds"] for p in rec["curve"]]
+    assert seconds == sorted(seconds) and seconds[-1] <= rec["seconds"] + 1e-6
+    # a target every validation meets: the run stops at the first one at or after min_steps
+    stopped = run_mode(SlowLinkArgs(mode="local", model="cnn", steps=12, warmup=0, batch=8, val_batches=2,
+                                    eval_every=3, stop_below=100.0, min_steps=5))
+    assert stopped["steps"] == 6 and [p["step"] for p in stopped["curve"]] == [3, 6]

@@ -48,3 +48,17 @@ def test_wire_efficiency() -> None:
     assert wire_efficiency(4.0, 1.0, 3e6, 1e6) == pytest.approx(0.75)
     # compute-bound: the compute time is the limit
     assert wire_efficiency(2.5, 2.0, 1e6, 1e6) == pytest.approx(0.8)
+
+
+def test_slow_link_time_to_target_and_bytes_per_token() -> None:
+    from bench.lab.workloads import _at_step, _per_token, _time_to
+
+    curve = [{"step": 32, "seconds": 10.0, "val_loss": 3.0}, {"step": 64, "seconds": 19.0, "val_loss": 2.5},
+             {"step": 96, "seconds": 30.0, "val_loss": 2.4}]
+    assert _time_to(curve, 2.5) == 19.0 and _time_to(curve, 2.45) == 30.0 and _time_to(curve, 2.0) is None
+    assert _at_step(curve, 64) == 2.5 and _at_step(curve, 65) is None
+    recs = [{"steps": 10, "tokens_per_step": 100, "comm_bytes_sent": 4000, "tx": 5000, "rx": 4500},
+            {"steps": 10, "tokens_per_step": 100, "comm_bytes_sent": 3000, "tx": 4000, "rx": 6000}]
+    assert _per_token(recs) == (4.0, 6.0)  # the busiest rank / the busiest direction, per global token
+    recs[0]["comm_bytes_sent"] = recs[1]["comm_bytes_sent"] = -1  # DDP: not counted by us
+    assert _per_token(recs) == (-1.0, 6.0)
