@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keras-backends", default="torch,tensorflow")
     p.add_argument("--lightning-modes", default="horovod,ddp",
                    help="of horovod, ddp, horovod_bf16, ddp_bf16 (also for the GPT recipe)")
-    p.add_argument("--slow-link-modes", default="powersgd:4,ddp_powersgd:4,localsgd:32,localsgd_int8:32",
+    p.add_argument("--slow-link-modes", default="powersgd:16,ddp_powersgd:16,localsgd:32,localsgd_int8:32",
                    help="slow_link workload: modes of bench.slow_link_training besides sync and ddp")
     p.add_argument("--slow-link-steps", type=int, default=384,
                    help="slow_link workload: steps of the synchronous runs (others: to the target)")

@@ -38,7 +38,7 @@ class LabArgs:
     loop_modes: tuple[str, ...] = ("hvd", "ddp", "hvd_bf16", "ddp_bf16")
     keras_backends: tuple[str, ...] = ("torch", "tensorflow")
     lightning_modes: tuple[str, ...] = ("horovod", "ddp")
-    slow_link_modes: tuple[str, ...] = ("powersgd:4", "ddp_powersgd:4", "localsgd:32", "localsgd_int8:32")
+    slow_link_modes: tuple[str, ...] = ("powersgd:16", "ddp_powersgd:16", "localsgd:32", "localsgd_int8:32")
     """Modes of ``slow_link`` besides the synchronous ``sync`` and ``ddp`` it always runs."""
     slow_link_steps: int = 384
     """Steps of the synchronous runs (the other modes: up to 3x, stopping at the target)."""
@@ -235,7 +235,7 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
     for mode, recs in runs.items():
         if mode == "sync":
             continue
-        for base in ("ddp", "ddp_powersgd:4"):
+        for base in ("ddp", *(m for m in runs if m.startswith("ddp_powersgd"))):
             if mode != base and times.get(base) and times[mode]:
                 _ratio(f"{tag}_slow_link_{mode}_time_to_target_speedup_vs_{base}", times[base] / times[mode])
         at = _at_step(recs[0]["curve"], steps)
