@@ -10,6 +10,9 @@
   runs; ``DistributedOptimizer.apply`` only waits. With ``backward_passes_per_step > 1`` the
   hooks are not installed (Keras' train step zeroes ``.grad`` before every backward, so the
   sums live in separate accumulators) and the N-th ``apply`` does one grouped allreduce.
+- Error-feedback compression (``int8``, ``powersgd``) on TensorFlow: the arrays are reduced by
+  the comm layer's :func:`~hvd_trainer.comm.reduce.compressed.reduce_with_feedback` under their
+  variables' names, with the optimizer's residuals (and PowerSGD's Q).
 - Variables (broadcast): numpy in, numpy out, one broadcast per wire dtype.
 
 Arrays travel in their own dtype when it is one of comm's ``SUPPORTED_DTYPES``, else as float32
@@ -28,9 +31,10 @@ from hvd_trainer.comm import allreduce_, broadcast_
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective, numpy_to_wire, wire_to_numpy
 from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["FlatBuffers", "allreduce_arrays", "broadcast_arrays"]
+__all__ = ["FlatBuffers", "allreduce_arrays", "allreduce_arrays_with_feedback", "broadcast_arrays"]
 
 
 class FlatBuffers:
@@ -96,6 +100,38 @@ def allreduce_arrays(
                    process_set=process_set, world=world)
 
     return _arrays_collective(arrays, reduce, buffers, "Keras gradient allreduce")
+
+
+def allreduce_arrays_with_feedback(
+    arrays: Sequence[np.ndarray],
+    names: Sequence[str],
+    *,
+    compressor: Compressor,
+    state: FeedbackState,
+    world: World,
+    op: ReduceOp,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[np.ndarray]:
+    """Reduce every array over ranks with ``compressor``'s error feedback (``int8``, ``powersgd``).
+
+    Args:
+        arrays: floating numpy arrays; the same shapes and dtypes on every rank.
+        names: one stable name per array (the key of its residual and ``Q`` in ``state``).
+        state: the error-feedback state, updated in place.
+        Others: as :func:`allreduce_arrays`.
+
+    Returns:
+        New arrays, same shapes and dtypes as ``arrays``.
+    """
+    wired = [numpy_to_wire(a) for a in arrays]
+    reduced, _ = reduce_with_feedback(
+        [(n, t) for n, (t, _) in zip(names, wired, strict=True)], compressor=compressor, state=state,
+        world=world, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+        process_set=process_set, name="keras.gradients",
+    )
+    return [wire_to_numpy(r, dtype) for r, (_, dtype) in zip(reduced, wired, strict=True)]
 
 
 def broadcast_arrays(arrays: Sequence[np.ndarray], *, root_rank: int, world: World) -> list[np.ndarray]:

@@ -7,6 +7,7 @@ reduced before the inner optimizer's unscaling, clipping, weight decay and updat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from hvd_trainer.comm import (
     grouped_allreduce_,
 )
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
+from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 
@@ -112,6 +114,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     does not advance ``iterations``, as any skipped step in Keras). On torch a variable that
     got no gradient on any rank during the window is passed to the inner optimizer as ``None``.
 
+    Error feedback (``compression="int8"`` or ``"powersgd:R"``): the comm layer's bucket
+    reductions (:mod:`hvd_trainer.comm.reduce.compressed`) with a residual per variable (and
+    PowerSGD's warm-start ``Q``), keyed ``"<index>:<variable path>"``. On torch the hook reducer
+    runs them on its buckets while backward runs; on TensorFlow, and with
+    ``backward_passes_per_step > 1`` on both backends (once per window, on the sums), the
+    gradients are reduced by :func:`~hvd_trainer.comm.reduce.compressed.reduce_with_feedback`
+    (one bucket per dtype). The state is this rank's training state and is not in Keras' saved
+    model: :meth:`compression_state_dict` / :meth:`load_compression_state_dict` carry it, and a
+    resume with both (and the model and optimizer variables) is bit-identical.
+
     Mixed precision: the optimizer must sit *outside* the ``LossScaleOptimizer`` so every rank
     sees the same reduced gradients and takes the same inf/NaN skip decision (a rank that
     skipped its allreduce would otherwise hang the others). When the global dtype policy is
@@ -151,7 +163,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         compression: wire format of floating gradients: ``None``/``Compression.none``,
             ``Compression.fp16`` or ``Compression.bf16`` (a compressor instance or class from
             :mod:`hvd_trainer.keras.compression`, or the strings ``"none"``/``"fp16"``/``"bf16"``;
-            see :meth:`~hvd_trainer.comm.ops.compression.Compression.resolve`); both backends.
+            see :meth:`~hvd_trainer.comm.ops.compression.Compression.resolve`); or the lossy
+            ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings ``"int8"``,
+            ``"powersgd:R"``) with error feedback (see "Error feedback" above). Both backends.
         sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.
@@ -214,7 +228,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         args = check_optimizer_args(
             op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
         )
-        compressor = Compression.resolve(compression, error=DistributedOptimizerError)
+        compressor = Compression.resolve(compression, error=DistributedOptimizerError,
+                                         allow_error_feedback=True)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -231,6 +246,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         }
         self._op = args.op
         self._compression = compressor
+        # int8/powersgd: residuals (and Q) by "<index>:<variable path>". On torch without
+        # accumulation the hook reducer holds them (this object only until it is built).
+        self._feedback = FeedbackState(compressor.name) if compressor.error_feedback else None
+        self._state_names: tuple[str, ...] | None = None  # _state_name of each variable, by build()
         self._passes = args.backward_passes_per_step
         self._average_passes = bool(average_aggregated_gradients)
         self._accum: Any = None  # _accumulate.TFAccumulation / TorchAccumulation when N > 1
@@ -357,6 +376,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.build(var_list)
         super().build(var_list)
+        self._state_names = tuple(_state_name(i, v) for i, v in enumerate(var_list))
+        if self._feedback is not None and (self._feedback.residuals or self._feedback.q):
+            self._feedback.load_state_dict(self._rekeyed(self._feedback.state_dict()))
         if self._passes > 1:
             kind = _accumulate.TFAccumulation if self._tf else _accumulate.TorchAccumulation
             self._accum = kind(list(var_list), self._passes)
@@ -365,11 +387,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
         local = self._local_mask(var_list)
-        named = [(f"{i}:{v.path}", v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
+        named = [(_state_name(i, v), v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
+        carry = self._feedback_state()  # a loaded state, or the reducer's before a rebuild
         self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
                                         prescale_factor=pre, postscale_factor=post,
                                         process_set=self._process_set)
+        if carry is not None and (carry.residuals or carry.q):
+            self._reducer.load_compression_state_dict(carry.state_dict())
 
     def apply(self, grads, trainable_variables=None):
         if not self.built and trainable_variables is not None:
@@ -413,7 +438,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """Reduce the accumulators in place (one grouped allreduce, local variables' sums only
         scaled); None where no rank had a gradient."""
         acc = self._accum
-        if self._reduces():
+        if self._reduces() and self._feedback is not None:
+            self._reduce_torch_sums_with_feedback(tvs)
+        elif self._reduces():
             local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
             shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
@@ -430,6 +457,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 s.div_(self._passes)
         used = acc.used.tolist()
         return [s if u > 0 else None for s, u in zip(acc.sums, used, strict=True)]
+
+    def _reduce_torch_sums_with_feedback(self, tvs: Sequence[Any]) -> None:
+        """int8/powersgd: the window's sums reduced with error feedback (once per window, so the
+        residual is applied once per reduction); local variables' sums only scaled and their
+        "used" flags kept local."""
+        acc = self._accum
+        local = self._local_mask(tvs)
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        op, pre, post = self._scales(passes=self._passes)
+        reduced, used = reduce_with_feedback(
+            [(_state_name(i, tvs[i]), acc.sums[i]) for i in shared], compressor=self._compression,
+            state=self._feedback, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
+            process_set=self._process_set, name="keras.accumulated_gradients",
+            used=[float(acc.used[i]) for i in shared])
+        for i, r, u in zip(shared, reduced, used, strict=True):
+            acc.sums[i].copy_(r)
+            acc.used[i] = u
+        factor = self._local_factor(self._passes)
+        for s, is_local in zip(acc.sums, local, strict=True):
+            if is_local and factor != 1.0:
+                s.mul_(factor)
 
     def _scales(self, passes: int = 1) -> tuple[ReduceOp, float, float]:
         """(op, prescale, postscale) for the allreduce: predivide factor and the 1/N of
@@ -472,7 +520,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         dense = [tf.convert_to_tensor(grads[i]) for i in idx]
         if not dense:
             return out
-        reduce = self._reduce_numpy if passes == 1 else self._reduce_numpy_accumulated
+        if self._feedback is not None:  # state by variable: the names travel with the function
+            names = [_state_name(i, tvs[i]) for i in idx]
+            reduce = functools.partial(self._reduce_numpy_with_feedback, names, passes)
+        elif passes == 1:
+            reduce = self._reduce_numpy
+        else:
+            reduce = self._reduce_numpy_accumulated
         reduced = tf.numpy_function(
             reduce, dense, Tout=[g.dtype for g in dense], stateful=True,
             name="hvd_allreduce",
@@ -490,6 +544,68 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_numpy_accumulated(self, *arrays):
         return self._reduce_numpy(*arrays, passes=self._passes)
+
+    def _reduce_numpy_with_feedback(self, names: list[str], passes: int, *arrays):
+        op, pre, post = self._scales(passes)
+        return _bridge.allreduce_arrays_with_feedback(
+            arrays, names, compressor=self._compression, state=self._feedback, world=self.world,
+            op=op, prescale_factor=pre, postscale_factor=post, process_set=self._process_set,
+        )
+
+    # -- error-feedback state (int8, powersgd) ------------------------------------------------
+    def _feedback_state(self) -> FeedbackState | None:
+        return self._reducer.feedback_state if self._reducer is not None else self._feedback
+
+    def compression_state_dict(self) -> dict[str, Any] | None:
+        """Copies of this rank's error-feedback state, or ``None`` for stateless compression.
+
+        With ``compression="int8"``/``"powersgd:R"``: ``{"compressor": name, "residuals":
+        {name: tensor}, "q": {name: tensor}}`` (CPU or device ``torch`` tensors, fp32; names are
+        ``"<index>:<variable path>"``, the same on both backends, and loading matches them by
+        the index). Training state that Keras' own saving does not hold: save it next to the
+        model (e.g. ``torch.save``, one file per rank, since the residuals are each rank's own)
+        and give it back with :meth:`load_compression_state_dict` to resume bit-identically.
+        """
+        state = self._feedback_state()
+        return None if state is None else state.state_dict()
+
+    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`compression_state_dict`'s output (before or after the first step).
+
+        Raises:
+            DistributedOptimizerError: this optimizer's compression keeps no state.
+            ValueError: the state was saved with another compression.
+        """
+        current = self._feedback_state()
+        if current is None:
+            raise DistributedOptimizerError(
+                f"load_compression_state_dict: this optimizer uses compression="
+                f"{self._compression!r}, which has no error-feedback state. HINT: build the "
+                f"optimizer with the compression the state was saved with "
+                f"({state.get('compressor')!r})."
+            )
+        if self._reducer is not None:
+            self._reducer.load_compression_state_dict(self._rekeyed(state))
+        else:  # before build(), kept as saved and re-keyed there
+            current.load_state_dict(self._rekeyed(state))
+
+    def _rekeyed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with its keys matched to this optimizer's variables by the index before the
+        ``":"`` (auto-generated layer names, hence paths, differ when a model is built again in
+        the same process); unchanged before ``build()``."""
+        if self._state_names is None:
+            return state
+        by_index = {n.partition(":")[0]: n for n in self._state_names}
+
+        def move(entries: dict[str, Any]) -> dict[str, Any]:
+            return {by_index.get(k.partition(":")[0], k): v for k, v in entries.items()}
+
+        return {**state, "residuals": move(state["residuals"]), "q": move(state["q"])}
+
+
+def _state_name(index: int, variable: Any) -> str:
+    """The error-feedback state's key of the ``index``-th trainable variable (both backends)."""
+    return f"{index}:{variable.path}"
 
 
 def _check_unsupported(num_groups: Any, groups: Any) -> None:

@@ -339,8 +339,8 @@ def argument_errors() -> dict:
     cases = {
         "op": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), op="max"),
         "passes": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0),
-        # "fp16" is a valid spelling (Compression.resolve); an unknown name is not
-        "compression": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), compression="int8"),
+        # "fp16" and "int8" are valid spellings (Compression.resolve); a rank 0 PowerSGD is not
+        "compression": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), compression="powersgd:0"),
         "passes_bool": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=True),
         "predivide": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), gradient_predivide_factor=0),
         "kwarg": lambda: hk.DistributedOptimizer(keras.optimizers.SGD(), lr=0.1),

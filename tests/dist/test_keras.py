@@ -164,7 +164,7 @@ def test_argument_errors_echo_value(results):
     errors = r0["errors"]
     assert "op='max'" in errors["op"]
     assert "backward_passes_per_step=0" in errors["passes"] and "HINT" in errors["passes"]
-    assert "compression='int8'" in errors["compression"] and "HINT" in errors["compression"]
+    assert "compression='powersgd:0'" in errors["compression"] and "HINT" in errors["compression"]
     assert "backward_passes_per_step=True" in errors["passes_bool"] and "HINT" in errors["passes_bool"]
     assert "gradient_predivide_factor=0" in errors["predivide"]
     assert errors["kwarg"].startswith("TypeError") and "['lr']" in errors["kwarg"]

@@ -61,3 +61,48 @@ def test_resolve_accepts_error_feedback_only_when_allowed() -> None:
         Int8Compressor(block_size=6)
     with pytest.raises(CompressionError, match="rank must be"):
         Compression.powersgd(rank=0)
+
+
+def test_reduce_with_feedback_rejects_bad_arguments_before_any_collective() -> None:
+    from hvd_trainer.comm.base.errors import CommTypeError
+    from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
+
+    t = [("w", torch.ones(3))]
+    state = FeedbackState("int8")
+    with pytest.raises(CommTypeError, match="error-feedback compressor"):
+        reduce_with_feedback(t, compressor=Compression.fp16, state=state)
+    with pytest.raises(CommTypeError, match="op Average or Sum"):
+        reduce_with_feedback(t, compressor=Compression.int8, state=state, op="max")
+    with pytest.raises(CommTypeError, match="'i' has dtype torch.int64"):
+        reduce_with_feedback([("i", torch.ones(3, dtype=torch.int64))], compressor="int8", state=state)
+    with pytest.raises(CommTypeError, match="2 used flags for 1 tensors"):
+        reduce_with_feedback(t, compressor="int8", state=state, used=[1.0, 1.0])
+
+
+def test_reduce_with_feedback_in_a_world_of_one_is_the_closed_form() -> None:
+    """N = 1: int8 returns dequantize(quantize(g + e)) and keeps the rest as the residual."""
+    from hvd_trainer import comm
+    from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
+
+    was_initialized = comm.is_initialized()
+    if not was_initialized:
+        comm.init()
+    try:
+        gen = torch.Generator().manual_seed(3)
+        named = [("a", torch.randn(300, generator=gen)), ("b", torch.randn(4, 5, generator=gen).double())]
+        state = FeedbackState("int8")
+        out, used = reduce_with_feedback(named, compressor="int8", state=state, used=[1.0, 0.0])
+        assert used == [1.0, 0.0] and out[1].dtype == torch.float64 and out[1].shape == (4, 5)
+        for (name, g), got in zip(named, out, strict=True):  # one bucket per dtype
+            q, s = q8.quantize(g.reshape(-1).float(), 256)
+            want = q8.dequantize(q, s, g.numel()).view(g.shape)
+            assert torch.equal(got.float(), want) and torch.equal(state.residuals[name], g.float() - want)
+        e_a = state.residuals["a"].clone()
+        again, _ = reduce_with_feedback(named, compressor="int8", state=state, prescale_factor=0.5)
+        x = 0.5 * named[0][1] + e_a  # the step-1 residual is added to the (prescaled) gradient
+        q, s = q8.quantize(x, 256)
+        assert torch.equal(again[0], q8.dequantize(q, s, 300))
+        assert torch.equal(state.residuals["a"], x - again[0])
+    finally:
+        if not was_initialized:
+            comm.shutdown()

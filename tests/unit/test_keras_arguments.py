@@ -40,15 +40,26 @@ SCRIPT = textwrap.dedent(
     out = {"optimizer_ok": {}, "optimizer_bad": {}, "collective_ok": {}, "collective_bad": {}}
     for key, value in [("none", None), ("str_none", "none"), ("str_fp16", "fp16"),
                        ("str_bf16", "bf16"), ("inst_fp16", hk.Compression.fp16),
-                       ("cls_fp16", hk.compression.FP16Compressor)]:
+                       ("cls_fp16", hk.compression.FP16Compressor), ("str_int8", "int8"),
+                       ("inst_int8", hk.Compression.int8), ("str_powersgd", "powersgd:2"),
+                       ("inst_powersgd", hk.Compression.powersgd(rank=2))]:
         c = hk.DistributedOptimizer(SGD(), compression=value)._compression
         out["optimizer_ok"][key] = [type(c).__name__, c.name]
-    for key, value in [("str", "int8"), ("num", 16), ("own", OwnCast)]:
+    for key, value in [("str", "int4"), ("num", 16), ("own", OwnCast), ("powersgd_0", "powersgd:0")]:
         out["optimizer_bad"][key] = error(lambda v=value: hk.DistributedOptimizer(SGD(), compression=v))
     out["optimizer_bad"]["bpps_true"] = error(
         lambda: hk.DistributedOptimizer(SGD(), backward_passes_per_step=True))
     out["optimizer_bad"]["sum_predivide"] = error(
         lambda: hk.DistributedOptimizer(SGD(), op=hk.Sum, gradient_predivide_factor=2.0))
+    # error-feedback state: empty before the first step, None without it; a load must match
+    out["state"] = {"int8": hk.DistributedOptimizer(SGD(), compression="int8").compression_state_dict(),
+                    "fp16": hk.DistributedOptimizer(SGD(), compression="fp16").compression_state_dict()}
+    saved = {"compressor": "int8", "residuals": {}, "q": {}}
+    out["state_bad"] = {
+        "stateless": error(lambda: hk.DistributedOptimizer(SGD()).load_compression_state_dict(saved)),
+        "other": error(lambda: hk.DistributedOptimizer(SGD(), compression="powersgd:2")
+                       .load_compression_state_dict(saved)),
+    }
     hvd_trainer.init()  # a world of one: the collectives run
     x = np.array([1.0e5, 6.0e4, -7.0e4], dtype="float32")
     for key, value in [("none", None), ("str_fp16", "fp16"), ("inst_fp16", hk.Compression.fp16),
@@ -79,6 +90,17 @@ def test_keras_optimizer_accepts_every_compression_form(result: dict) -> None:
     assert ok["none"] == ok["str_none"] == ["NoneCompressor", "none"]
     assert ok["str_fp16"] == ok["inst_fp16"] == ok["cls_fp16"] == ["FP16Compressor", "fp16"]
     assert ok["str_bf16"] == ["BF16Compressor", "bf16"]
+    assert ok["str_int8"] == ok["inst_int8"] == ["Int8Compressor", "int8"]
+    assert ok["str_powersgd"] == ok["inst_powersgd"] == ["PowerSGDCompressor", "powersgd(rank=2)"]
+
+
+def test_keras_optimizer_error_feedback_state_api(result: dict) -> None:
+    assert result["state"] == {"int8": {"compressor": "int8", "residuals": {}, "q": {}}, "fp16": None}
+    bad = result["state_bad"]
+    assert bad["stateless"][0] == "DistributedOptimizerError"
+    assert "compression=Compression.none" in bad["stateless"][1] and "'int8'" in bad["stateless"][1]
+    assert bad["other"][0] == "ValueError" and "saved with compression 'int8'" in bad["other"][1]
+    assert "HINT" in bad["other"][1]
 
 
 def test_keras_optimizer_rejects_bad_arguments_at_construction(result: dict) -> None:
@@ -86,7 +108,8 @@ def test_keras_optimizer_rejects_bad_arguments_at_construction(result: dict) -> 
     for key in bad:
         assert bad[key] is not None and bad[key][0] == "DistributedOptimizerError", (key, bad[key])
         assert "HINT" in bad[key][1], key
-    assert "compression='int8' keeps error-feedback state" in bad["str"][1]  # the torch reducer's only
+    assert "compression='int4' is not a compressor" in bad["str"][1]
+    assert "compression='powersgd:0': expected 'powersgd' or 'powersgd:R'" in bad["powersgd_0"][1]
     assert "compression=16 is not a compressor" in bad["num"][1]
     assert "overrides compress()" in bad["own"][1]
     assert "backward_passes_per_step=True must be an int >= 1" in bad["bpps_true"][1]

@@ -19,8 +19,8 @@ Numerics (applied by the allreduce path, :mod:`hvd_trainer.comm.ops.reduce`):
 ``int8`` and ``powersgd`` are lossy and carry *error feedback* (what the wire lost this step is
 added to the next step's gradient), i.e. training state per parameter: they are specs here, the
 algorithms and their state live in :mod:`hvd_trainer.comm.reduce.compressed`, and only the gradient
-reducer (``DistributedOptimizer``, ``HorovodStrategy``) accepts them; a plain ``allreduce``
-rejects them (:meth:`Compression.resolve` with ``allow_error_feedback=False``).
+reducer (the torch and Keras ``DistributedOptimizer``, ``HorovodStrategy``) accepts them; a plain
+``allreduce`` rejects them (:meth:`Compression.resolve` with ``allow_error_feedback=False``).
 
 Every front end (the Lightning strategy, the torch and Keras ``DistributedOptimizer``, the Keras
 collectives) turns its ``compression=`` argument into a compressor with the one resolver
@@ -217,8 +217,8 @@ class Compression:
         if value.error_feedback and not allow_error_feedback:
             raise error(
                 f"compression={received!r} keeps error-feedback state per parameter, which only the "
-                "torch DistributedOptimizer's and HorovodStrategy's gradient reducer holds. HINT: use "
-                "it there; here use Compression.fp16 / .bf16 (or 'fp16' / 'bf16')."
+                "DistributedOptimizer (torch or Keras) and HorovodStrategy hold. HINT: use it there; "
+                "here use Compression.fp16 / .bf16 (or 'fp16' / 'bf16')."
             )
         return value
 

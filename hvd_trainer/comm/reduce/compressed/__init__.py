@@ -3,6 +3,11 @@ algorithms and their per-parameter state; the specs are in :mod:`hvd_trainer.com
 
 from __future__ import annotations
 
-from hvd_trainer.comm.reduce.compressed.reductions import BucketView, FeedbackState, start_bucket_reduction
+from hvd_trainer.comm.reduce.compressed.reductions import (
+    BucketView,
+    FeedbackState,
+    reduce_with_feedback,
+    start_bucket_reduction,
+)
 
-__all__ = ["BucketView", "FeedbackState", "start_bucket_reduction"]
+__all__ = ["BucketView", "FeedbackState", "reduce_with_feedback", "start_bucket_reduction"]

@@ -18,23 +18,33 @@ PowerSGD, the warm-start ``Q`` (the same on every rank).
 
 Each reduction is one checked collective (kind ``"bucket"``, the compressor's name in its
 signature); ``join`` is not supported while one is in flight.
+
+Front ends whose gradients do not pass through the hook-driven buckets (Keras on TensorFlow,
+where they leave the graph as numpy arrays; accumulated gradients reduced once per window) call
+:func:`reduce_with_feedback` on a list of named tensors: the same reductions and the same
+:class:`FeedbackState`, on one bucket per (device, dtype) built from the tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.checks import Op, Signature
-from hvd_trainer.comm.ops.compression import Compressor, Int8Compressor, PowerSGDCompressor
-from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.compression import Compression, Compressor, Int8Compressor, PowerSGDCompressor
+from hvd_trainer.comm.ops.ops import ReduceOp, to_reduce_op
+from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.ops.reduce import signature
 from hvd_trainer.comm.reduce.compressed import int8 as q8
 from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
+from hvd_trainer.comm.world.world import World
 
-__all__ = ["FeedbackState", "BucketView", "start_bucket_reduction"]
+__all__ = ["FeedbackState", "BucketView", "start_bucket_reduction", "reduce_with_feedback"]
 
 
 @dataclass(slots=True)
@@ -94,6 +104,97 @@ def start_bucket_reduction(
         return _Int8Reduction(bucket, compressor, state, pset, sig, post_factor)
     assert isinstance(compressor, PowerSGDCompressor)
     return _PowerSGDReduction(bucket, compressor, state, pset, sig, post_factor)
+
+
+@torch.no_grad()
+def reduce_with_feedback(
+    named: Sequence[tuple[str, torch.Tensor]], *, compressor: Compressor, state: FeedbackState,
+    world: World | None = None, op: ReduceOp | str | None = None, prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0, process_set: ProcessSet | None = None, name: str = "gradients",
+    used: Sequence[float] | None = None,
+) -> tuple[list[torch.Tensor], list[float]]:
+    """Reduce ``named`` tensors over ranks with ``compressor``'s error feedback (blocking).
+
+    The tensors are copied, multiplied by the pre-sum factor (``prescale_factor``, and ``1/N``
+    for Average, as the gradient reducer does), into one bucket per (device, dtype) in the order
+    given; each bucket is one :func:`start_bucket_reduction`, so the result, the residuals and
+    PowerSGD's ``Q`` in ``state`` (keyed by the names) are those the hook-driven reducer would
+    produce for the same gradients in one bucket. The buckets are launched before any is
+    waited on. The inputs are not modified.
+
+    Args:
+        named: ``(name, tensor)`` pairs, floating tensors; the same names, shapes and dtypes in
+            the same order on every rank (checked once, like a gradient bucket).
+        compressor: ``Compression.int8`` or a ``Compression.powersgd(rank=r)``.
+        state: the residuals (and ``Q``) carried between calls; updated in place.
+        world: the world (``None``: the process set's); ``process_set``: reduce over it only
+            (this rank must be a member).
+        op: ``Average`` (default) or ``Sum``.
+        prescale_factor / postscale_factor: multiply before the sum / after it.
+        name: label of the collectives (in mismatch errors and the timeline).
+        used: one flag per tensor (1.0: this rank produced it; default all 1.0), summed exactly.
+
+    Returns:
+        ``(reduced, used_sums)``: new tensors of the inputs' shapes and dtypes, and the flags
+        summed over ranks (0 where no rank produced that tensor).
+
+    Raises:
+        CommTypeError: a compressor without error feedback, a non-floating tensor, or an op
+            other than Average/Sum.
+    """
+    compressor = Compression.resolve(compressor, error=CommTypeError, allow_error_feedback=True)
+    rop = to_reduce_op(op)
+    if not compressor.error_feedback or rop not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise CommTypeError(
+            f"reduce_with_feedback needs an error-feedback compressor (int8, powersgd) and op "
+            f"Average or Sum, got compressor={compressor!r}, op={rop.name}. HINT: use allreduce_ "
+            "for stateless compression."
+        )
+    flags = [1.0] * len(named) if used is None else [float(u) for u in used]
+    if len(flags) != len(named):
+        raise CommTypeError(f"reduce_with_feedback: {len(flags)} used flags for {len(named)} tensors.")
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (tname, t) in enumerate(named):
+        if not t.is_floating_point():
+            raise CommTypeError(f"reduce_with_feedback: {tname!r} has dtype {t.dtype}; gradients "
+                                "must be floating. HINT: reduce integer tensors with allreduce_.")
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    pset = resolve_set(process_set, world, "reduce_with_feedback")
+    pre = prescale_factor / (pset.size() if rop is ReduceOp.AVERAGE else 1)
+    works, buckets = [], []
+    for indices in groups.values():
+        bucket = _named_bucket([named[i] for i in indices], [flags[i] for i in indices], pre)
+        layout = [f"{n}:{list(v.shape)}" for n, v in zip(bucket.names, bucket.views, strict=True)]
+        sig = signature("bucket", f"{name}[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat, rop,
+                        prescale_factor, postscale_factor, compressor, (("parameters", layout),))
+        works.append(start_bucket_reduction(bucket, compressor, state, pset=pset, sig=sig,
+                                            post_factor=postscale_factor))
+        buckets.append((indices, bucket))
+    out: list[Any] = [None] * len(named)
+    sums = [0.0] * len(named)
+    for work, (indices, bucket) in zip(works, buckets, strict=True):
+        work.finish()
+        summed = bucket.flat[bucket.grad_numel :].tolist()
+        for k, (i, view) in enumerate(zip(indices, bucket.views, strict=True)):
+            out[i], sums[i] = view, summed[k]
+    return out, sums
+
+
+def _named_bucket(named: Sequence[tuple[str, torch.Tensor]], flags: Sequence[float], factor: float
+                  ) -> BucketView:
+    """A new bucket holding ``factor * tensor`` for each of ``named`` (one dtype), then the flags."""
+    numels = [t.numel() for _, t in named]
+    total = sum(numels)
+    first = named[0][1]
+    flat = torch.empty(total + len(named), dtype=first.dtype, device=first.device)
+    views, offset = [], 0
+    for (_, t), n in zip(named, numels, strict=True):
+        view = flat[offset : offset + n]
+        torch.mul(t.detach().reshape(-1), factor, out=view)
+        views.append(view.view(t.shape))
+        offset += n
+    flat[total:].copy_(torch.tensor(flags, dtype=flat.dtype))
+    return BucketView(flat, total, [n for n, _ in named], views)
 
 
 def _begin(pset: ProcessSet, sig: Signature, nbytes: int, device: torch.device) -> Op:
