@@ -53,23 +53,25 @@ def plot(records: list[dict], out: Path) -> None:
 
 
 def plot_curves(records: list[dict], out: Path) -> None:
-    """Write val_loss vs training seconds (rank 0's curve of every ``slow_link`` run) to ``out``,
-    with the synchronous runs' target as a dashed line."""
+    """Write val_loss vs training seconds (rank 0's curve of every ``slow_link`` run; the last run
+    of a (rate, mode), as :func:`bench.lab.slow_link.load_runs`) to ``out``, with the target as a
+    dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in records if r.get("curve") and r.get("rank", 0) == 0 and r.get("rate")]
-    rates = sorted({r["rate"] for r in runs}, key=lambda rate: parse_rate(rate) or float("inf"))
+    from bench.lab.slow_link import load_runs
+
+    by_rate = load_runs(records)
+    rates = sorted(by_rate, key=lambda rate: parse_rate(rate) or float("inf"))
     fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4.2), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for r in sorted((r for r in runs if r["rate"] == rate), key=lambda r: r["mode"]):
-            xs = [p["seconds"] for p in r["curve"]]
-            ax.plot(xs, [p["val_loss"] for p in r["curve"]], marker=".", label=r["mode"])
-            target = r.get("target_val_loss")
-        if target is not None:
-            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target (sync fp32 final)")
+        runs, _, target = by_rate[rate]
+        for mode in sorted(runs):
+            curve = runs[mode][0]["curve"]
+            ax.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], marker=".", label=mode)
+        ax.axhline(target, color="grey", linestyle="--", linewidth=1, label="target (sync fp32 final)")
         ax.set_xlabel("training seconds (validation excluded)")
         ax.set_ylabel("val_loss (Shakespeare bytes)")
         ax.set_title(f"GPT, 2 hosts x 1 process, {rate}")

@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-link-steps", type=int, default=384,
                    help="slow_link workload: steps of the synchronous runs (others: to the target)")
     p.add_argument("--slow-link-eval-every", type=int, default=32)
+    p.add_argument("--slow-link-target", type=float, default=0.0,
+                   help="slow_link workload: a known target val_loss (skips the sync and ddp runs)")
     p.add_argument("--slow-link-max-factor", type=float, default=2.0,
                    help="slow_link workload: the other modes stop at the target or after this x steps")
     p.add_argument("--slow-link-outer", default="1.0,0.0",
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                    lightning_modes=tuple(a.lightning_modes.split(",")),
                    slow_link_modes=tuple(a.slow_link_modes.split(",")), slow_link_steps=a.slow_link_steps,
                    slow_link_eval_every=a.slow_link_eval_every, slow_link_max_factor=a.slow_link_max_factor,
+                   slow_link_target=a.slow_link_target,
                    slow_link_outer=tuple(float(v) for v in a.slow_link_outer.split(",")))
     from tests.multihost.netns import cluster
 

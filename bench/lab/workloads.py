@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bench.lab.net import LinkMeasure
 from bench.lab.records import Summary, parse, summarise, wire_efficiency
+from bench.lab.slow_link import report
 from tests.e2e.hvdrun_helpers import clean_env
 from tests.multihost.helpers import HVDRUN, explain, run_on_hosts
 from tests.multihost.netns import Cluster
@@ -43,6 +44,8 @@ class LabArgs:
     slow_link_steps: int = 384
     """Steps of the synchronous runs (the other modes: up to 3x, stopping at the target)."""
     slow_link_eval_every: int = 32
+    slow_link_target: float = 0.0
+    """A known target val_loss (0: run ``sync`` and ``ddp`` to find it)."""
     slow_link_max_factor: float = 2.0
     """The other modes stop at the target or after this many times ``slow_link_steps``."""
     slow_link_outer: tuple[float, float] = (1.0, 0.0)
@@ -176,76 +179,33 @@ def _keras(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
     return recs
 
 
-def _time_to(curve: list[dict], target: float) -> float | None:
-    """Training seconds at the first validation with ``val_loss <= target`` (``None``: never)."""
-    return next((p["seconds"] for p in curve if p["val_loss"] <= target), None)
-
-
-def _at_step(curve: list[dict], step: int) -> float | None:
-    return next((p["val_loss"] for p in curve if p["step"] == step), None)
-
-
-def _per_token(recs: list[dict]) -> tuple[float, float]:
-    """(bytes the busiest rank's comm layer sent, bytes of the busiest direction of the busiest
-    host interface) per global training token; the first is -1 where not counted (DDP)."""
-    r0 = recs[0]
-    tokens = r0["steps"] * r0["tokens_per_step"]
-    comm = max(r["comm_bytes_sent"] for r in recs)
-    wire = max(max(r["tx"], r["rx"]) for r in recs)
-    return (comm / tokens if comm >= 0 else -1.0), wire / tokens
-
-
 def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
     """Time to the synchronous fp32 run's final val_loss, per mode (one run each, GPT model).
 
     ``sync`` and ``ddp`` train ``slow_link_steps`` steps; the target is the larger of their final
-    val_loss. Every other mode trains until it validates at or below the target (at least
-    ``slow_link_steps``, at most ``slow_link_max_factor`` times as many). Prints ``SLOW`` lines
-    and ``RATIO`` lines: speed-up of the time to target vs DDP fp32 and vs DDP's PowerSGD hook,
-    val_loss at equal tokens vs ``sync``, and ``sync``'s bytes per token over each mode's.
+    val_loss (or ``slow_link_target`` when given: then they are not run). Every other mode trains
+    until it validates at or below the target (at least ``slow_link_steps``, at most
+    ``slow_link_max_factor`` times as many). :func:`bench.lab.slow_link.report` prints the lines.
     """
     args = launch.args
     steps, every = args.slow_link_steps, args.slow_link_eval_every
     worker = ["bench.slow_link_training", "--model", "gpt", "--warmup", "0", "--eval-every", str(every),
               "--outer-lr", str(args.slow_link_outer[0]), "--outer-momentum", str(args.slow_link_outer[1])]
     runs: dict[str, list[dict]] = {}
-    for mode in ("sync", "ddp"):
-        runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(steps)], distributed=True)
-    target = max(runs[m][0]["curve"][-1]["val_loss"] for m in ("sync", "ddp"))
+    if args.slow_link_target:
+        target = args.slow_link_target
+    else:
+        for mode in ("sync", "ddp"):
+            runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(steps)], distributed=True)
+        target = max(runs[m][0]["curve"][-1]["val_loss"] for m in ("sync", "ddp"))
     print(f"SLOW {tag} target_val_loss={target:.4f} (the larger final val_loss of sync and ddp after "
           f"{steps} steps)", flush=True)
+    most = int(args.slow_link_max_factor * steps) // every * every
     for mode in args.slow_link_modes:
-        most = int(args.slow_link_max_factor * steps) // every * every
         runs[mode] = launch.run([*worker, "--mode", mode, "--steps", str(most), "--stop-below",
                                  f"{target:.6f}", "--min-steps", str(steps)], distributed=True)
-    times: dict[str, float | None] = {}
-    for mode, recs in runs.items():
-        curve = recs[0]["curve"]
-        times[mode] = _time_to(curve, target)
-        comm, wire = _per_token(recs)
-        at = _at_step(curve, steps)
-        print(f"SLOW {tag} {mode} steps={recs[0]['steps']} seconds={max(r['seconds'] for r in recs):.1f} "
-              f"time_to_target_s={'never' if times[mode] is None else f'{times[mode]:.1f}'} "
-              f"val_loss_at_{steps}_steps={at if at is None else f'{at:.4f}'} "
-              f"final_val_loss={curve[-1]['val_loss']:.4f} "
-              f"comm_bytes_per_token={'n/a' if comm < 0 else f'{comm:.2f}'} "
-              f"wire_bytes_per_token={wire:.2f}", flush=True)
-    sync_at = _at_step(runs["sync"][0]["curve"], steps)
-    sync_comm, sync_wire = _per_token(runs["sync"])
-    for mode, recs in runs.items():
-        if mode == "sync":
-            continue
-        for base in ("ddp", *(m for m in runs if m.startswith("ddp_powersgd"))):
-            if mode != base and times.get(base) and times[mode]:
-                _ratio(f"{tag}_slow_link_{mode}_time_to_target_speedup_vs_{base}", times[base] / times[mode])
-        at = _at_step(recs[0]["curve"], steps)
-        if at is not None and sync_at:
-            _ratio(f"{tag}_slow_link_{mode}_val_loss_at_equal_tokens_vs_sync", at / sync_at)
-        comm, wire = _per_token(recs)
-        if comm > 0:
-            _ratio(f"{tag}_slow_link_sync_vs_{mode}_comm_bytes_per_token", sync_comm / comm)
-        _ratio(f"{tag}_slow_link_sync_vs_{mode}_wire_bytes_per_token", sync_wire / wire)
-    return [{**r, "target_val_loss": target} for recs in runs.values() for r in recs]
+    report(tag, runs, steps, target)
+    return [{**r, "target_val_loss": target, "sync_steps": steps} for recs in runs.values() for r in recs]
 
 
 def _auto(tag: str, launch: _Launcher) -> list[dict]:

@@ -22,7 +22,10 @@ class KerasState(State):
 
     The optimizer is built (for ``model.trainable_variables``) before a snapshot is taken or
     applied, so ``sync()`` works when some ranks have trained and others start with a fresh,
-    unbuilt optimizer (a restarted worker).
+    unbuilt optimizer (a restarted worker). An hvd_trainer ``DistributedOptimizer`` with an
+    error-feedback compression (``"int8"``, ``"powersgd:R"``) has its residuals (and PowerSGD's
+    ``Q``) committed and restored too (training state; ``sync()`` gives every rank rank 0's, as
+    ``TorchState`` does with the torch optimizer's ``state_dict``).
 
     Args:
         model: a built ``keras.Model``.
@@ -67,7 +70,13 @@ class KerasState(State):
         out = super()._capture()
         out["__weights__"] = [np.array(w, copy=True) for w in self.model.get_weights()]
         out["__optimizer__"] = self._optimizer_values()
+        out["__compression__"] = self._compression_state()
         return out
+
+    def _compression_state(self) -> dict[str, Any] | None:
+        """Copies of the optimizer's error-feedback state (``None`` where it keeps none)."""
+        get = getattr(self.optimizer, "compression_state_dict", None)
+        return get() if callable(get) else None
 
     def _apply(self, snapshot: dict[str, Any]) -> None:
         super()._apply(snapshot)
@@ -84,3 +93,6 @@ class KerasState(State):
             )
         for variable, value in zip(variables, values, strict=True):
             variable.assign(value)
+        feedback = snapshot.get("__compression__")
+        if feedback is not None and callable(getattr(self.optimizer, "load_compression_state_dict", None)):
+            self.optimizer.load_compression_state_dict(feedback)

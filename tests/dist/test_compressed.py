@@ -116,7 +116,10 @@ def _reference(mode: str, steps: int, passes: int) -> dict:
             q = ms[0].T @ p + ms[1].T @ p
             approx = p @ q.T
             for r in range(WORLD):
-                res[r][n] = (ms[r] - approx).view(xs[r].shape)
+                res[r][n] = (ms[r] - approx / WORLD).view(xs[r].shape)  # each rank's share
+            # error feedback's invariant: the residuals sum to what the approximation lost
+            lost = ms[0] + ms[1] - approx
+            torch.testing.assert_close(sum(res[r][n] for r in range(WORLD)).reshape(shape), lost)
             qs[n] = q
             avg[n] = approx.view(xs[0].shape)
         with torch.no_grad():

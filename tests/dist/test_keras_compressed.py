@@ -6,7 +6,8 @@ process from both ranks' local gradients (int8 blocks / PowerSGD math of
 :mod:`hvd_trainer.comm.reduce.compressed`), with the residual (and Q) carried from step 1 to
 step 2; this rank's residual after step 1 is the reference's; a fit ends with equal weights on
 both ranks, and a resume from weights + optimizer variables + ``compression_state_dict()`` is
-bit-identical to training on (also with ``backward_passes_per_step=2``).
+bit-identical to training on (also with ``backward_passes_per_step=2``), and so is a
+``KerasState`` commit/restore (the elastic rollback carries the residuals).
 """
 
 from __future__ import annotations
@@ -137,17 +138,23 @@ def _fit_and_resume(mode: str, passes: int) -> dict:
     weights, opt_vars = model.get_weights(), [np.array(v) for v in opt.variables]
     saved = opt.compression_state_dict()
     norm = float(sum(v.double().norm() for v in saved["residuals"].values()))
+    elastic = hk.elastic.KerasState(model)  # an elastic commit holds the residuals too
+    elastic.commit()
     model.fit(x[4 * BATCH :], y[4 * BATCH :], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    final = [w.tolist() for w in model.get_weights()]
+    elastic.restore()  # the in-memory rollback of a failed step, then the same batches again
+    model.fit(x[4 * BATCH :], y[4 * BATCH :], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    rolled_back = [w.tolist() for w in model.get_weights()]
     resumed, opt2 = make(saved)
     resumed.set_weights(weights)
     opt2.build(resumed.trainable_variables)
     for v, value in zip(opt2.variables, opt_vars, strict=True):
         v.assign(value)
     resumed.fit(x[4 * BATCH :], y[4 * BATCH :], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    return {"final": [w.tolist() for w in model.get_weights()],
+    return {"final": final, "rolled_back": rolled_back,
             "resumed": [w.tolist() for w in resumed.get_weights()],
             "residual_norm": norm, "names": sorted(saved["residuals"]), "q_names": sorted(saved["q"]),
-            "iterations": int(np.array(opt.iterations))}
+            "iterations": int(np.array(opt.iterations))}  # restored to 4 by the rollback, then 4 more
 
 
 CASES = [("int8", 1), ("powersgd:2", 1), ("int8", 2)]
@@ -200,8 +207,8 @@ def _ref_powersgd(name: str, per_rank: list[torch.Tensor], residuals: list[torch
     p = orthogonalize_(sum(m @ q for m in ms))
     q_new = sum(m.T @ p for m in ms)
     approx = p @ q_new.T
-    return approx.view(per_rank[0].shape), [(m - approx).view(e.shape) for m, e in zip(ms, residuals,
-                                                                                          strict=True)], q_new
+    shares = [(m - approx / len(ms)).view(e.shape) for m, e in zip(ms, residuals, strict=True)]
+    return approx.view(per_rank[0].shape), shares, q_new
 
 
 def _reference(mode: str, steps: list[list[list[list[list[float]]]]], paths: list[str],
@@ -303,6 +310,7 @@ def test_fit_keeps_ranks_equal_and_resumes_bit_identically(results, mode: str, p
     for f in fits:
         assert f["iterations"] == 8 and f["residual_norm"] > 0
         assert f["resumed"] == f["final"], (backend, mode, passes)  # bit-identical
+        assert f["rolled_back"] == f["final"], (backend, mode, passes)  # KerasState restores them
         if mode.startswith("powersgd"):
             assert f["q_names"] == f["names"] and len(f["names"]) == 1  # the 16x80 kernel
         else:

@@ -51,7 +51,7 @@ def test_wire_efficiency() -> None:
 
 
 def test_slow_link_time_to_target_and_bytes_per_token() -> None:
-    from bench.lab.workloads import _at_step, _per_token, _time_to
+    from bench.lab.slow_link import _at_step, _per_token, _time_to
 
     curve = [{"step": 32, "seconds": 10.0, "val_loss": 3.0}, {"step": 64, "seconds": 19.0, "val_loss": 2.5},
              {"step": 96, "seconds": 30.0, "val_loss": 2.4}]

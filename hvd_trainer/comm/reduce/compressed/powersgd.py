@@ -6,9 +6,12 @@ One step with rank ``r``, warm-start ``Q`` (``m x r``) and residual ``E``:
 1. ``M = G + E``; ``P = M Q``                        (allreduce-sum of P over ranks)
 2. ``P = orthogonalize(P)``                           (Gram-Schmidt on the columns)
 3. ``Q = M^T P``                                      (allreduce-sum of Q over ranks)
-4. ``G_hat = P Q^T``; ``E = M - G_hat``; keep ``Q`` for the next step.
+4. ``G_hat = P Q^T``; ``E = M - G_hat / N``; keep ``Q`` for the next step.
 
-Since the reducer multiplies ``G`` by ``1/N`` before the sum, the sums are the averages.
+Since the reducer multiplies ``G`` by ``1/N`` before the sum, the sums are the averages. ``G_hat``
+approximates the *sum* of the ranks' ``M``, so each rank keeps ``M - G_hat / N``: the residuals
+then sum to exactly what the approximation lost (torch's ``powerSGD_hook``, which does not
+prescale, keeps ``M - G_hat`` of the average: the same thing in its units).
 """
 
 from __future__ import annotations

@@ -263,7 +263,7 @@ class _Int8Reduction:
 
 class _PowerSGDReduction:
     """Allreduce ``P = M Q`` (with the uncompressed tensors and flags), orthogonalise, allreduce
-    ``Q = M^T P``; ``G_hat = P Q^T``, residual ``M - G_hat``."""
+    ``Q = M^T P``; ``G_hat = P Q^T``, residual ``M - G_hat / N`` (this rank's share)."""
 
     def __init__(self, bucket: BucketView, comp: PowerSGDCompressor, state: FeedbackState,
                  pset: ProcessSet, sig: Signature, post_factor: float) -> None:
@@ -319,7 +319,11 @@ class _PowerSGDReduction:
                 # non-finite (AMP overflow, a skipped step): keep the old residual and Q
                 finite = torch.isfinite(approx).all()
                 old_e = state.residual(name, view)
-                state.residuals[name] = torch.where(finite, (m - approx).view(view.shape), old_e)
+                # ``approx`` is the sum over ranks; this rank's share of it is ``approx / N``, so
+                # the residuals sum to exactly what the wire lost (sum_r m_r - approx); keeping
+                # ``m - approx`` on every rank would feed back -(N-1) approx next step.
+                residual = m - approx / self.pset.size()
+                state.residuals[name] = torch.where(finite, residual.view(view.shape), old_e)
                 state.q[name] = torch.where(finite, q, q_used)
                 view.copy_((approx * self.post).view(view.shape))
         for pos in self.plain:
