@@ -8,10 +8,12 @@ reduced before the inner optimizer's unscaling, clipping, weight decay and updat
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import keras
+import torch
 
 from hvd_trainer.comm import (
     Compression,
@@ -23,6 +25,9 @@ from hvd_trainer.comm import (
     grouped_allreduce_,
 )
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
+from hvd_trainer.comm.ops.process_set import resolve_set
+from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
@@ -166,6 +171,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             see :meth:`~hvd_trainer.comm.ops.compression.Compression.resolve`); or the lossy
             ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings ``"int8"``,
             ``"powersgd:R"``) with error feedback (see "Error feedback" above). Both backends.
+            ``"auto"``: chosen once when the optimizer is built, from the measured link
+            (:mod:`hvd_trainer.comm.reduce.auto`; every rank on one host: plain allreduce),
+            printed on rank 0.
         sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.
@@ -228,8 +236,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         args = check_optimizer_args(
             op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
         )
-        compressor = Compression.resolve(compression, error=DistributedOptimizerError,
-                                         allow_error_feedback=True)
+        auto = isinstance(compression, str) and compression == AUTO
+        compressor = Compression.resolve(None if auto else compression,
+                                         error=DistributedOptimizerError, allow_error_feedback=True)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -246,6 +255,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         }
         self._op = args.op
         self._compression = compressor
+        self._auto_compression = auto
         # int8/powersgd: residuals (and Q) by "<index>:<variable path>". On torch without
         # accumulation the hook reducer holds them (this object only until it is built).
         self._feedback = FeedbackState(compressor.name) if compressor.error_feedback else None
@@ -376,6 +386,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list: Sequence[Any]) -> None:
         self.inner_optimizer.build(var_list)
         super().build(var_list)
+        self._resolve_auto_compression(var_list)
         self._state_names = tuple(_state_name(i, v) for i, v in enumerate(var_list))
         if self._feedback is not None and (self._feedback.residuals or self._feedback.q):
             self._feedback.load_state_dict(self._rekeyed(self._feedback.state_dict()))
@@ -384,6 +395,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accum = kind(list(var_list), self._passes)
         elif not self._tf and self._reduces():
             self._build_torch_reducer(var_list)
+
+    def _resolve_auto_compression(self, var_list: Sequence[Any]) -> None:
+        """``compression="auto"``: choose from the measured link once, at build (a collective
+        when the ranks span several hosts; :mod:`hvd_trainer.comm.reduce.auto`), said on rank 0."""
+        if not self._auto_compression:
+            return
+        self._auto_compression = False
+        pset = resolve_set(self._process_set, self.world, "compression=auto")
+        grad_bytes = sum(math.prod(v.shape) * 4 for v in var_list if v.trainable)
+        choice = choose_auto(self.world, pset, torch.device("cpu"), grad_bytes, local_steps=False)
+        chosen = choice.compression
+        self._compression = chosen
+        self._feedback = FeedbackState(chosen.name) if chosen.error_feedback else None
+        if self.world.rank == 0:
+            print(f"hvd_trainer: compression=auto chose {chosen.name}: {choice.reason}.", flush=True)
+
+    @property
+    def compression(self) -> Compressor:
+        """The compressor in use (after ``"auto"`` chose, when the optimizer was built)."""
+        return self._compression
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
         local = self._local_mask(var_list)

@@ -161,9 +161,28 @@ CASES = [("int8", 1), ("powersgd:2", 1), ("int8", 2)]
 """(compression, backward_passes_per_step)."""
 
 
+def _auto_fit() -> dict:
+    """compression="auto" with every rank on this host: plain allreduce, the same weights as
+    compression=None."""
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    xs, ys = zip(*[_batch(hk.rank(), 200 + k) for k in range(3)], strict=True)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    out = {}
+    for compression in ("auto", None):
+        model = _model(7)
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        out[str(compression)] = {"chose": opt.compression.name, "weights": [w.tolist() for w in model.get_weights()]}
+    return out
+
+
 def _worker() -> dict:
     return {"steps": {f"{m}/{p}": _two_steps(m, p) for m, p in CASES},
-            "fit": {f"{m}/{p}": _fit_and_resume(m, p) for m, p in CASES}}
+            "fit": {f"{m}/{p}": _fit_and_resume(m, p) for m, p in CASES}, "auto": _auto_fit()}
 
 
 # -- the single-process reference -------------------------------------------------------------
@@ -316,3 +335,12 @@ def test_fit_keeps_ranks_equal_and_resumes_bit_identically(results, mode: str, p
         else:
             assert f["q_names"] == [] and len(f["names"]) == 4
     assert fits[0]["final"] == fits[1]["final"]
+
+
+@pytest.mark.timeout(300)
+def test_auto_on_one_host_is_plain_allreduce(results) -> None:
+    backend, ranks = results
+    for r in ranks:
+        assert r["auto"]["auto"]["chose"] == "none", backend
+        assert r["auto"]["auto"]["weights"] == r["auto"]["None"]["weights"], backend
+    assert ranks[0]["auto"]["auto"]["weights"] == ranks[1]["auto"]["auto"]["weights"]
