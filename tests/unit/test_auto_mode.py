@@ -30,7 +30,7 @@ def test_bf16_when_halving_the_bytes_fits_the_budget() -> None:
 def test_slow_link_powersgd_or_local_steps() -> None:
     twenty_mbit = LinkEstimate(bytes_per_s=2.5e6, latency_s=0.001)
     ps = decide(twenty_mbit, 4 * MIB, local_steps=False)  # 1.68 s per fp32 allreduce
-    assert ps.compression.name == "powersgd(rank=4)" and ps.sync_every is None
+    assert ps.compression.name == "powersgd(rank=16)" and ps.sync_every is None
     local = decide(twenty_mbit, 4 * MIB, local_steps=True)
     assert local.compression is Compression.none and local.sync_every == 64  # 1.68 / 0.05 = 33.6 -> 64
     huge = decide(twenty_mbit, 1024 * MIB, local_steps=True)

@@ -8,7 +8,9 @@ and ``budget`` the communication time per step that is acceptable (``budget_seco
 1. every rank on one host (loopback or shared memory): plain allreduce, no probe;
 2. ``t <= budget``: plain allreduce (a fast link; compression would only cost compute);
 3. ``t / 2 <= budget``: ``bf16`` (half the bytes, no state);
-4. otherwise, for ``compression="auto"``: ``powersgd`` of rank 4; for ``sync_every="auto"``:
+4. otherwise, for ``compression="auto"``: ``powersgd`` of rank 16 (measured on the GPT recipe
+   at 2 ranks, README "Slow links": rank 16 reached the synchronous loss at equal tokens, rank 4
+   stayed on the loss plateau about 3x longer); for ``sync_every="auto"``:
    local steps with ``H`` the power of two (at most 128) that brings ``t / H`` under the budget.
 
 The choice is the same on every rank (the probe's times are agreed across ranks first) and comes
@@ -59,7 +61,7 @@ def decide(link: LinkEstimate | None, grad_bytes: int, *, local_steps: bool,
     if local_steps:
         h = min(MAX_AUTO_SYNC_EVERY, 2 ** math.ceil(math.log2(t / budget_seconds)))
         return AutoChoice(Compression.none, h, f"{measured}; local steps, an outer step every {h} steps")
-    return AutoChoice(Compression.powersgd(rank=4), None, f"{measured}; PowerSGD rank 4")
+    return AutoChoice(Compression.powersgd(rank=16), None, f"{measured}; PowerSGD rank 16")
 
 
 def choose(world: World, pset: ProcessSet, device: torch.device, grad_bytes: int, *, local_steps: bool,
