@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gc
 import importlib
 import importlib.util
 import sys
@@ -226,6 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = module.run(cfg)
     if result is not None and launcher_rank() == 0:  # RANK alone misses mpirun and srun
         print(format_result(result), flush=True)
+    # Only after a successful run (after an error, peers may still sit in a collective and
+    # the destroy would hang): Lightning's own DDP leaves its gloo group alive, and one that
+    # is finalised with the interpreter sometimes aborts the process (exit 134) after a run
+    # that printed its RESULT.
+    from hvd_trainer.comm.session import shutdown  # torch: not for --help and config errors
+
+    shutdown()
+    gc.collect()
     return 0
 
 
