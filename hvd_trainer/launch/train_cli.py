@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from hvd_trainer.comm.base.launch_env import launcher_rank
+from hvd_trainer.comm.session import shutdown
 from hvd_trainer.launch.config_help import format_keys, list_recipes
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
@@ -231,8 +232,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the destroy would hang): Lightning's own DDP leaves its gloo group alive, and one that
     # is finalised with the interpreter sometimes aborts the process (exit 134) after a run
     # that printed its RESULT.
-    from hvd_trainer.comm.session import shutdown  # torch: not for --help and config errors
-
     shutdown()
     gc.collect()
     return 0
