@@ -29,8 +29,10 @@ from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
+from hvd_trainer.comm.zero import ShardedGradientReducer
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
+from hvd_trainer.keras._zero import KerasZero, replicated
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
 
@@ -214,6 +216,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         process_set: Any = None,
         scale_local_gradients: bool = True,
         *,
+        zero_stage: int = 0,
         world: World | None = None,
         **kwargs: Any,
     ) -> None:
@@ -239,6 +242,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         auto = isinstance(compression, str) and compression == AUTO
         compressor = Compression.resolve(None if auto else compression,
                                          error=DistributedOptimizerError, allow_error_feedback=True)
+        _check_zero(zero_stage, optimizer, compressor, auto, args.backward_passes_per_step)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -251,7 +255,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "backward_passes_per_step": backward_passes_per_step,
             "average_aggregated_gradients": average_aggregated_gradients,
             "scale_local_gradients": bool(scale_local_gradients), "world": world,
-            "process_set": process_set,
+            "process_set": process_set, "zero_stage": zero_stage,
         }
         self._op = args.op
         self._compression = compressor
@@ -269,6 +273,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._process_set = process_set
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
+        self._zero_stage = zero_stage
+        self._zero: KerasZero | None = None  # by build(), when this rank shards (size > 1)
         self._buffers = _bridge.FlatBuffers()
         self._tf = keras.backend.backend() == "tensorflow"
         if keras.backend.backend() not in ("tensorflow", "torch"):
@@ -311,6 +317,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise TypeError(
                 f"register_local_var expects a keras.Variable, got {type(var).__name__} ({var!r}). "
                 "HINT: register each of layer.trainable_weights."
+            )
+        if self._zero is not None and not self._local.contains(var):
+            raise DistributedOptimizerError(
+                f"register_local_var({var.path!r}) after the optimizer was built with "
+                f"zero_stage={self._zero_stage}: the shard plan (which rank owns which variable) "
+                "is fixed at build. HINT: register local variables before the first step or build()."
             )
         if not self._local.add(var):
             return
@@ -358,10 +370,76 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables
 
     def save_own_variables(self, store) -> None:
-        self.inner_optimizer.save_own_variables(store)
+        if self._zero is None:
+            self.inner_optimizer.save_own_variables(store)
+            return
+        if self._zero.consolidated is None:
+            raise DistributedOptimizerError(
+                f"cannot save the optimizer: with zero_stage={self._zero_stage} each rank holds only "
+                "its shard of the optimizer variables, and they were not consolidated on this rank "
+                "since the last step (a partial state is never written). HINT: call "
+                "optimizer.consolidate_variables(to=r) on every rank, then save (model.save, "
+                "save_own_variables) on rank r only."
+            )
+        self._zero.consolidated.save_own_variables(store)
 
     def load_own_variables(self, store) -> None:
-        self.inner_optimizer.load_own_variables(store)
+        if self._zero is None:
+            self.inner_optimizer.load_own_variables(store)
+            return
+        try:
+            self._zero.load_full(self.inner_optimizer, built_trainable_variables(self), store)
+        except ValueError as exc:
+            raise DistributedOptimizerError(f"cannot load the optimizer variables: {exc}") from exc
+
+    def __dir__(self):
+        # With ZeRO the inner optimizer holds a shard: keep Keras' saver (which walks dir())
+        # from writing or loading it as a child; save_own_variables writes the full state.
+        names = super().__dir__()
+        if self.__dict__.get("_zero_stage"):
+            names = [n for n in names if n != "inner_optimizer"]
+        return names
+
+    @property
+    def zero_stage(self) -> int:
+        """The ``zero_stage`` this optimizer was built with (0, 1 or 2)."""
+        return self._zero_stage
+
+    @property
+    def replicated_variables(self) -> list[Any]:
+        """The optimizer variables every rank holds the same value of: all of them, or with
+        ZeRO sharding active only ``iterations`` and the learning rate (the slots are each rank's
+        shard). What :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback`
+        broadcasts."""
+        if self._zero is None:
+            return self.inner_optimizer.variables
+        return replicated(self.inner_optimizer)
+
+    def consolidate_variables(self, to: int = 0) -> None:
+        """Gather the full (unsharded) optimizer variables on rank ``to`` (a collective: call it
+        on every rank of the process set; ``to`` is a rank of that set).
+
+        Afterwards, until the next step, rank ``to``'s :meth:`save_own_variables` (so
+        ``model.save``) writes exactly the variables an unwrapped optimizer of the inner class
+        would have, loadable by a plain Keras optimizer; other ranks still refuse to save. The
+        full copy lives on rank ``to`` only (the size of the unsharded state). Without ZeRO
+        sharding (``zero_stage=0``, one rank, or a rank outside the process set) this does
+        nothing.
+
+        Raises:
+            DistributedOptimizerError: the optimizer is not built yet, or ``to`` is out of range.
+        """
+        if self._zero_stage and not self.built:
+            raise DistributedOptimizerError(
+                "consolidate_variables() before the optimizer was built: there is no state yet. "
+                "HINT: call it after training steps (or optimizer.build(model.trainable_variables))."
+            )
+        if self._zero is None:
+            return
+        try:
+            self._zero.consolidate(self.inner_optimizer, built_trainable_variables(self), to)
+        except ValueError as exc:
+            raise DistributedOptimizerError(f"consolidate_variables(to={to}): {exc}") from exc
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
@@ -384,7 +462,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self._world
 
     def build(self, var_list: Sequence[Any]) -> None:
-        self.inner_optimizer.build(var_list)
+        sharded = bool(self._zero_stage) and self._reduces()
+        if not sharded:
+            self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._resolve_auto_compression(var_list)
         self._state_names = tuple(_state_name(i, v) for i, v in enumerate(var_list))
@@ -395,6 +475,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accum = kind(list(var_list), self._passes)
         elif not self._tf and self._reduces():
             self._build_torch_reducer(var_list)
+        if sharded:
+            self._build_zero(list(var_list))
+
+    def _sharded_variables(self, var_list: Sequence[Any]) -> list[Any]:
+        """The variables ZeRO shards: trainable and not local, in ``var_list``'s order."""
+        local = self._local_mask(var_list)
+        return [v for v, is_local in zip(var_list, local, strict=True) if v.trainable and not is_local]
+
+    def _build_zero(self, var_list: list[Any]) -> None:
+        """Plan the ownership and build the inner optimizer on the owned variables only."""
+        if self.inner_optimizer.built:
+            raise DistributedOptimizerError(
+                f"zero_stage={self._zero_stage}: the inner optimizer {self.inner_optimizer.name!r} "
+                "is already built (it holds state for every variable). HINT: wrap a fresh, "
+                "unbuilt Keras optimizer."
+            )
+        pset = resolve_set(self._process_set, self.world, "ZeRO sharding")
+        plan = self._reducer.plan if isinstance(self._reducer, ShardedGradientReducer) else None
+        self._zero = KerasZero(self._zero_stage, self._sharded_variables(var_list), pset, plan)
+        self.inner_optimizer.build([v for v in var_list if self._zero.owns(v)])
 
     def _resolve_auto_compression(self, var_list: Sequence[Any]) -> None:
         """``compression="auto"``: choose from the measured link once, at build (a collective
@@ -421,7 +521,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         named = [(_state_name(i, v), v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
         carry = self._feedback_state()  # a loaded state, or the reducer's before a rebuild
-        self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
+        kind = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
+        self._reducer = kind(named, world=self.world, op=op, compression=self._compression,
                                         prescale_factor=pre, postscale_factor=post,
                                         process_set=self._process_set)
         if carry is not None and (carry.residuals or carry.q):
@@ -438,7 +539,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._reduces():
             tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
             grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
-        self.inner_optimizer.apply(grads, trainable_variables)
+        self._inner_apply(grads, trainable_variables)
+
+    def _inner_apply(self, grads, trainable_variables) -> None:
+        """The inner optimizer's ``apply``; with ZeRO on the owned variables only, followed by
+        the exchange of the updated variables (every rank, every update)."""
+        if self._zero is None:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return
+        tvs = built_trainable_variables(self) if trainable_variables is None else list(trainable_variables)
+        mine = [(g, v) for g, v in zip(grads, tvs, strict=True) if self._zero.owns(v)]
+        self._zero.consolidated = None  # a consolidated copy is stale from now on
+        if any(g is not None for g, _ in mine):
+            self.inner_optimizer.apply([g for g, _ in mine], [v for _, v in mine])
+        else:  # nothing to step here: iterations still advance, as on the other ranks
+            _accumulate.iteration_variable(self.inner_optimizer).assign_add(1)
+        self._zero.exchange()
 
     def _apply_accumulated(self, grads, trainable_variables) -> None:
         """N > 1: accumulate; on the N-th call reduce the sums and apply them (class docstring)."""
@@ -461,7 +577,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             counter.assign_add(1)
             return
         try:
-            self.inner_optimizer.apply(self._reduce_torch_sums(tvs), tvs)
+            self._inner_apply(self._reduce_torch_sums(tvs), tvs)
         finally:
             self._accum.reset()
 
@@ -645,6 +761,68 @@ def _check_unsupported(num_groups: Any, groups: Any) -> None:
             f"num_groups={num_groups!r}, groups={groups!r}: the Keras DistributedOptimizer always "
             "fuses the gradients of one dtype into one allreduce. HINT: leave num_groups and "
             "groups at their defaults."
+        )
+
+
+def _check_zero(stage: Any, optimizer: Any, compressor: Compressor, auto: bool, passes: int) -> None:
+    """Refuse a ``zero_stage`` value or a combination ZeRO sharding does not support."""
+    if isinstance(stage, bool) or stage not in (0, 1, 2):
+        raise DistributedOptimizerError(
+            f"zero_stage={stage!r} must be 0 (no sharding), 1 (optimizer state sharded) or 2 "
+            "(optimizer state and averaged gradients sharded)."
+        )
+    if stage == 0:
+        return
+    backend = keras.backend.backend()
+    if backend != "torch":
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} is implemented for the torch backend only, got "
+            f"KERAS_BACKEND={backend!r}. HINT: set KERAS_BACKEND=torch before importing keras, "
+            "or use zero_stage=0 on this backend."
+        )
+    if auto or compressor.error_feedback:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with compression={'auto' if auto else compressor.name!r}: error "
+            "feedback keeps a per-rank residual of every whole gradient (and 'auto' may choose "
+            "it). HINT: use compression=None or 'bf16' with zero_stage, or zero_stage=0."
+        )
+    if stage == 2 and getattr(compressor, "needs_global_scale", False):
+        raise DistributedOptimizerError(
+            f"zero_stage=2 with compression={compressor.name!r}: the fp16 global scale is not "
+            "applied to the reduce-scatter. HINT: use compression='bf16', or zero_stage=1."
+        )
+    if stage == 2 and passes > 1:
+        raise DistributedOptimizerError(
+            f"zero_stage=2 with backward_passes_per_step={passes}: the accumulated gradients are "
+            "reduced once per window by an allreduce, not reduce-scattered. HINT: use "
+            "zero_stage=1 with gradient accumulation (same optimizer-state sharding)."
+        )
+    _check_zero_optimizer(stage, optimizer)
+
+
+def _check_zero_optimizer(stage: int, optimizer: Any) -> None:
+    """Refuse an inner optimizer whose features need every variable's gradient or state."""
+    if isinstance(optimizer, _LSO) or _global_policy_is_mixed_float16():
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with a LossScaleOptimizer (or the mixed_float16 policy): its "
+            "skip-on-inf decision and loss scale would be taken from each rank's shard only. "
+            "HINT: use zero_stage=0 with mixed_float16, or mixed_bfloat16 (no loss scaling)."
+        )
+    if getattr(optimizer, "use_ema", False):
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with use_ema=True: the moving averages would be kept (and "
+            "written into the model) by the owning rank only. HINT: use_ema=False, or zero_stage=0."
+        )
+    if getattr(optimizer, "global_clipnorm", None) is not None:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with global_clipnorm: each rank's inner optimizer sees only its "
+            "own variables' gradients, so the global norm would be a shard's. HINT: clipnorm= or "
+            "clipvalue= (per variable) work, or use zero_stage=0."
+        )
+    if optimizer.built:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage}: the optimizer {optimizer.name!r} is already built (it holds state "
+            "for every variable). HINT: wrap a fresh, unbuilt Keras optimizer."
         )
 
 
