@@ -769,7 +769,8 @@ def _check_zero(stage: Any, optimizer: Any, compressor: Compressor, auto: bool, 
     if isinstance(stage, bool) or stage not in (0, 1, 2):
         raise DistributedOptimizerError(
             f"zero_stage={stage!r} must be 0 (no sharding), 1 (optimizer state sharded) or 2 "
-            "(optimizer state and averaged gradients sharded)."
+            "(optimizer state and averaged gradients sharded). HINT: ZeRO stage 3 (sharded "
+            "weights) is not implemented; use zero_stage=2."
         )
     if stage == 0:
         return
