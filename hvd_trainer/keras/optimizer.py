@@ -141,6 +141,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``get_config``) and stores exactly the inner optimizer's variables, so a model saved with
     it names a plain Keras optimizer and loads with Keras alone.
 
+    ZeRO (``zero_stage=1|2``, torch backend; Rajbhandari et al. 2020): the plan and the
+    parameter exchange are the comm layer's (:mod:`hvd_trainer.comm.zero`), run on the torch
+    tensors behind the Keras variables. Per update every rank calls the inner optimizer's
+    ``apply`` on its owned variables (``iterations`` advances on every rank, also one owning
+    nothing) and then takes part in the exchange (an allgather per balanced bucket, else one
+    broadcast per owner). Local variables (:meth:`register_local_var`, before ``build``) are
+    not sharded: each rank steps its own. Stage 1 works with ``backward_passes_per_step > 1``
+    (the window's sums are allreduced, then the owned variables stepped). Checkpoints: each
+    rank's ``variables`` are its shard, so saving is refused (``save_own_variables`` and hence
+    ``model.save`` raise :class:`DistributedOptimizerError`) unless :meth:`consolidate_variables`
+    ran on every rank since the last step; rank ``to`` then writes the full state, exactly a
+    plain optimizer's of the inner class. ``load_own_variables`` (so ``model.load_weights``
+    once the sharded optimizer is built) takes such a full state and keeps this rank's part.
+    :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback` broadcasts only
+    ``iterations`` and the learning rate (:attr:`replicated_variables`). Elastic ``KerasState``
+    syncs of a sharded optimizer are not supported.
+
     Example:
         >>> import hvd_trainer, hvd_trainer.keras as hvd_keras
         >>> hvd_trainer.init()
@@ -190,13 +207,28 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             (``Average``, predivide, local scaling) are the set's.
         scale_local_gradients: divide local variables' gradients by the world (or set) size
             (default True).
+        zero_stage: ZeRO sharding (keyword; torch backend only; see "ZeRO" above). ``0``
+            (default): every rank keeps the whole optimizer state. ``1``: each trainable
+            variable is owned by one rank (balanced by bytes; the same plan on every rank, from
+            the variable order and sizes); gradients are allreduced as with ``0``, each rank's
+            inner optimizer is built on and steps only the variables it owns (so its slot
+            variables take about ``1/N`` of the unsharded bytes, within one variable's), and
+            the updated variables are then copied from their owners. ``2``: also the averaged
+            gradients: the fused buckets are reduce-scattered, so a rank receives only its own
+            variables' gradients. Ranks outside ``process_set`` and a single-rank run do not
+            shard.
         world: the world to reduce over (default: the initialised one, looked up on first use).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
         DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
             ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
-            ``num_groups``/``groups`` other than the default.
+            ``num_groups``/``groups`` other than the default; ``zero_stage`` not 0, 1 or 2
+            (``True`` included), or ``zero_stage > 0`` on a backend other than torch, with
+            ``compression`` ``"int8"``/``"powersgd:R"``/``"auto"`` (or ``"fp16"`` in stage 2),
+            with ``backward_passes_per_step > 1`` in stage 2, with a ``LossScaleOptimizer`` or
+            the ``mixed_float16`` policy, with an inner optimizer that has ``use_ema=True`` or
+            ``global_clipnorm`` or is already built.
     """
 
     def __init__(  # noqa: PLR0913 - Horovod's signature, positionally

@@ -120,10 +120,30 @@ def _train(stage: int, tmp: str) -> dict:
     with np.load(os.path.join(tmp, f"full{stage}.npz")) as data:
         fresh.load_own_variables({k: data[k] for k in data.files})
     out["reloaded_equal"] = _slots(fresh.inner_optimizer) == _slots(opt.inner_optimizer)
+    # model.load_weights of rank 0's .keras file into another model with a built sharded optimizer
+    other = _model(3)
+    other.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(LR), zero_stage=stage), loss="mse")
+    other.optimizer.build(other.trainable_variables)
+    other.load_weights(os.path.join(tmp, f"s{stage}_r0.keras"))
+    out["load_weights_equal"] = _slots(other.optimizer.inner_optimizer) == _slots(opt.inner_optimizer) \
+        and [w.tolist() for w in other.get_weights()] == out["weights"]
     out["reloaded_iterations"] = int(np.array(fresh.iterations))
     out["reloaded_names"] = [v.name for v in fresh.inner_optimizer.variables] == \
         [v.name for v in opt.inner_optimizer.variables]
     return out
+
+
+def _accumulated(stage: int) -> dict:
+    """``backward_passes_per_step=2`` (stage 1 supports it): 4 apply() calls, 2 updates."""
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    model = _model(17)
+    opt = hk.DistributedOptimizer(keras.optimizers.Adam(LR), backward_passes_per_step=2, zero_stage=stage)
+    for k in range(4):
+        _step(opt, model, *_batch(hk.rank(), 30 + k))
+    return {"weights": [w.tolist() for w in model.get_weights()], "iterations": int(np.array(opt.iterations))}
 
 
 def _fit(stage: int) -> list:
@@ -180,7 +200,8 @@ def _refusals() -> dict:
 
 
 def _worker(tmp: str) -> dict:
-    return {"runs": {s: _train(s, tmp) for s in (0, 1, 2)}, "refusals": _refusals()}
+    return {"runs": {s: _train(s, tmp) for s in (0, 1, 2)}, "refusals": _refusals(),
+            "accumulated": {s: _accumulated(s) for s in (0, 1)}}
 
 
 def _fit_worker() -> dict:
@@ -256,7 +277,18 @@ def test_consolidated_save_is_the_unsharded_state(results, stage: int) -> None:
         if rank:
             assert "consolidate_variables" in run["other_rank_save"]
         assert run["reloaded_equal"] and run["reloaded_names"], (size, stage, rank)
+        assert run["load_weights_equal"], (size, stage, rank)
         assert run["reloaded_iterations"] == STEPS
+
+
+@pytest.mark.timeout(300)
+def test_stage1_with_gradient_accumulation_equals_stage0(results) -> None:
+    size, ranks = results
+    ref = ranks[0]["accumulated"][0]
+    for r in ranks:
+        assert r["accumulated"][1]["weights"] == ranks[0]["accumulated"][1]["weights"]
+        assert _close(r["accumulated"][1]["weights"], ref["weights"]), size
+        assert r["accumulated"][1]["iterations"] == ref["iterations"] == 4
 
 
 @pytest.mark.timeout(300)
