@@ -29,8 +29,10 @@ from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
+from hvd_trainer.comm.zero import ShardedGradientReducer
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
+from hvd_trainer.keras._zero import KerasZero, replicated
 
 __all__ = ["DistributedOptimizer", "DistributedOptimizerError"]
 
@@ -139,6 +141,23 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     ``get_config``) and stores exactly the inner optimizer's variables, so a model saved with
     it names a plain Keras optimizer and loads with Keras alone.
 
+    ZeRO (``zero_stage=1|2``, torch backend; Rajbhandari et al. 2020): the plan and the
+    parameter exchange are the comm layer's (:mod:`hvd_trainer.comm.zero`), run on the torch
+    tensors behind the Keras variables. Per update every rank calls the inner optimizer's
+    ``apply`` on its owned variables (``iterations`` advances on every rank, also one owning
+    nothing) and then takes part in the exchange (an allgather per balanced bucket, else one
+    broadcast per owner). Local variables (:meth:`register_local_var`, before ``build``) are
+    not sharded: each rank steps its own. Stage 1 works with ``backward_passes_per_step > 1``
+    (the window's sums are allreduced, then the owned variables stepped). Checkpoints: each
+    rank's ``variables`` are its shard, so saving is refused (``save_own_variables`` and hence
+    ``model.save`` raise :class:`DistributedOptimizerError`) unless :meth:`consolidate_variables`
+    ran on every rank since the last step; rank ``to`` then writes the full state, exactly a
+    plain optimizer's of the inner class. ``load_own_variables`` (so ``model.load_weights``
+    once the sharded optimizer is built) takes such a full state and keeps this rank's part.
+    :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback` broadcasts only
+    ``iterations`` and the learning rate (:attr:`replicated_variables`). Elastic ``KerasState``
+    syncs of a sharded optimizer are not supported.
+
     Example:
         >>> import hvd_trainer, hvd_trainer.keras as hvd_keras
         >>> hvd_trainer.init()
@@ -188,13 +207,28 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             (``Average``, predivide, local scaling) are the set's.
         scale_local_gradients: divide local variables' gradients by the world (or set) size
             (default True).
+        zero_stage: ZeRO sharding (keyword; torch backend only; see "ZeRO" above). ``0``
+            (default): every rank keeps the whole optimizer state. ``1``: each trainable
+            variable is owned by one rank (balanced by bytes; the same plan on every rank, from
+            the variable order and sizes); gradients are allreduced as with ``0``, each rank's
+            inner optimizer is built on and steps only the variables it owns (so its slot
+            variables take about ``1/N`` of the unsharded bytes, within one variable's), and
+            the updated variables are then copied from their owners. ``2``: also the averaged
+            gradients: the fused buckets are reduce-scattered, so a rank receives only its own
+            variables' gradients. Ranks outside ``process_set`` and a single-rank run do not
+            shard.
         world: the world to reduce over (default: the initialised one, looked up on first use).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
         DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
             ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
-            ``num_groups``/``groups`` other than the default.
+            ``num_groups``/``groups`` other than the default; ``zero_stage`` not 0, 1 or 2
+            (``True`` included), or ``zero_stage > 0`` on a backend other than torch, with
+            ``compression`` ``"int8"``/``"powersgd:R"``/``"auto"`` (or ``"fp16"`` in stage 2),
+            with ``backward_passes_per_step > 1`` in stage 2, with a ``LossScaleOptimizer`` or
+            the ``mixed_float16`` policy, with an inner optimizer that has ``use_ema=True`` or
+            ``global_clipnorm`` or is already built.
     """
 
     def __init__(  # noqa: PLR0913 - Horovod's signature, positionally
@@ -214,6 +248,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         process_set: Any = None,
         scale_local_gradients: bool = True,
         *,
+        zero_stage: int = 0,
         world: World | None = None,
         **kwargs: Any,
     ) -> None:
@@ -239,6 +274,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         auto = isinstance(compression, str) and compression == AUTO
         compressor = Compression.resolve(None if auto else compression,
                                          error=DistributedOptimizerError, allow_error_feedback=True)
+        _check_zero(zero_stage, optimizer, compressor, auto, args.backward_passes_per_step)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -251,7 +287,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "backward_passes_per_step": backward_passes_per_step,
             "average_aggregated_gradients": average_aggregated_gradients,
             "scale_local_gradients": bool(scale_local_gradients), "world": world,
-            "process_set": process_set,
+            "process_set": process_set, "zero_stage": zero_stage,
         }
         self._op = args.op
         self._compression = compressor
@@ -269,6 +305,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._process_set = process_set
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
+        self._zero_stage = zero_stage
+        self._zero: KerasZero | None = None  # by build(), when this rank shards (size > 1)
         self._buffers = _bridge.FlatBuffers()
         self._tf = keras.backend.backend() == "tensorflow"
         if keras.backend.backend() not in ("tensorflow", "torch"):
@@ -311,6 +349,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise TypeError(
                 f"register_local_var expects a keras.Variable, got {type(var).__name__} ({var!r}). "
                 "HINT: register each of layer.trainable_weights."
+            )
+        if self._zero is not None and not self._local.contains(var):
+            raise DistributedOptimizerError(
+                f"register_local_var({var.path!r}) after the optimizer was built with "
+                f"zero_stage={self._zero_stage}: the shard plan (which rank owns which variable) "
+                "is fixed at build. HINT: register local variables before the first step or build()."
             )
         if not self._local.add(var):
             return
@@ -358,10 +402,76 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.variables
 
     def save_own_variables(self, store) -> None:
-        self.inner_optimizer.save_own_variables(store)
+        if self._zero is None:
+            self.inner_optimizer.save_own_variables(store)
+            return
+        if self._zero.consolidated is None:
+            raise DistributedOptimizerError(
+                f"cannot save the optimizer: with zero_stage={self._zero_stage} each rank holds only "
+                "its shard of the optimizer variables, and they were not consolidated on this rank "
+                "since the last step (a partial state is never written). HINT: call "
+                "optimizer.consolidate_variables(to=r) on every rank, then save (model.save, "
+                "save_own_variables) on rank r only."
+            )
+        self._zero.consolidated.save_own_variables(store)
 
     def load_own_variables(self, store) -> None:
-        self.inner_optimizer.load_own_variables(store)
+        if self._zero is None:
+            self.inner_optimizer.load_own_variables(store)
+            return
+        try:
+            self._zero.load_full(self.inner_optimizer, built_trainable_variables(self), store)
+        except ValueError as exc:
+            raise DistributedOptimizerError(f"cannot load the optimizer variables: {exc}") from exc
+
+    def __dir__(self):
+        # With ZeRO the inner optimizer holds a shard: keep Keras' saver (which walks dir())
+        # from writing or loading it as a child; save_own_variables writes the full state.
+        names = super().__dir__()
+        if self.__dict__.get("_zero_stage"):
+            names = [n for n in names if n != "inner_optimizer"]
+        return names
+
+    @property
+    def zero_stage(self) -> int:
+        """The ``zero_stage`` this optimizer was built with (0, 1 or 2)."""
+        return self._zero_stage
+
+    @property
+    def replicated_variables(self) -> list[Any]:
+        """The optimizer variables every rank holds the same value of: all of them, or with
+        ZeRO sharding active only ``iterations`` and the learning rate (the slots are each rank's
+        shard). What :class:`~hvd_trainer.keras.callbacks.BroadcastGlobalVariablesCallback`
+        broadcasts."""
+        if self._zero is None:
+            return self.inner_optimizer.variables
+        return replicated(self.inner_optimizer)
+
+    def consolidate_variables(self, to: int = 0) -> None:
+        """Gather the full (unsharded) optimizer variables on rank ``to`` (a collective: call it
+        on every rank of the process set; ``to`` is a rank of that set).
+
+        Afterwards, until the next step, rank ``to``'s :meth:`save_own_variables` (so
+        ``model.save``) writes exactly the variables an unwrapped optimizer of the inner class
+        would have, loadable by a plain Keras optimizer; other ranks still refuse to save. The
+        full copy lives on rank ``to`` only (the size of the unsharded state). Without ZeRO
+        sharding (``zero_stage=0``, one rank, or a rank outside the process set) this does
+        nothing.
+
+        Raises:
+            DistributedOptimizerError: the optimizer is not built yet, or ``to`` is out of range.
+        """
+        if self._zero_stage and not self.built:
+            raise DistributedOptimizerError(
+                "consolidate_variables() before the optimizer was built: there is no state yet. "
+                "HINT: call it after training steps (or optimizer.build(model.trainable_variables))."
+            )
+        if self._zero is None:
+            return
+        try:
+            self._zero.consolidate(self.inner_optimizer, built_trainable_variables(self), to)
+        except ValueError as exc:
+            raise DistributedOptimizerError(f"consolidate_variables(to={to}): {exc}") from exc
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
@@ -384,7 +494,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self._world
 
     def build(self, var_list: Sequence[Any]) -> None:
-        self.inner_optimizer.build(var_list)
+        sharded = bool(self._zero_stage) and self._reduces()
+        if not sharded:
+            self.inner_optimizer.build(var_list)
         super().build(var_list)
         self._resolve_auto_compression(var_list)
         self._state_names = tuple(_state_name(i, v) for i, v in enumerate(var_list))
@@ -395,6 +507,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accum = kind(list(var_list), self._passes)
         elif not self._tf and self._reduces():
             self._build_torch_reducer(var_list)
+        if sharded:
+            self._build_zero(list(var_list))
+
+    def _sharded_variables(self, var_list: Sequence[Any]) -> list[Any]:
+        """The variables ZeRO shards: trainable and not local, in ``var_list``'s order."""
+        local = self._local_mask(var_list)
+        return [v for v, is_local in zip(var_list, local, strict=True) if v.trainable and not is_local]
+
+    def _build_zero(self, var_list: list[Any]) -> None:
+        """Plan the ownership and build the inner optimizer on the owned variables only."""
+        if self.inner_optimizer.built:
+            raise DistributedOptimizerError(
+                f"zero_stage={self._zero_stage}: the inner optimizer {self.inner_optimizer.name!r} "
+                "is already built (it holds state for every variable). HINT: wrap a fresh, "
+                "unbuilt Keras optimizer."
+            )
+        pset = resolve_set(self._process_set, self.world, "ZeRO sharding")
+        plan = self._reducer.plan if isinstance(self._reducer, ShardedGradientReducer) else None
+        self._zero = KerasZero(self._zero_stage, self._sharded_variables(var_list), pset, plan)
+        self.inner_optimizer.build([v for v in var_list if self._zero.owns(v)])
 
     def _resolve_auto_compression(self, var_list: Sequence[Any]) -> None:
         """``compression="auto"``: choose from the measured link once, at build (a collective
@@ -421,7 +553,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         named = [(_state_name(i, v), v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
         carry = self._feedback_state()  # a loaded state, or the reducer's before a rebuild
-        self._reducer = GradientReducer(named, world=self.world, op=op, compression=self._compression,
+        kind = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
+        self._reducer = kind(named, world=self.world, op=op, compression=self._compression,
                                         prescale_factor=pre, postscale_factor=post,
                                         process_set=self._process_set)
         if carry is not None and (carry.residuals or carry.q):
@@ -438,7 +571,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._reduces():
             tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
             grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
-        self.inner_optimizer.apply(grads, trainable_variables)
+        self._inner_apply(grads, trainable_variables)
+
+    def _inner_apply(self, grads, trainable_variables) -> None:
+        """The inner optimizer's ``apply``; with ZeRO on the owned variables only, followed by
+        the exchange of the updated variables (every rank, every update)."""
+        if self._zero is None:
+            self.inner_optimizer.apply(grads, trainable_variables)
+            return
+        tvs = built_trainable_variables(self) if trainable_variables is None else list(trainable_variables)
+        mine = [(g, v) for g, v in zip(grads, tvs, strict=True) if self._zero.owns(v)]
+        self._zero.consolidated = None  # a consolidated copy is stale from now on
+        if any(g is not None for g, _ in mine):
+            self.inner_optimizer.apply([g for g, _ in mine], [v for _, v in mine])
+        else:  # nothing to step here: iterations still advance, as on the other ranks
+            _accumulate.iteration_variable(self.inner_optimizer).assign_add(1)
+        self._zero.exchange()
 
     def _apply_accumulated(self, grads, trainable_variables) -> None:
         """N > 1: accumulate; on the N-th call reduce the sums and apply them (class docstring)."""
@@ -461,7 +609,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             counter.assign_add(1)
             return
         try:
-            self.inner_optimizer.apply(self._reduce_torch_sums(tvs), tvs)
+            self._inner_apply(self._reduce_torch_sums(tvs), tvs)
         finally:
             self._accum.reset()
 
@@ -645,6 +793,69 @@ def _check_unsupported(num_groups: Any, groups: Any) -> None:
             f"num_groups={num_groups!r}, groups={groups!r}: the Keras DistributedOptimizer always "
             "fuses the gradients of one dtype into one allreduce. HINT: leave num_groups and "
             "groups at their defaults."
+        )
+
+
+def _check_zero(stage: Any, optimizer: Any, compressor: Compressor, auto: bool, passes: int) -> None:
+    """Refuse a ``zero_stage`` value or a combination ZeRO sharding does not support."""
+    if isinstance(stage, bool) or stage not in (0, 1, 2):
+        raise DistributedOptimizerError(
+            f"zero_stage={stage!r} must be 0 (no sharding), 1 (optimizer state sharded) or 2 "
+            "(optimizer state and averaged gradients sharded). HINT: ZeRO stage 3 (sharded "
+            "weights) is not implemented; use zero_stage=2."
+        )
+    if stage == 0:
+        return
+    backend = keras.backend.backend()
+    if backend != "torch":
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} is implemented for the torch backend only, got "
+            f"KERAS_BACKEND={backend!r}. HINT: set KERAS_BACKEND=torch before importing keras, "
+            "or use zero_stage=0 on this backend."
+        )
+    if auto or compressor.error_feedback:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with compression={'auto' if auto else compressor.name!r}: error "
+            "feedback keeps a per-rank residual of every whole gradient (and 'auto' may choose "
+            "it). HINT: use compression=None or 'bf16' with zero_stage, or zero_stage=0."
+        )
+    if stage == 2 and getattr(compressor, "needs_global_scale", False):
+        raise DistributedOptimizerError(
+            f"zero_stage=2 with compression={compressor.name!r}: the fp16 global scale is not "
+            "applied to the reduce-scatter. HINT: use compression='bf16', or zero_stage=1."
+        )
+    if stage == 2 and passes > 1:
+        raise DistributedOptimizerError(
+            f"zero_stage=2 with backward_passes_per_step={passes}: the accumulated gradients are "
+            "reduced once per window by an allreduce, not reduce-scattered. HINT: use "
+            "zero_stage=1 with gradient accumulation (same optimizer-state sharding)."
+        )
+    _check_zero_optimizer(stage, optimizer)
+
+
+def _check_zero_optimizer(stage: int, optimizer: Any) -> None:
+    """Refuse an inner optimizer whose features need every variable's gradient or state."""
+    if isinstance(optimizer, _LSO) or _global_policy_is_mixed_float16():
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with a LossScaleOptimizer (or the mixed_float16 policy): its "
+            "skip-on-inf decision and loss scale would be taken from each rank's shard only. "
+            "HINT: use zero_stage=0 with mixed_float16, or mixed_bfloat16 (no loss scaling)."
+        )
+    if getattr(optimizer, "use_ema", False):
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with use_ema=True: the moving averages would be kept (and "
+            "written into the model) by the owning rank only. HINT: use_ema=False, or zero_stage=0."
+        )
+    if getattr(optimizer, "global_clipnorm", None) is not None:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage} with global_clipnorm: each rank's inner optimizer sees only its "
+            "own variables' gradients, so the global norm would be a shard's. HINT: clipnorm= or "
+            "clipvalue= (per variable) work, or use zero_stage=0."
+        )
+    if optimizer.built:
+        raise DistributedOptimizerError(
+            f"zero_stage={stage}: the optimizer {optimizer.name!r} is already built (it holds state "
+            "for every variable). HINT: wrap a fresh, unbuilt Keras optimizer."
         )
 
 

@@ -41,7 +41,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     ``local_variables`` (Horovod's argument) are left out of the broadcast: each rank keeps its
     own value (model-parallel or per-rank state, e.g. the layers given to
     :func:`~hvd_trainer.keras.PartialDistributedOptimizer`). More can be added with
-    :meth:`register_local_var` before ``fit``.
+    :meth:`register_local_var` before ``fit``. With a ZeRO-sharded ``DistributedOptimizer``
+    (``zero_stage=1|2``) only its ``iterations`` and learning rate are broadcast: each rank's
+    slot variables are its own shard (``DistributedOptimizer.replicated_variables``).
 
     It also switches ``jit_compile`` off (with a warning) on TensorFlow when the model's
     optimizer is a :class:`DistributedOptimizer`, because XLA cannot run the allreduce bridge,
@@ -105,7 +107,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = self.model.optimizer
         variables = list(self.model.weights)
         if opt is not None and opt.built:
-            variables += list(opt.variables)
+            # a ZeRO-sharded DistributedOptimizer: its slots are each rank's own shard
+            variables += list(getattr(opt, "replicated_variables", opt.variables))
         local = {id(v) for v in self.local_variables}
         broadcast_variables([v for v in variables if id(v) not in local], self.root_rank)
         self.broadcast_done = True
