@@ -568,8 +568,11 @@ class _HorovodStrategyLogic:
         for optimizer in self.optimizers:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             mine = named if self._zero_stage == 2 else [(n, p) for n, p in named if id(p) in ids]
+            # Stage 2: the reducer's own config (its caps may have been paced to the link).
+            config = self._reducer.config if isinstance(self._reducer, ShardedGradientReducer) \
+                else self._fusion
             zero = ZeroSharding(mine, optimizer, stage=self._zero_stage, world=self._require_world(),
-                                config=self._fusion)
+                                config=config)
             if isinstance(self._reducer, ShardedGradientReducer):
                 check_same_plan(self._reducer, zero)
             self._zero[id(optimizer)] = zero

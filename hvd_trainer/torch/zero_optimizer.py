@@ -36,6 +36,7 @@ import torch
 from hvd_trainer.comm import ReduceOp
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero.reducer import stage2_config
 
 __all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
 
@@ -65,6 +66,11 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroShar
     if zero_stage == 2 and getattr(opt._compression, "needs_global_scale", False):
         raise error(f"zero_stage=2 with compression={opt._compression.name}: the fp16 global "
                     "scale is not applied to reduce-scatter. HINT: use Compression.bf16.")
+    if zero_stage == 2:
+        # Bucket caps paced to the link now (a collective over the set on several hosts), so
+        # the ownership planned here is the one the stage-2 reducer plans at the first step.
+        device = next((p.device for _, p in opt._named), None)
+        opt._fusion_config, _ = stage2_config(opt._fusion_config, opt._world, opt._process_set, device)
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
                         config=opt._fusion_config, process_set=opt._process_set)
 

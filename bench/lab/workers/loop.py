@@ -1,9 +1,10 @@
 """A plain torch training loop on the lab: hvd_trainer's ``DistributedOptimizer`` vs torch DDP.
 
 Modes (``--modes``, run in this order in the same processes, ``--rounds`` times):
-``hvd`` (defaults), ``hvd_bf16`` (``compression=bf16``), ``ddp`` (defaults), ``ddp_bf16``
-(DDP's ``bf16_compress_hook``), and ``local`` (no communication at all: the compute time; run it
-without a launcher). Each mode builds the same model from the same seed, takes ``--warmup``
+``hvd`` (defaults), ``hvd_bf16`` (``compression=bf16``), ``hvd_zero1`` / ``hvd_zero2``
+(``zero_stage=1`` / ``2``: the momentum buffers sharded; stage 2 also the gradients), ``ddp``
+(defaults), ``ddp_bf16`` (DDP's ``bf16_compress_hook``), and ``local`` (no communication at
+all: the compute time; run it without a launcher). Each mode builds the same model from the same seed, takes ``--warmup``
 steps, then times ``--steps`` between two barriers and prints one ``LAB`` record per rank.
 """
 
@@ -16,7 +17,7 @@ import torch
 from bench.lab.models import ResNetSmall, synthetic_batch
 from bench.lab.workers.common import Window, emit
 
-MODES = ("hvd", "hvd_bf16", "ddp", "ddp_bf16", "local")
+MODES = ("hvd", "hvd_bf16", "hvd_zero1", "hvd_zero2", "ddp", "ddp_bf16", "local")
 
 
 def _wrap(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -27,8 +28,9 @@ def _wrap(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.opt
         return model, opt
     if mode.startswith("hvd"):
         compression = hvd.Compression.bf16 if mode == "hvd_bf16" else hvd.Compression.none
+        zero_stage = int(mode[-1]) if mode.startswith("hvd_zero") else 0
         return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                               compression=compression)
+                                               compression=compression, zero_stage=zero_stage)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)

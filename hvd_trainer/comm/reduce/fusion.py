@@ -85,7 +85,8 @@ from hvd_trainer.comm.world.world import World
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["FusionConfig", "GradientReducer", "LINK_MIN_BUCKET_BYTES", "default_fusion_threshold_bytes"]
+__all__ = ["FusionConfig", "GradientReducer", "LINK_MIN_BUCKET_BYTES", "default_fusion_threshold_bytes",
+           "link_paced_config"]
 
 _MIB = 1024 * 1024
 _FUSE_SCALE_BYTES = 256 * 1024
@@ -150,6 +151,24 @@ class FusionConfig:
 LINK_MIN_BUCKET_BYTES = 256 * 1024
 """Smallest bucket cap ``link_aware`` chooses: even at 20 Mbit/s a bucket of 256 KiB is ~0.1 s on
 the wire, far above the ~0.5 ms a collective costs, and a model is not cut into hundreds."""
+
+
+def link_paced_config(config: FusionConfig, process_set: ProcessSet,
+                      device: torch.device) -> tuple[FusionConfig, LinkEstimate]:
+    """Probe the link among ``process_set`` (a collective: every member calls it with the same
+    config) and return ``config`` with its bucket caps lowered to about ``bucket_seconds`` on
+    that link (at least :data:`LINK_MIN_BUCKET_BYTES`), ``link_aware`` and ``autotune`` off
+    (the caps are final), with the measured link."""
+    link = probe_link(process_set, device)
+    cap = bucket_cap_bytes(link, config.bucket_seconds, LINK_MIN_BUCKET_BYTES,
+                           config.fusion_threshold_bytes)
+    first = min(config.first_bucket_bytes, cap)
+    paced = FusionConfig(fusion_threshold_bytes=cap, first_bucket_bytes=first, autotune=None,
+                         link_aware=False, bucket_seconds=config.bucket_seconds,
+                         hierarchical=config.hierarchical)
+    _log.info("link ~%.1f MB/s (allreduce latency %.2f ms): gradient buckets capped at %d KiB",
+              link.bytes_per_s / 1e6, link.latency_s * 1e3, cap // 1024)
+    return paced, link
 
 
 class _Bucket:
@@ -322,16 +341,7 @@ class GradientReducer:
     def _pace_buckets_to_link(self, device: torch.device) -> None:
         """Probe the link (collective) and lower the bucket caps to ~``bucket_seconds`` on it."""
         assert self.process_set is not None
-        cfg = self.config
-        self.link = probe_link(self.process_set, device)
-        cap = bucket_cap_bytes(self.link, cfg.bucket_seconds, LINK_MIN_BUCKET_BYTES,
-                               cfg.fusion_threshold_bytes)
-        first = min(cfg.first_bucket_bytes, cap)
-        self.config = FusionConfig(fusion_threshold_bytes=cap, first_bucket_bytes=first, autotune=None,
-                                   link_aware=False, bucket_seconds=cfg.bucket_seconds,
-                                   hierarchical=cfg.hierarchical)
-        _log.info("link ~%.1f MB/s (allreduce latency %.2f ms): gradient buckets capped at %d KiB",
-                  self.link.bytes_per_s / 1e6, self.link.latency_s * 1e3, cap // 1024)
+        self.config, self.link = link_paced_config(self.config, self.process_set, device)
 
     def _build(self, layout: list[list[int]]) -> None:
         """Make the buckets of ``layout`` (indices into the parameter list); current gradients

@@ -290,15 +290,21 @@ def exchange_parameters(
     owner's parameters into its segment of a padded buffer (``size * chunk`` elements) and
     allgathers it (CUDA); on CPU, and for an unbalanced bucket, each owner's segment is broadcast
     from its owner (a segment of one contiguous parameter straight from and into the parameter).
-    At most two buckets are in flight (two buffers of transient memory); the others wait
-    their turn.
+    At most two buckets that need a packing buffer are in flight (two buffers of transient
+    memory); buckets sent in place add none and are all launched at once, so both directions
+    of a link stay busy.
     """
     me = pset.rank()
     pending: list[tuple] = []
+    buffered = 0  # buckets in ``pending`` that hold a transient buffer
     for shard, params, label in buckets:
-        pending.append(_launch_exchange(shard, params, label, pset, me))
-        if len(pending) > 1:
-            _finish_exchange(*pending.pop(0), pset, me)
+        item = _launch_exchange(shard, params, label, pset, me)
+        pending.append(item)
+        buffered += item[1].numel() > 0
+        while buffered > 1:  # finish in launch order until one buffer is left
+            done = pending.pop(0)
+            buffered -= done[1].numel() > 0
+            _finish_exchange(*done, pset, me)
     for item in pending:
         _finish_exchange(*item, pset, me)
 
@@ -346,7 +352,15 @@ def _launch_exchange(shard: BucketShard, params: Sequence[torch.Tensor], label: 
             ("numel", n), ("dtype", str(dtype)), ("device", device.type), ("root", r)))
         op = pset.coordinator.begin(sig, n * seg.element_size())
         op.extra["device"] = device.type
-        pset.coordinator.launched(op, dist.broadcast(seg, src=pset.ranks[r], group=group, async_op=True))
+        if uses_p2p(seg):  # the owner sends to every other rank directly (see the module docstring)
+            if r == me:
+                sent = [dist.isend(seg, dst=pset.ranks[q], group=group) for q in range(shard.size) if q != me]
+            else:
+                sent = [dist.irecv(seg, src=pset.ranks[r], group=group)]
+            work = P2PWork(sent)
+        else:
+            work = dist.broadcast(seg, src=pset.ranks[r], group=group, async_op=True)
+        pset.coordinator.launched(op, work)
         works.append(op)
     return works, buf, shard, params, gather, direct
 

@@ -30,7 +30,7 @@ import torch
 
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
-from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import signature
 from hvd_trainer.comm.reduce.fusion import (
     _FUSE_SCALE_BYTES,
@@ -38,12 +38,31 @@ from hvd_trainer.comm.reduce.fusion import (
     GradientReducer,
     _assign_buckets,
     _Bucket,
+    link_paced_config,
 )
+from hvd_trainer.comm.reduce.link_probe import LinkEstimate
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import ScatterWork, start_reducescatter
 from hvd_trainer.comm.zero.plan import BucketShard, ShardPlan, plan_shards
 
-__all__ = ["ShardedGradientReducer", "plan_parameters"]
+__all__ = ["ShardedGradientReducer", "plan_parameters", "stage2_config"]
+
+
+def stage2_config(
+    config: FusionConfig | None, world: World, process_set: ProcessSet | None, device: torch.device | None,
+) -> tuple[FusionConfig, LinkEstimate | None]:
+    """The bucket config a stage-2 layout is planned with: ``config`` with autotune, link
+    awareness and hierarchical buckets off, its caps first lowered to the measured link when
+    ``config.link_aware`` and the ranks span several hosts (as the plain reducer does, so a slow
+    link's reduce-scatter starts early in backward). Probing is a collective over the set's
+    ranks; a rank outside the set does not probe. Returns the config and the link (or None)."""
+    config = config or FusionConfig()
+    link = None
+    included = process_set is None or process_set.included()
+    size = process_set.size() if process_set is not None else world.size
+    if config.link_aware and included and device is not None and size > 1 and world.cross_size > 1:
+        config, link = link_paced_config(config, resolve_set(process_set, world, "ZeRO stage 2"), device)
+    return dataclasses.replace(config, autotune=None, link_aware=False, hierarchical=False), link
 
 
 def plan_parameters(
@@ -142,11 +161,11 @@ class ShardedGradientReducer(GradientReducer):
         if config.autotune is not None:
             warnings.warn("ZeRO stage 2 keeps one bucket layout (it fixes which rank owns which "
                           "parameter); autotune is off for it.", stacklevel=2)
-        # The layout is planned before the base class runs, so nothing may change it there
-        # (link pacing lowers caps on several hosts); buckets are reduce-scattered, never
-        # hierarchically allreduced.
-        config = dataclasses.replace(config, autotune=None, link_aware=False, hierarchical=False)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        # The layout is planned before the base class runs, so nothing may change it there:
+        # link pacing (several hosts) happens here, first; buckets are reduce-scattered, never
+        # hierarchically allreduced.
+        config, link = stage2_config(config, world, process_set, named[0][1].device if named else None)
         size = process_set.size() if process_set is not None else world.size
         self.plan = plan_parameters(named, config, size)
         self._index = {id(p): i for i, (_, p) in enumerate(named)}
@@ -155,6 +174,7 @@ class ShardedGradientReducer(GradientReducer):
         super().__init__(named, world=world, config=config, op=op, compression=compression,
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                          process_set=process_set)
+        self.link = link
 
     def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
         shard = self.plan.buckets[index]
