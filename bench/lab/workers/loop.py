@@ -5,7 +5,8 @@ Modes (``--modes``, run in this order in the same processes, ``--rounds`` times)
 (``zero_stage=1`` / ``2``: the momentum buffers sharded; stage 2 also the gradients), ``ddp``
 (defaults), ``ddp_bf16`` (DDP's ``bf16_compress_hook``), and ``local`` (no communication at
 all: the compute time; run it without a launcher). Each mode builds the same model from the
-same seed, takes ``--warmup`` steps, then times ``--steps`` between two barriers and prints one ``LAB`` record per rank.
+same seed, takes ``--warmup`` steps, then times ``--steps`` between two barriers and prints
+one ``LAB`` record per rank.
 """
 
 from __future__ import annotations
