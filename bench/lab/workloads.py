@@ -146,7 +146,8 @@ def _loop(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
     got = _report_steps(tag, "loop", s, s[("loop", "local")], link)
     _versus(tag, "loop", got, [("hvd", "ddp"), ("hvd_bf16", "ddp_bf16"), ("hvd_bf16", "hvd"),
                                 ("ddp_bf16", "ddp"), ("hvd_zero1", "ddp"), ("hvd_zero2", "ddp"),
-                                ("hvd_zero1", "hvd"), ("hvd_zero2", "hvd")])
+                                ("hvd_zero1", "hvd"), ("hvd_zero2", "hvd"),
+                                ("hvd_zero1_overlap", "ddp"), ("hvd_zero2_overlap", "ddp")])
     return recs
 
 

@@ -183,6 +183,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parameters have a ``.grad`` (the others ``None``). See :mod:`hvd_trainer.comm.zero`
             and :mod:`hvd_trainer.torch.zero_optimizer` (clipping: :meth:`clip_grad_norm_`;
             checkpoints: :meth:`consolidate_state_dict`).
+        zero_overlap_exchange: with ``zero_stage`` 1 or 2, leave the exchange of updated
+            parameters running after ``step()`` and finish each bucket just before the first
+            module holding one of its parameters runs its next forward, so the transfer
+            overlaps the forward pass (on a slow link it otherwise follows the step, exposed).
+            Parameters of other owners hold their old values until then: code that reads them
+            outside a module's own forward (``model.state_dict()`` right after ``step()``, a
+            functional call on another module's weight) calls
+            :meth:`finish_parameter_exchange` first. Default ``False``.
         fusion_config: bucket sizes for the reducer (bytes).
         world: the world to reduce over (default: ``hvd_trainer.get_world()``).
 
@@ -213,6 +221,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         process_set: Any = None,
         *,
         zero_stage: int = 0,
+        zero_overlap_exchange: bool = False,
         fusion_config: FusionConfig | None = None,
         world: World | None = None,
     ) -> None:
@@ -269,7 +278,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Reduced: what required grad at construction (Horovod registers its hooks then), even
         # if frozen when the first synchronize() builds the buckets.
         self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
-        self._zero: ZeroSharding | None = make_sharding(self, zero_stage, OptimizerConfigError)
+        self._zero: ZeroSharding | None = make_sharding(self, zero_stage, OptimizerConfigError,
+                                                        overlap_exchange=zero_overlap_exchange)
 
     # -- delegation ---------------------------------------------------------------------------
     @property
@@ -614,6 +624,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     # -- public API ---------------------------------------------------------------------------
+    def finish_parameter_exchange(self) -> None:
+        """With ``zero_overlap_exchange=True``: finish the exchange of updated parameters that
+        the last ``step()`` left running (every rank, at the same point); afterwards every
+        parameter holds its owner's update. A no-op otherwise."""
+        if self._zero is not None:
+            self._zero.finish_exchange()
+
     def synchronize(self) -> None:
         """Finish averaging the gradients of this step; afterwards every ``p.grad`` holds the
         average (or sum) over ranks. Every rank must call it (it is a collective).

@@ -41,7 +41,8 @@ from hvd_trainer.comm.zero.reducer import stage2_config
 __all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
 
 
-def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroSharding | None:
+def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
+                  overlap_exchange: bool = False) -> ZeroSharding | None:
     """The :class:`ZeroSharding` of the ``DistributedOptimizer`` ``opt`` (``None`` for stage 0).
 
     Raises:
@@ -51,7 +52,12 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroShar
     """
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise error(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
+    if not isinstance(overlap_exchange, bool):
+        raise error(f"zero_overlap_exchange={overlap_exchange!r} must be True or False.")
     if zero_stage == 0:
+        if overlap_exchange:
+            raise error("zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no "
+                        "parameters are exchanged). HINT: pass zero_stage=1 or 2, or drop it.")
         return None
     if opt._op is ReduceOp.ADASUM:
         raise error(f"zero_stage={zero_stage} with op=Adasum: Adasum combines whole weight "
@@ -72,7 +78,8 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception]) -> ZeroShar
         device = next((p.device for _, p in opt._named), None)
         opt._fusion_config, _ = stage2_config(opt._fusion_config, opt._world, opt._process_set, device)
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
-                        config=opt._fusion_config, process_set=opt._process_set)
+                        config=opt._fusion_config, process_set=opt._process_set,
+                        overlap_exchange=overlap_exchange)
 
 
 def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:

@@ -288,3 +288,60 @@ def test_process_set_shards_over_its_members_only() -> None:
     results = run_workers(_process_set_worker, 3, timeout_seconds=150)
     assert all(r["max_diff"] <= TOL for r in results), results
     assert results[0]["owned"] + results[1]["owned"] == 8 and results[2]["owned"] == 8
+
+
+def _train_overlapped(stage: int) -> dict:
+    """``zero_overlap_exchange=True``: each step's exchange is finished by the next forward's
+    module hooks (the exchange is still pending after step(), and the hook is gone once a
+    forward has finished it); the result equals the unsharded reference. (A read right after
+    step() may or may not see the new values: in-place receives land whenever the transfer
+    does; packed segments only at the finish.)"""
+    import hvd_trainer as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    model, ref = _model(), _model()
+    opt = _wrap(model, "adamw", stage, zero_overlap_exchange=True)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    for step in range(STEPS):
+        x, y = _batch(step)
+        _loss(model, _local(x, rank, size), _local(y, rank, size)).backward()  # finishes step-1's
+        _loss(ref, x, y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    zero = opt.zero_sharding
+    pending_before = zero._pending is not None and zero._hook is not None
+    with torch.no_grad():
+        model(torch.zeros(1, 5))  # a forward finishes every bucket and removes the hook
+    after_forward = float((_flat(model) - _flat(ref)).abs().max())
+    hook_removed = zero._hook is None and zero._pending is None
+    opt.finish_parameter_exchange()  # a no-op now
+    return {"after_forward": after_forward, "pending_before": pending_before,
+            "hook_removed": hook_removed, "owned_all": all(zero.owns(p) for p in model.parameters())}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlapped_exchange_equals_unsharded(stage: int, size: int) -> None:
+    results = run_workers(_train_overlapped, size, args=(stage,), timeout_seconds=200)
+    for r in results:
+        assert r["pending_before"] and r["hook_removed"]
+        assert r["after_forward"] <= TOL, r
+        assert not r["owned_all"], r
+
+
+def _overlap_without_zero() -> str:
+    from hvd_trainer.torch import OptimizerConfigError
+
+    try:
+        _wrap(_model(), "adamw", 0, zero_overlap_exchange=True)
+    except OptimizerConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_overlapped_exchange_needs_zero() -> None:
+    (message,) = run_workers(_overlap_without_zero, 1, timeout_seconds=60)
+    assert "zero_overlap_exchange=True needs zero_stage=1 or 2" in message

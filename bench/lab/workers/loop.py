@@ -2,7 +2,9 @@
 
 Modes (``--modes``, run in this order in the same processes, ``--rounds`` times):
 ``hvd`` (defaults), ``hvd_bf16`` (``compression=bf16``), ``hvd_zero1`` / ``hvd_zero2``
-(``zero_stage=1`` / ``2``: the momentum buffers sharded; stage 2 also the gradients), ``ddp``
+(``zero_stage=1`` / ``2``: the momentum buffers sharded; stage 2 also the gradients; with
+``_overlap``: ``zero_overlap_exchange=True``, the parameter exchange overlapping the next
+forward), ``ddp``
 (defaults), ``ddp_bf16`` (DDP's ``bf16_compress_hook``), and ``local`` (no communication at
 all: the compute time; run it without a launcher). Each mode builds the same model from the
 same seed, takes ``--warmup`` steps, then times ``--steps`` between two barriers and prints
@@ -18,7 +20,8 @@ import torch
 from bench.lab.models import ResNetSmall, synthetic_batch
 from bench.lab.workers.common import Window, emit
 
-MODES = ("hvd", "hvd_bf16", "hvd_zero1", "hvd_zero2", "ddp", "ddp_bf16", "local")
+MODES = ("hvd", "hvd_bf16", "hvd_zero1", "hvd_zero2", "hvd_zero1_overlap", "hvd_zero2_overlap", "ddp",
+         "ddp_bf16", "local")
 
 
 def _wrap(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -29,9 +32,10 @@ def _wrap(mode: str, model: torch.nn.Module) -> tuple[torch.nn.Module, torch.opt
         return model, opt
     if mode.startswith("hvd"):
         compression = hvd.Compression.bf16 if mode == "hvd_bf16" else hvd.Compression.none
-        zero_stage = int(mode[-1]) if mode.startswith("hvd_zero") else 0
+        zero_stage = int(mode[len("hvd_zero")]) if mode.startswith("hvd_zero") else 0
         return model, hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                               compression=compression, zero_stage=zero_stage)
+                                               compression=compression, zero_stage=zero_stage,
+                                               zero_overlap_exchange=mode.endswith("_overlap"))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     ddp = torch.nn.parallel.DistributedDataParallel(model)

@@ -30,7 +30,7 @@ import concurrent.futures
 import functools
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -43,8 +43,8 @@ from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.zero.plan import BucketShard
 
-__all__ = ["ScatterWork", "P2PWork", "start_reducescatter", "exchange_parameters", "all_gather_flat",
-           "uses_p2p"]
+__all__ = ["ScatterWork", "P2PWork", "PendingExchange", "start_reducescatter", "exchange_parameters",
+           "all_gather_flat", "uses_p2p"]
 
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 """``all_gather_single`` (torch >= 2.13; the older name warns there) or ``all_gather_into_tensor``."""
@@ -283,7 +283,8 @@ def exchange_parameters(
     buckets: Sequence[tuple[BucketShard, Sequence[torch.Tensor], str]],
     *,
     pset: ProcessSet,
-) -> None:
+    defer: bool = False,
+) -> PendingExchange | None:
     """Give every rank the parameters their owners just updated.
 
     Per bucket (``(shard, params in shard order, label)``): a balanced bucket packs each
@@ -293,8 +294,16 @@ def exchange_parameters(
     At most two buckets that need a packing buffer are in flight (two buffers of transient
     memory); buckets sent in place add none and are all launched at once, so both directions
     of a link stay busy.
+
+    ``defer=True``: every bucket is launched, in the order given, and a :class:`PendingExchange`
+    is returned that finishes them on demand (overlapping the exchange with what runs next);
+    until it has finished a bucket, that bucket's parameters of other owners hold their old
+    values (or a partly received new one). Transient memory: every packing buffer at once.
     """
     me = pset.rank()
+    if defer:
+        return PendingExchange([_launch_exchange(shard, params, label, pset, me)
+                                for shard, params, label in buckets], pset, me)
     pending: list[tuple] = []
     buffered = 0  # buckets in ``pending`` that hold a transient buffer
     for shard, params, label in buckets:
@@ -307,6 +316,37 @@ def exchange_parameters(
             _finish_exchange(*done, pset, me)
     for item in pending:
         _finish_exchange(*item, pset, me)
+    return None
+
+
+class PendingExchange:
+    """Parameter exchanges launched by ``exchange_parameters(..., defer=True)``, finished in
+    launch order on demand."""
+
+    def __init__(self, items: list[tuple], pset: ProcessSet, me: int) -> None:
+        self._items = items
+        self._pset, self._me = pset, me
+        self._done = 0
+        self._position = {id(p): k for k, item in enumerate(items) for p in item[3]}
+
+    @property
+    def finished(self) -> bool:
+        return self._done == len(self._items)
+
+    @torch.no_grad()
+    def finish_for(self, params: Iterable[torch.Tensor]) -> None:
+        """Finish every bucket up to the last one holding any of ``params`` (launch order)."""
+        last = max((self._position.get(id(p), -1) for p in params), default=-1)
+        while self._done <= last:
+            _finish_exchange(*self._items[self._done], self._pset, self._me)
+            self._done += 1
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Finish every bucket."""
+        while self._done < len(self._items):
+            _finish_exchange(*self._items[self._done], self._pset, self._me)
+            self._done += 1
 
 
 def _launch_exchange(shard: BucketShard, params: Sequence[torch.Tensor], label: str,

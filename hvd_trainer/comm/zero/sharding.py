@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.ops import ReduceOp
@@ -33,7 +35,7 @@ from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero.collectives import exchange_parameters
+from hvd_trainer.comm.zero.collectives import PendingExchange, exchange_parameters
 from hvd_trainer.comm.zero.plan import ShardPlan
 from hvd_trainer.comm.zero.reducer import plan_parameters
 
@@ -102,6 +104,15 @@ class ZeroSharding:
         config: the reducer's bucket sizes (the plan follows its buckets).
         process_set: shard over these ranks (``None``: all). On a rank outside it nothing is
             sharded (it steps every parameter itself, as its reducer does nothing).
+        overlap_exchange: leave the parameter exchange running after :meth:`step` and finish
+            each bucket just before the first module that holds one of its parameters runs its
+            forward (a global ``torch.nn`` forward pre-hook, removed once all are finished), so
+            the transfer overlaps the next forward pass. The other finishing points:
+            :meth:`finish_exchange` (public), the next :meth:`step`, :meth:`consolidate`. Until
+            then a parameter owned by another rank holds its old value (or a partly received
+            new one): code that reads parameters outside a module's own forward (a functional
+            call on another module's weight, ``model.state_dict()`` right after ``step()``) must
+            call :meth:`finish_exchange` first.
 
     Raises:
         UnshardableOptimizerError: see :func:`check_per_parameter`.
@@ -117,6 +128,7 @@ class ZeroSharding:
         world: World,
         config: FusionConfig | None = None,
         process_set: ProcessSet | None = None,
+        overlap_exchange: bool = False,
     ) -> None:
         if stage not in (1, 2):
             raise CommValueError(f"zero_stage={stage!r}: ZeroSharding implements stages 1 and 2.")
@@ -138,6 +150,9 @@ class ZeroSharding:
             for shard in self.plan.buckets if shard.params
         ]
         self._consolidated: dict[str, Any] | None = None
+        self.overlap_exchange = overlap_exchange
+        self._pending: PendingExchange | None = None
+        self._hook: RemovableHandle | None = None
         self.drop_unowned_state(optimizer)
 
     # -- ownership ---------------------------------------------------------------------------
@@ -163,6 +178,7 @@ class ZeroSharding:
         closure cannot make a non-owner step it. Returns the closure's loss (or the inner
         step's return value).
         """
+        self.finish_exchange()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -179,8 +195,32 @@ class ZeroSharding:
             for p, g in stash:
                 p.grad = g
         if self.active and self.pset is not None and self.pset.size() > 1:
-            exchange_parameters(self._buckets, pset=self.pset)
+            if self.overlap_exchange:
+                # Forward order (buckets are in backward order): the first layers' arrive first.
+                self._pending = exchange_parameters(self._buckets[::-1], pset=self.pset, defer=True)
+                self._hook = register_module_forward_pre_hook(self._before_forward)
+            else:
+                exchange_parameters(self._buckets, pset=self.pset)
         return loss if closure is not None else out
+
+    def finish_exchange(self) -> None:
+        """Finish a parameter exchange left running by ``overlap_exchange`` (no-op otherwise):
+        afterwards every parameter holds its owner's update. Every rank must call it at the same
+        point relative to its other collectives (the transfers are checked like them)."""
+        pending, self._pending = self._pending, None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if pending is not None:
+            pending.finish()
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        pending.finish_for(module._parameters.values())
+        if pending.finished:
+            self.finish_exchange()
 
     def _unowned(self) -> list[torch.Tensor]:
         return [p for _, p in self.named if id(p) not in self.owned_ids]
@@ -271,6 +311,7 @@ class ZeroSharding:
         The states travel as pickled CPU tensors (``torch.distributed.gather_object`` on the
         gloo group); only rank ``to`` holds the full state.
         """
+        self.finish_exchange()
         self._consolidated = None
         local = optimizer.state_dict()
         if not self.active or self.pset is None or self.pset.size() == 1:
