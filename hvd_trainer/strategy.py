@@ -160,9 +160,17 @@ class _HorovodStrategyLogic:
             clipping by norm uses the global norm over all shards; checkpoints hold the full
             optimizer state (gathered on rank 0) and load at any world size. See
             :mod:`hvd_trainer.comm.zero`.
+        zero_overlap_exchange: with ``zero_stage`` 1 or 2, the exchange of updated parameters
+            runs on after ``optimizer_step`` and each bucket is finished just before the first
+            module holding one of its parameters runs its next forward (it pays on a slow link).
+            The strategy finishes it before a checkpoint or elastic commit reads the model,
+            before validation, test and predict, and at the end of ``fit``; a callback that
+            reads parameters in ``on_train_batch_end`` (an EMA of the weights, say) calls
+            ``trainer.strategy.finish_parameter_exchange()`` first. Default ``False``.
 
     Raises:
-        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not 0, 1 or 2
+        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not 0, 1 or 2;
+            ``zero_overlap_exchange`` not a bool, or ``True`` without ``zero_stage``
             (or with ``sync_every``/``"auto"``; 2 with an error-feedback or fp16 compression,
             several optimizers, or parameters unfrozen during the fit);
             ``elastic`` not a bool or None;
@@ -209,6 +217,7 @@ class _HorovodStrategyLogic:
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
         zero_stage: int = 0,
+        zero_overlap_exchange: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -256,7 +265,17 @@ class _HorovodStrategyLogic:
                 "reduce-scattered, which takes no error feedback or fp16 global scale. HINT: "
                 "compression='none' or 'bf16'."
             )
+        if not isinstance(zero_overlap_exchange, bool):
+            raise StrategyConfigError(
+                f"zero_overlap_exchange={zero_overlap_exchange!r} must be True or False."
+            )
+        if zero_overlap_exchange and not zero_stage:
+            raise StrategyConfigError(
+                "zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no parameters "
+                "are exchanged). HINT: pass zero_stage=1 or 2, or drop it."
+            )
         self._zero_stage = zero_stage
+        self._zero_overlap = zero_overlap_exchange
         self._zero: dict[int, ZeroSharding] = {}  # id(optimizer) -> its sharding
 
     # -- topology ---------------------------------------------------------------------------
@@ -470,9 +489,36 @@ class _HorovodStrategyLogic:
     @override
     def on_train_end(self) -> None:
         """Local steps: an outer step for the steps since the last one (equal weights at the end)."""
+        self.finish_parameter_exchange()
         if self._outer is not None and self._outer.inner_steps:
             self._outer.sync()
         super().on_train_end()
+
+    def finish_parameter_exchange(self) -> None:
+        """With ``zero_overlap_exchange=True``: finish the exchange of updated parameters the last
+        optimizer step left running (every rank, at the same point); a no-op otherwise."""
+        for zero in self._zero.values():
+            zero.finish_exchange()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.finish_parameter_exchange()  # a checkpoint or elastic commit reads every parameter
+        return super().lightning_module_state_dict()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.finish_parameter_exchange()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self.finish_parameter_exchange()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self.finish_parameter_exchange()
+        super().on_predict_start()
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -572,7 +618,7 @@ class _HorovodStrategyLogic:
             config = self._reducer.config if isinstance(self._reducer, ShardedGradientReducer) \
                 else self._fusion
             zero = ZeroSharding(mine, optimizer, stage=self._zero_stage, world=self._require_world(),
-                                config=config)
+                                config=config, overlap_exchange=self._zero_overlap)
             if isinstance(self._reducer, ShardedGradientReducer):
                 check_same_plan(self._reducer, zero)
             self._zero[id(optimizer)] = zero
@@ -623,6 +669,8 @@ class _HorovodStrategyLogic:
 
     @override
     def teardown(self) -> None:
+        for zero in self._zero.values():  # finished by on_train_end unless fit raised
+            zero.abandon_exchange()
         self._zero = {}
         if self.precision_plugin is not None:
             vars(self.precision_plugin).pop("clip_grad_by_norm", None)

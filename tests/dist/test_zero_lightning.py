@@ -21,26 +21,28 @@ TOL = 1e-6
 SMALL_BUCKETS = {"fusion_threshold_bytes": 600, "first_bucket_bytes": 300}
 
 
-def _equivalence_worker(stage: int) -> dict[str, Any]:
+def _equivalence_worker(stage: int, overlap: bool = False) -> dict[str, Any]:
     from tests.dist._lightning_cases import fit_pair
 
     zero = fit_pair(optimizer="adam", gradient_clip_val=0.05,
-                    strategy_kwargs=dict(zero_stage=stage, **SMALL_BUCKETS))
+                    strategy_kwargs=dict(zero_stage=stage, zero_overlap_exchange=overlap,
+                                         **SMALL_BUCKETS))
     plain = fit_pair(optimizer="adam", gradient_clip_val=0.05,
                      strategy_kwargs=dict(zero_stage=0, **SMALL_BUCKETS))
     return {"zero": zero["dist"], "ref": zero["ref"], "stage0": plain["dist"]}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_weights_equal_unsharded(stage: int) -> None:
-    results = run_workers(_equivalence_worker, 2, args=(stage,), env=TORCHRUN_ENV, timeout_seconds=240)
+@pytest.mark.parametrize(("stage", "overlap"), [(1, False), (2, False), (2, True)])
+def test_weights_equal_unsharded(stage: int, overlap: bool) -> None:
+    results = run_workers(_equivalence_worker, 2, args=(stage, overlap), env=TORCHRUN_ENV,
+                          timeout_seconds=240)
     np.testing.assert_array_equal(results[0]["zero"], results[1]["zero"])
     assert np.abs(results[0]["zero"] - results[0]["ref"]).max() <= TOL
     assert np.abs(results[0]["zero"] - results[0]["stage0"]).max() <= TOL
 
 
-def _checkpoint_worker(tmp: str, stage: int) -> dict[str, Any]:
+def _checkpoint_worker(tmp: str, stage: int, overlap: bool = False) -> dict[str, Any]:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, DistributedSampler
 
@@ -53,27 +55,46 @@ def _checkpoint_worker(tmp: str, stage: int) -> dict[str, Any]:
                                  shuffle=False)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
 
+    pending_at_batch_end: list[bool] = []
+    pending_at_save: list[bool] = []
+
+    class Probe(pl.Callback):
+        """Whether an exchange is pending after the step (Lightning runs ModelCheckpoint after
+        the other callbacks), and still pending once the checkpoint read the model."""
+
+        @staticmethod
+        def _pending(trainer: pl.Trainer) -> bool:
+            return any(z._pending is not None for z in trainer.strategy._zero.values())
+
+        def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            pending_at_batch_end.append(self._pending(trainer))
+
+        def on_save_checkpoint(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
+            pending_at_save.append(self._pending(trainer))
+
     def fit(steps: int, ckpt_path: str | None = None) -> tuple[pl.Trainer, Net]:
         model = Net("adam")
         ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp, save_last=True, every_n_train_steps=3)
         t = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False,
-                       enable_model_summary=False, max_steps=steps, callbacks=[ckpt],
-                       strategy=HorovodStrategy(zero_stage=stage, **SMALL_BUCKETS))
+                       enable_model_summary=False, max_steps=steps, callbacks=[ckpt, Probe()],
+                       strategy=HorovodStrategy(zero_stage=stage, zero_overlap_exchange=overlap,
+                                                **SMALL_BUCKETS))
         t.fit(model, loader, ckpt_path=ckpt_path)
         return t, model
 
     t, _ = fit(3)
     owned_after_fit = len(t.optimizers[0].state)
     t2, model2 = fit(6, ckpt_path=str(Path(tmp) / "last.ckpt"))
-    return {"owned_state": owned_after_fit, "resumed_state": len(t2.optimizers[0].state),
+    return {"pending_at_batch_end": pending_at_batch_end, "pending_at_save": pending_at_save,
+            "owned_state": owned_after_fit, "resumed_state": len(t2.optimizers[0].state),
             "weights": torch.cat([p.detach().reshape(-1) for p in model2.parameters()]).tolist()}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", [2])
-def test_model_checkpoint_holds_full_state(tmp_path: Any, stage: int) -> None:
-    results = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), stage), env=TORCHRUN_ENV,
-                          timeout_seconds=240)
+@pytest.mark.parametrize(("stage", "overlap"), [(2, False), (2, True)])
+def test_model_checkpoint_holds_full_state(tmp_path: Any, stage: int, overlap: bool) -> None:
+    results = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), stage, overlap),
+                          env=TORCHRUN_ENV, timeout_seconds=240)
     ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
     state = ckpt["optimizer_states"][0]
     from tests.dist._lightning_cases import Net
@@ -85,3 +106,12 @@ def test_model_checkpoint_holds_full_state(tmp_path: Any, stage: int) -> None:
     assert sum(r["owned_state"] for r in results) == 6
     assert [r["resumed_state"] for r in results] == [r["owned_state"] for r in results]
     assert results[0]["weights"] == results[1]["weights"]
+    # last.ckpt is written at step 6's on_train_batch_end, when with overlap that step's
+    # exchange is still pending: it holds the parameters every rank has after it
+    assert ckpt["global_step"] == 6
+    saved = torch.cat([v.reshape(-1) for v in ckpt["state_dict"].values()]).tolist()
+    assert saved == results[0]["weights"]
+    for r in results:
+        # the save finished it (the model's state_dict and the optimizer's consolidation both do)
+        assert r["pending_at_save"] and not any(r["pending_at_save"])
+        assert all(r["pending_at_batch_end"]) == overlap and any(r["pending_at_batch_end"]) == overlap

@@ -214,6 +214,14 @@ class ZeroSharding:
         if pending is not None:
             pending.finish()
 
+    def abandon_exchange(self) -> None:
+        """Forget a pending exchange without waiting for it (after a failure: a peer may be
+        gone); the forward hook is removed. Parameters of other owners keep whatever arrived."""
+        self._pending = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
     def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
         pending = self._pending
         if pending is None:
