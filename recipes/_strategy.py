@@ -40,4 +40,5 @@ def build_strategy(cfg: Any) -> str | HorovodStrategy:
     return HorovodStrategy(
         sync_every=cfg.sync_every or None, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
         compression=cfg.compression, zero_stage=zero_stage,
+        zero_overlap_exchange=getattr(cfg, "zero_overlap_exchange", False),
     )

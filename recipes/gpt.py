@@ -85,6 +85,9 @@ class TrainerConfig:
     zero_stage: int = 0
     """ZeRO sharding with strategy "horovod" (README "ZeRO sharding"): 0 none, 1 optimizer state
     sharded over the ranks, 2 also the averaged gradients."""
+    zero_overlap_exchange: bool = False
+    """With zero_stage 1 or 2: the exchange of updated parameters overlaps the next forward
+    (pays on a slow link; README "ZeRO sharding")."""
     accelerator: str = "auto"
     """"cpu", "gpu" or "auto"."""
     precision: str = "32-true"
@@ -119,6 +122,8 @@ class TrainerConfig:
         if self.zero_stage not in (0, 1, 2) or (self.zero_stage and self.strategy != "horovod"):
             raise ValueError(f"trainer.zero_stage={self.zero_stage!r} must be 0, 1 or 2, and 1 or 2 "
                              f"needs trainer.strategy=horovod (got {self.strategy!r}).")
+        if self.zero_overlap_exchange and not self.zero_stage:
+            raise ValueError("trainer.zero_overlap_exchange=true needs trainer.zero_stage=1 or 2.")
         if self.progress_bar not in ("auto", "tqdm", "lines", "none"):
             raise ValueError(f"trainer.progress_bar={self.progress_bar!r}; expected auto, tqdm, lines "
                              "or none.")
