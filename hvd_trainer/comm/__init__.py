@@ -36,7 +36,7 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     world  liveness  heartbeat  membership  join_board
                            (heartbeat: partitions; membership: the job secret)
   base/                    imports nothing of the layers above
-    store  config  launch_env  errors  fatal
+    store  config  launch_env  errors  fatal  future_work
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
 """
 

@@ -87,3 +87,30 @@ def alive(pids: list[int], grace_seconds: float = 3.0) -> list[int]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
+
+
+def run_two_ranks(script_args: list[str], *, timeout: float = 120.0,
+                  **env: str) -> tuple[list[subprocess.Popen], str, str, float]:
+    """Run ``python SCRIPTS/<script_args...>`` as ranks 0 and 1 of a world of 2 without a
+    launcher (torchrun-style variables, a fresh port), wait for rank 1 then rank 0 and kill
+    what is left. Returns the processes, rank 0's and rank 1's output, and when rank 0 ended."""
+    from hvd_trainer.comm.world.world import free_port
+
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        rank_env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env)
+        cmd = [sys.executable, str(SCRIPTS / script_args[0]), *script_args[1:]]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        out1, _ = procs[1].communicate(timeout=timeout)
+        out0, _ = procs[0].communicate(timeout=timeout / 2)
+        ended = time.time()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return procs, out0, out1, ended

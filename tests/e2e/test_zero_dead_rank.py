@@ -5,37 +5,16 @@ in the transfer or at interpreter exit."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
 import pytest
 
-from hvd_trainer.comm.world.world import free_port
-from tests.e2e.hvdrun_helpers import ROOT, SCRIPTS, clean_env, fail_time
+from tests.e2e.hvdrun_helpers import fail_time, run_two_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.mark.parametrize("where", ["before_backward", "before_step"])
 def test_zero2_survivor_raises_when_peer_is_sigkilled(where: str) -> None:
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = clean_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(SCRIPTS / "zero_fault_worker.py"), where]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    try:
-        out1, _ = procs[1].communicate(timeout=120)
-        out0, _ = procs[0].communicate(timeout=60)
-        ended = time.time()
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs, out0, out1, ended = run_two_ranks(["zero_fault_worker.py", where], OMP_NUM_THREADS="1")
     assert procs[1].returncode == -9, out1
     assert procs[0].returncode == 75, out0  # PEER_FAILED_EXIT_CODE
     assert "DONE 0" not in out0, out0

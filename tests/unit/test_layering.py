@@ -76,7 +76,7 @@ COMM_ROWS = (
     ("world.build_info",),
     ("world.world", "world.liveness", "world.heartbeat", "world.membership", "world.join_board"),
     # base/
-    ("base.store", "base.config", "base.launch_env", "base.errors", "base.fatal"),
+    ("base.store", "base.config", "base.launch_env", "base.errors", "base.fatal", "base.future_work"),
     ("base._torch_compat",),
 )
 """The comm layer top to bottom (names relative to ``hvd_trainer.comm``), grouped by

@@ -32,12 +32,12 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.base.errors import CommTypeError
+from hvd_trainer.comm.base.future_work import FutureWork
 from hvd_trainer.comm.ops.checks import Op, Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.process_set import ProcessSet
@@ -62,28 +62,17 @@ def uses_p2p(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
-class P2PWork:
+class P2PWork(FutureWork):
     """Several point-to-point transfers of one collective as one ``Work``-like handle.
 
     gloo closes the connection when a point-to-point ``wait(timeout)`` times out ("Application
     timeout caused pair closure"), so the transfers are waited for, without a timeout of our
     own (the process group's timeout still applies), on a worker thread; ``wait(timeout)``
-    waits for that thread and raises ``RuntimeError(... timed out ...)`` as gloo's collectives
-    do, so the comm layer's stall inspection (a dead or slow peer) treats both alike.
+    waits for that thread (:class:`~hvd_trainer.comm.base.future_work.FutureWork`).
     """
 
     def __init__(self, works: Sequence[object]) -> None:
-        self._future = _p2p_waiter().submit(_wait_all, list(works))
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        try:
-            self._future.result(None if timeout is None else timeout.total_seconds())
-        except concurrent.futures.TimeoutError:
-            raise RuntimeError("ZeRO point-to-point transfers: wait timed out") from None
-        return True
+        super().__init__(_p2p_waiter().submit(_wait_all, list(works)), "ZeRO point-to-point transfers")
 
 
 def _wait_all(works: list) -> None:

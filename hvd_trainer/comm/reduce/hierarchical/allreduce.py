@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hvd_trainer.comm.base.future_work import FutureWork
 from hvd_trainer.comm.reduce.hierarchical.topology import HostTopology
 
 __all__ = ["HierarchicalWork", "hierarchical_allreduce_"]
@@ -38,20 +36,10 @@ def hierarchical_allreduce_(wire: torch.Tensor, op: dist.ReduceOp, topo: HostTop
         flat.copy_(gathered[:n])
 
 
-class HierarchicalWork:
+class HierarchicalWork(FutureWork):
     """A ``torch.distributed`` ``Work``-like handle of one hierarchical allreduce in flight on the
-    topology's worker thread (``wait(timeout)`` raises ``RuntimeError(... timed out)`` like gloo's
-    work, so the comm layer's stall inspection treats both alike)."""
+    topology's worker thread (see :class:`~hvd_trainer.comm.base.future_work.FutureWork`)."""
 
     def __init__(self, wire: torch.Tensor, op: dist.ReduceOp, topo: HostTopology) -> None:
-        self._future = topo.executor.submit(hierarchical_allreduce_, wire, op, topo)
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        try:
-            self._future.result(None if timeout is None else timeout.total_seconds())
-        except concurrent.futures.TimeoutError:
-            raise RuntimeError("hierarchical allreduce: wait timed out") from None
-        return True
+        super().__init__(topo.executor.submit(hierarchical_allreduce_, wire, op, topo),
+                         "hierarchical allreduce")
