@@ -345,3 +345,46 @@ def _overlap_without_zero() -> str:
 def test_overlapped_exchange_needs_zero() -> None:
     (message,) = run_workers(_overlap_without_zero, 1, timeout_seconds=60)
     assert "zero_overlap_exchange=True needs zero_stage=1 or 2" in message
+
+
+class _Functional(torch.nn.Module):
+    """Reads ``head``'s weights functionally (never calls ``head``): with the overlap on, their
+    exchange is not finished by a forward hook of theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh())
+        self.head = torch.nn.Sequential(torch.nn.Linear(16, 9), torch.nn.Linear(9, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(x)
+        for layer in self.head:
+            h = torch.nn.functional.linear(h, layer.weight, layer.bias)
+        return h
+
+
+def _overlap_warnings(functional: bool) -> list[str]:
+    import warnings
+
+    import hvd_trainer as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    model = _Functional() if functional else _model()
+    opt = _wrap(model, "adamw", 2, zero_overlap_exchange=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = _batch(step)
+            _loss(model, _local(x, rank, size), _local(y, rank, size)).backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "were not reached" in str(w.message)]
+
+
+@pytest.mark.timeout(120)
+def test_overlap_warns_when_forward_bypasses_a_module() -> None:
+    functional = run_workers(_overlap_warnings, 2, args=(True,), timeout_seconds=100)
+    assert all(len(w) == 1 and "head." in w[0] for w in functional), functional  # once, named
+    plain = run_workers(_overlap_warnings, 2, args=(False,), timeout_seconds=100)
+    assert plain == [[], []]

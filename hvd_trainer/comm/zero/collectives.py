@@ -322,6 +322,10 @@ class PendingExchange:
     def finished(self) -> bool:
         return self._done == len(self._items)
 
+    def unfinished(self) -> list[torch.Tensor]:
+        """Parameters of the buckets not finished yet (every owner's)."""
+        return [p for item in self._items[self._done :] for p in item[3]]
+
     @torch.no_grad()
     def finish_for(self, params: Iterable[torch.Tensor]) -> None:
         """Finish every bucket up to the last one holding any of ``params`` (launch order)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -153,6 +154,8 @@ class ZeroSharding:
         self.overlap_exchange = overlap_exchange
         self._pending: PendingExchange | None = None
         self._hook: RemovableHandle | None = None
+        self._forward_seen = False  # a module's forward ran while an exchange was pending
+        self._warned = False
         self.drop_unowned_state(optimizer)
 
     # -- ownership ---------------------------------------------------------------------------
@@ -178,6 +181,7 @@ class ZeroSharding:
         closure cannot make a non-owner step it. Returns the closure's loss (or the inner
         step's return value).
         """
+        self._warn_if_not_reached()
         self.finish_exchange()
         loss = None
         if closure is not None:
@@ -198,6 +202,7 @@ class ZeroSharding:
             if self.overlap_exchange:
                 # Forward order (buckets are in backward order): the first layers' arrive first.
                 self._pending = exchange_parameters(self._buckets[::-1], pset=self.pset, defer=True)
+                self._forward_seen = False
                 self._hook = register_module_forward_pre_hook(self._before_forward)
             else:
                 exchange_parameters(self._buckets, pset=self.pset)
@@ -214,6 +219,25 @@ class ZeroSharding:
         if pending is not None:
             pending.finish()
 
+    def _warn_if_not_reached(self) -> None:
+        """Once per object: a forward ran since the last step, yet some exchanged parameters of
+        other owners were never reached through their own module's forward: they were unused,
+        or read outside their module (a functional call), where the old value was used."""
+        pending = self._pending
+        if self._warned or pending is None or pending.finished or not self._forward_seen:
+            return
+        names = {id(p): n for n, p in self.named}
+        missed = [names[id(p)] for p in pending.unfinished() if id(p) in names and not self.owns(p)]
+        if missed:
+            self._warned = True
+            warnings.warn(
+                f"zero overlap_exchange: parameters {missed[:8]}{' ...' if len(missed) > 8 else ''} "
+                "were not reached through their own module's forward since the last step, so their "
+                "exchange was finished only now. If the forward read them another way (a functional "
+                "call on another module's weight), it used the previous step's values. HINT: call "
+                "finish_parameter_exchange() before such a forward, or turn the overlap off; if they "
+                "are simply unused, ignore this.", UserWarning, stacklevel=3)
+
     def abandon_exchange(self) -> None:
         """Forget a pending exchange without waiting for it (after a failure: a peer may be
         gone); the forward hook is removed. Parameters of other owners keep whatever arrived."""
@@ -226,6 +250,7 @@ class ZeroSharding:
         pending = self._pending
         if pending is None:
             return
+        self._forward_seen = True
         pending.finish_for(module._parameters.values())
         if pending.finished:
             self.finish_exchange()
