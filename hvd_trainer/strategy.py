@@ -69,7 +69,7 @@ from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
 from hvd_trainer.lightning.signals import install_sigterm_handler
-from hvd_trainer.torch.zero_optimizer import ZeroStep, check_same_plan
+from hvd_trainer.torch.zero_optimizer import ZeroStep, check_overlap_arg, check_same_plan
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -265,15 +265,7 @@ class _HorovodStrategyLogic:
                 "reduce-scattered, which takes no error feedback or fp16 global scale. HINT: "
                 "compression='none' or 'bf16'."
             )
-        if not isinstance(zero_overlap_exchange, bool):
-            raise StrategyConfigError(
-                f"zero_overlap_exchange={zero_overlap_exchange!r} must be True or False."
-            )
-        if zero_overlap_exchange and not zero_stage:
-            raise StrategyConfigError(
-                "zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no parameters "
-                "are exchanged). HINT: pass zero_stage=1 or 2, or drop it."
-            )
+        check_overlap_arg(zero_stage, zero_overlap_exchange, StrategyConfigError)
         self._zero_stage = zero_stage
         self._zero_overlap = zero_overlap_exchange
         self._zero: dict[int, ZeroSharding] = {}  # id(optimizer) -> its sharding

@@ -38,7 +38,7 @@ from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.comm.zero.reducer import stage2_config
 
-__all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
+__all__ = ["ZeroStep", "make_sharding", "check_overlap_arg", "check_same_plan"]
 
 
 def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
@@ -52,12 +52,8 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
     """
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
         raise error(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
-    if not isinstance(overlap_exchange, bool):
-        raise error(f"zero_overlap_exchange={overlap_exchange!r} must be True or False.")
+    check_overlap_arg(zero_stage, overlap_exchange, error)
     if zero_stage == 0:
-        if overlap_exchange:
-            raise error("zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no "
-                        "parameters are exchanged). HINT: pass zero_stage=1 or 2, or drop it.")
         return None
     if opt._op is ReduceOp.ADASUM:
         raise error(f"zero_stage={zero_stage} with op=Adasum: Adasum combines whole weight "
@@ -80,6 +76,19 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
                         config=opt._fusion_config, process_set=opt._process_set,
                         overlap_exchange=overlap_exchange)
+
+
+def check_overlap_arg(zero_stage: Any, overlap_exchange: Any, error: type[Exception]) -> None:
+    """Refuse a ``zero_overlap_exchange`` that is not a bool, or ``True`` without ZeRO.
+
+    Raises:
+        error: naming the argument and what to pass instead.
+    """
+    if not isinstance(overlap_exchange, bool):
+        raise error(f"zero_overlap_exchange={overlap_exchange!r} must be True or False.")
+    if overlap_exchange and not zero_stage:
+        raise error("zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no "
+                    "parameters are exchanged). HINT: pass zero_stage=1 or 2, or drop it.")
 
 
 def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:

@@ -6,15 +6,15 @@ Transport (``torch.distributed``; torch 2.13). On CUDA (NCCL) a bucket is reduce
 moves ``(N-1)/N`` of the padded bucket per rank, together the traffic of one allreduce.
 
 On CPU (gloo) both are done with point-to-point transfers instead, because gloo's own collectives
-are not what their names promise there (measured with 2 ranks on loopback, a 33.6 MB fp32
-bucket, bytes counted on the ``lo`` interface: ``bench/zero_collectives.py``): gloo's
-``reduce_scatter`` moved as many bytes as an allreduce (2.0x the bucket over
-both ranks, 44 ms against the allreduce's 19-21 ms) and its ``all_gather`` took 41 ms for 1.0x.
-Here the reduce-scatter is *direct*: rank ``r`` sends segment ``j`` of its bucket to rank ``j``
-(``isend``) and receives segment ``r`` from every other rank (``irecv``), then sums the ``N``
-pieces in rank order: ``(N-1)/N`` of the bucket per rank, one round, every transfer launched at
-once (so it overlaps the backward pass like a gloo allreduce); 14 ms and 1.0x in the measurement
-above. The exchange broadcasts each owner's segment from its owner (10 ms and 1.0x).
+are not what their names promise there (``bench/zero_collectives.py``: 2 ranks on loopback, a
+33.6 MB fp32 bucket, bytes counted on the ``lo`` interface): gloo's ``reduce_scatter`` moved as
+many bytes as an allreduce (2.0x the bucket over both ranks, 55.8 ms against the allreduce's
+26.6 ms) and its ``all_gather`` took 48.6 ms for 1.0x. Here the reduce-scatter is *direct*:
+rank ``r`` sends segment ``j`` of its bucket to rank ``j`` (``isend``) and receives segment
+``r`` from every other rank (``irecv``), then sums the ``N`` pieces in rank order: ``(N-1)/N``
+of the bucket per rank, one round, every transfer launched at once (so it overlaps the backward
+pass like a gloo allreduce); 36.8 ms and 1.0x in that measurement. The exchange sends each
+owner's segment from its owner to every other rank (19.7 ms and 1.0x).
 
 On a backend without ``reduce_scatter`` (a ``RuntimeError`` from the launch selects this once
 per process) the bucket is allreduced whole and sliced: allreduce traffic, same result.

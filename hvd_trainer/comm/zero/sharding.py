@@ -212,10 +212,8 @@ class ZeroSharding:
         """Finish a parameter exchange left running by ``overlap_exchange`` (no-op otherwise):
         afterwards every parameter holds its owner's update. Every rank must call it at the same
         point relative to its other collectives (the transfers are checked like them)."""
-        pending, self._pending = self._pending, None
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        pending = self._pending
+        self.abandon_exchange()
         if pending is not None:
             pending.finish()
 
