@@ -7,7 +7,7 @@ on top; a module never imports one of a higher sub-package. Inside, every import
 imports only modules of the rows below its own (no cycle, and no import inside a function except
 the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
 
-    session                init / shutdown, Horovod's init(comm, process_sets)
+    session                init / shutdown, Horovod's init(comm, process_sets); recover (in-process)
     runtime                per-world state: config, store, timeline, the live process sets
   zero/                    ZeRO stages 1 and 2 (imported as hvd_trainer.comm.zero, not re-exported)
     sharding               owned-parameter step, parameter exchange, state consolidation, clipping
@@ -33,8 +33,9 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     flatten  ops  arguments  compression
   world/                   who takes part and whether they are still there
     build_info             Horovod's *_built / *_enabled queries
-    world  liveness  heartbeat  membership  join_board
-                           (heartbeat: partitions; membership: the job secret)
+    world  liveness  heartbeat  membership  join_board  quorum
+                           (heartbeat: partitions; membership: the job secret;
+                            quorum: who trains after a loss, for in-process recovery)
   base/                    imports nothing of the layers above
     store  config  launch_env  errors  fatal  future_work
     _torch_compat          the torch internals comm relies on (one place; tests/unit/test_compat.py)
@@ -112,7 +113,7 @@ from hvd_trainer.comm.ops.reductions_async import (
 from hvd_trainer.comm.ops.timeline import Timeline, start_timeline, stop_timeline
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.session import init, shutdown
+from hvd_trainer.comm.session import finish_job, in_process_recovery, init, recover, reform_due, shutdown
 from hvd_trainer.comm.world.build_info import (
     ccl_built,
     cuda_built,
@@ -144,7 +145,7 @@ from hvd_trainer.comm.world.world import (
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op", "reject_adasum",
     "World", "LaunchEnv", "detect_launch_env", "init", "shutdown", "is_initialized",
-    "get_world", "free_port", "CommConfig",
+    "get_world", "free_port", "CommConfig", "recover", "reform_due", "in_process_recovery", "finish_job",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "Handle", "poll", "synchronize",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",

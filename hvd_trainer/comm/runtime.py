@@ -31,8 +31,10 @@ _runtimes_created = 0
 """How many runtimes (``init`` calls that built a world) this process has made."""
 
 
-def _runtime_store() -> Any:
-    """The default group's store under a prefix unique to this runtime (``None`` before init).
+def _runtime_store(namespace: str | None = None) -> tuple[Any, str]:
+    """The default group's store under a prefix unique to this runtime (``None`` before init),
+    and the prefix. ``namespace``: a prefix every rank of the world agrees on (in-process
+    recovery: the membership's number, since a joiner has built fewer runtimes than survivors).
 
     Every rank builds the same number of runtimes (one per ``init`` after a ``shutdown`` or a
     destroyed process group), so the prefixes agree. Keys a previous world left behind (join
@@ -42,18 +44,20 @@ def _runtime_store() -> Any:
     global _runtimes_created
     store = default_store()
     if store is None:
-        return None
+        return None, ""
     _runtimes_created += 1
-    return dist.PrefixStore(f"hvd_rt/{_runtimes_created}", store)
+    prefix = f"hvd_rt/{_runtimes_created}" if namespace is None else f"hvd_rt/{namespace}"
+    return dist.PrefixStore(prefix, store), prefix
 
 
 class CommRuntime:
     """Mutable state shared by every collective of one world."""
 
-    def __init__(self, config: CommConfig, rank: int) -> None:
+    def __init__(self, config: CommConfig, rank: int, namespace: str | None = None) -> None:
         self.config = config
         self.rank = rank
-        self.store: Any = _runtime_store()
+        self.store: Any
+        self.store, self.namespace = _runtime_store(namespace)
         path = config.timeline_path
         self.timeline = Timeline(rank_path(path, rank), rank=rank) if path else None
         self._next_set_id = 1
@@ -73,7 +77,7 @@ class CommRuntime:
         self._size = world.size
         if self.store is not None and world.size > 1:
             # before anything is exchanged: a stranger in the rendezvous stops the job here
-            check_membership(self.store, world.rank, world.size, f"hvd_rt/{_runtimes_created}")
+            check_membership(self.store, world.rank, world.size, self.namespace)
         self.peer_watch = self._start_watch(world, store_endpoint)
         self.global_set = ProcessSet._for_world(world, 0)
         self.sets[0] = self.global_set
@@ -88,7 +92,7 @@ class CommRuntime:
             return None
         # Unique per world: the agent's store outlives restarts and init/shutdown cycles.
         prefix = (f"hvd_hb/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_runtimes_created}")
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{self.namespace}")
         watch = PeerWatch(store_host=host, store_port=port, key_prefix=prefix, rank=world.rank,
                           size=world.size, timeout_seconds=self.config.peer_timeout_seconds,
                           job_dir=os.environ.get("HVDRUN_JOB_DIR"))

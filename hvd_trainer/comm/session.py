@@ -14,9 +14,11 @@ process-set registry and liveness; none of them imports it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import gc
 import os
+import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -28,16 +30,18 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.base.fatal import flush_before_hard_exit
-from hvd_trainer.comm.base.launch_env import LaunchEnv
-from hvd_trainer.comm.base.store import generation_store
+from hvd_trainer.comm.base.fatal import cancel_hard_exit, flush_before_hard_exit
+from hvd_trainer.comm.base.launch_env import LaunchEnv, recovery_env, torchelastic_env
+from hvd_trainer.comm.base.store import generation_store, raw_job_store
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.ops.process_set_registry import register_process_sets
 from hvd_trainer.comm.runtime import CommRuntime
 from hvd_trainer.comm.world.liveness import mark_exited
+from hvd_trainer.comm.world.quorum import JobFinished, Membership, Quorum
 from hvd_trainer.comm.world.world import World, detect_launch_env, get_world, is_initialized, set_current
 
-__all__ = ["init", "shutdown", "check_comm_arg", "DEFAULT_TIMEOUT_SECONDS"]
+__all__ = ["init", "shutdown", "recover", "reform_due", "in_process_recovery", "finish_job", "check_comm_arg",
+           "DEFAULT_TIMEOUT_SECONDS"]
 
 DEFAULT_TIMEOUT_SECONDS = 600.0
 """Default timeout of the process group's collectives and rendezvous, seconds."""
@@ -100,6 +104,16 @@ def _start_world(
     device, backend = _pick_device(info.local_rank, backend, info.local_size)
     timeout = timedelta(seconds=timeout_seconds)
     endpoint = (info.master_addr, info.master_port)  # the job's store, for the heartbeat
+    if not dist.is_initialized() and _wants_quorum(info, environ):
+        quorum = _make_quorum(info, timeout_seconds, environ)
+        recovery = _Recovery(quorum, info, device, backend, timeout, endpoint,
+                             config or CommConfig.from_env(environ))
+        try:
+            return recovery.build(quorum.join())
+        except JobFinished:
+            print(f"hvd_trainer: elastic: the job finished before this restarted worker (slot "
+                  f"{quorum.slot}) could join; nothing left to do.", file=sys.stderr, flush=True)
+            raise SystemExit(0) from None
     if not dist.is_initialized():
         if info.size == 1 and info.master_addr is None:
             # A world of one needs no rendezvous: an in-process store keeps every collective
@@ -187,6 +201,112 @@ def _world_from_group(info: LaunchEnv, device: torch.device, backend: str) -> Wo
         group=dist.group.WORLD,
         cpu_group=dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo"),
     )
+
+
+class _Recovery:
+    """What in-process recovery needs to build each membership's world (one per process)."""
+
+    current: _Recovery | None = None
+
+    def __init__(self, quorum: Quorum, launch: LaunchEnv, device: torch.device, backend: str,
+                 timeout: timedelta, endpoint: tuple[str | None, int | None], config: CommConfig) -> None:
+        self.quorum, self.launch, self.device, self.backend = quorum, launch, device, backend
+        self.timeout, self.endpoint, self.config = timeout, endpoint, config
+        _Recovery.current = self
+
+    def build(self, membership: Membership) -> World:
+        """The process group and :class:`World` of ``membership`` (this process's rank in it is
+        its slot's place; its local rank its place among the members on its host)."""
+        rank = membership.rank_of(self.quorum.slot)
+        me = membership.members[rank]
+        local = [m.slot for m in membership.members if m.host == me.host]
+        hosts = membership.hosts()
+        store = dist.PrefixStore(f"hvd_trainer/q{membership.epoch}", self.quorum.store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=membership.size,
+                                timeout=self.timeout)
+        info = replace(self.launch, rank=rank, size=membership.size, local_rank=local.index(me.slot),
+                       local_size=len(local), cross_rank=hosts.index(me.host), cross_size=len(hosts))
+        runtime = CommRuntime(self.config, rank, namespace=f"q{membership.epoch}")
+        world = replace(_world_from_group(info, self.device, self.backend), runtime=runtime)
+        set_current(world)
+        runtime.attach(world, self.endpoint)
+        _shutdown_at_exit()
+        return world
+
+
+def in_process_recovery() -> bool:
+    """Whether this process's world was formed for in-process recovery (``hvdrun --recovery
+    in-process``): :func:`recover` can then replace a broken world without a restart."""
+    return _Recovery.current is not None and is_initialized()
+
+
+def recover() -> World:
+    """Replace a broken world in this process: drop its process group, agree with the other
+    survivors (and any restarted worker waiting to join) on the next membership through the
+    job's store (:class:`~hvd_trainer.comm.world.quorum.Quorum`), build its group and make it
+    the current world. Called by ``hvd_trainer.elastic.run`` after a peer's failure
+    (``RankFailedError``) or a scheduled reform (``HostsUpdatedInterrupt``).
+
+    Returns:
+        The new :class:`World` (ranks renumbered; size may differ).
+
+    Raises:
+        RuntimeError: the world was not formed for in-process recovery (see
+            :func:`in_process_recovery`).
+        RankFailedError: fewer than ``--min-np`` workers arrived in time.
+    """
+    recovery = _Recovery.current
+    if recovery is None or not is_initialized():
+        raise RuntimeError("recover() needs a world formed for in-process recovery. HINT: launch with "
+                           "hvdrun --min-np/--max-np --recovery in-process.")
+    _drop_world()
+    world = recovery.build(recovery.quorum.reform())
+    cancel_hard_exit()  # the broken group is gone: this process ends normally again
+    return world
+
+
+def finish_job() -> None:
+    """With in-process recovery: the training function returned, so a restarted worker still
+    waiting to join ends quietly (status 0) instead of waiting. A no-op otherwise."""
+    if in_process_recovery():
+        _Recovery.current.quorum.finish()  # type: ignore[union-attr]
+
+
+def reform_due() -> bool:
+    """At a step boundary (``State.commit``): whether every member leaves the world now to admit
+    a waiting worker (always ``False`` without in-process recovery). See
+    :meth:`~hvd_trainer.comm.world.quorum.Quorum.reform_due`."""
+    if not in_process_recovery():
+        return False
+    return _Recovery.current.quorum.reform_due()  # type: ignore[union-attr]
+
+
+def _drop_world() -> None:
+    """Release the current world and destroy its process group without any collective (its
+    peers may be dead); errors of the broken group are ignored."""
+    world = get_world() if is_initialized() else None
+    if world is not None and world.runtime is not None:
+        world.runtime.close()
+    if world is not None:
+        object.__setattr__(world, "group", None)
+        object.__setattr__(world, "cpu_group", None)
+    set_current(None)
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _wants_quorum(info: LaunchEnv, environ: Mapping[str, str] | None) -> bool:
+    return recovery_env(environ).in_process and torchelastic_env(environ).under_agent \
+        and info.master_addr is not None
+
+
+def _make_quorum(info: LaunchEnv, timeout_seconds: float, environ: Mapping[str, str] | None) -> Quorum:
+    settings = recovery_env(environ)
+    store = raw_job_store(info.rank, info.size, timedelta(seconds=timeout_seconds))
+    return Quorum(store, torchelastic_env(environ).run_id, slot=info.rank,
+                  max_slots=max(settings.max_np, info.size), min_np=settings.min_np,
+                  settle_seconds=settings.settle_seconds, timeout_seconds=timeout_seconds)
 
 
 def shutdown() -> None:

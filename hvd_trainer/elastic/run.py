@@ -22,6 +22,18 @@ fails the job at once with that exception's text instead of restarting it. With 
 directory (the system temp dir keyed by torchrun's run id) the file is removed when the
 function returns normally on every rank; an explicit ``checkpoint_dir`` keeps it.
 
+In-process recovery (``hvdrun --min-np/--max-np --recovery in-process``), as Horovod's elastic
+mode did it: the processes that survive a lost rank are not restarted. When the function raises
+a peer's failure (``RankFailedError``, a broken transport), every survivor drops its process
+group, agrees with the others on the new membership through the job's store
+(:func:`hvd_trainer.comm.recover`), returns to its last commit **in memory**, takes the newest
+commit any survivor holds (broadcast), runs the reset callbacks and calls the function again in
+the same process; the sampler deals the rest of the epoch over the new world. The lost worker is
+restarted alone by hvdrun's worker entry and joins at the survivors' next ``commit()``, which
+raises ``HostsUpdatedInterrupt`` on every rank (no restore: the commit is current); the joiner
+receives the state by broadcast from a survivor, not from the file. Commit every step: at most
+that step is redone.
+
 Example::
 
     state = elastic.TorchState(model, optimizer, epoch=0, sampler=sampler)
@@ -43,12 +55,23 @@ import functools
 import logging
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hvd_trainer.comm import World, allgather_object, barrier, init
+from hvd_trainer.comm import (
+    HostsUpdatedInterrupt,
+    World,
+    allgather_object,
+    barrier,
+    finish_job,
+    get_world,
+    in_process_recovery,
+    init,
+    recover,
+)
 from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.base.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
@@ -81,13 +104,41 @@ def _resume(state: State, directory: Path | None) -> World:
     world = init()
     path = None if directory is None else directory / STATE_FILENAME
     state.attach_file(path, writer=world.local_rank == 0)
-    loaded = world.local_rank == 0 and state.load_committed()
-    counts = allgather_object(state.commit_count if loaded else None, name="elastic.run.commits", world=world)
-    found = [(count, -rank) for rank, count in enumerate(counts) if count is not None]
-    root = -max(found)[1] if found else 0  # the newest commit; the lowest such rank on a tie
-    state.sync(world=world, root_rank=root)  # carries the commit count: every rank knows whether it resumed
+    _sync_newest(state, world)
     if state.commit_count > 0:
         state.on_reset()
+    return world
+
+
+def _sync_newest(state: State, world: World) -> None:
+    """Make every rank hold the newest commit any rank has: in memory (survivors of an
+    in-process recovery), else from the file read by each host's local rank 0 (a restart).
+    Survivors and a joiner both come through here, so they run the same collectives."""
+    counts = allgather_object(state.commit_count, name="elastic.run.commits", world=world)
+    if max(counts) == 0:  # nobody holds a commit in memory: read the file, if any
+        loaded = world.local_rank == 0 and state.load_committed()
+        counts = allgather_object(state.commit_count if loaded else 0, name="elastic.run.commits",
+                                  world=world)
+    root = max(range(len(counts)), key=lambda r: (counts[r], -r))  # newest; lowest rank on a tie
+    state.sync(world=world, root_rank=root)  # carries the commit count: every rank knows whether it resumed
+
+
+def _recover_in_process(state: State, exc: BaseException) -> World:
+    """Re-form the world in this process after ``exc`` (a peer's failure, or a joiner waiting)
+    and continue from the newest commit (see the module docstring)."""
+    start = time.monotonic()
+    old = get_world()
+    joiner = isinstance(exc, HostsUpdatedInterrupt)
+    world = recover()
+    if not joiner:
+        state.restore()  # back to this rank's last commit; the newest one is then broadcast
+    _sync_newest(state, world)
+    state.on_reset()
+    if world.rank == 0:
+        why = "a worker joined" if joiner else f"{type(exc).__name__}"
+        _log.warning("elastic: world re-formed in process (%s): %d -> %d ranks in %.2f s, resuming "
+                     "from commit %d", why, old.size, world.size, time.monotonic() - start,
+                     state.commit_count)
     return world
 
 
@@ -119,12 +170,18 @@ def run(func: F | None = None, *, checkpoint_dir: str | os.PathLike[str] | None 
                     stacklevel=2,
                 )
             world = _resume(state, directory)
-            try:
-                result = fn(state, *args, **kwargs)
-            except Exception as exc:
-                record_user_error(exc, rank=world.rank)  # a peer's failure is not recorded
-                _stop_for_restart(exc, world)
-                raise
+            while True:
+                try:
+                    result = fn(state, *args, **kwargs)
+                    break
+                except Exception as exc:
+                    if in_process_recovery() and is_peer_failure(exc):
+                        world = _recover_in_process(state, exc)
+                        continue
+                    record_user_error(exc, rank=world.rank)  # a peer's failure is not recorded
+                    _stop_for_restart(exc, world)
+                    raise
+            finish_job()  # a restarted worker still waiting to join has nothing left to do
             state.flush()  # the file holds the last commit before the function counts as done
             if not explicit and directory is not None:
                 _cleanup(directory, world)

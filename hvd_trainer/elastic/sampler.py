@@ -43,8 +43,9 @@ class ElasticSampler(Sampler[int]):
         seed: base seed of the permutation, identical on every rank.
         drop_last: drop the tail that does not fill every rank; otherwise pad by repeating
             the first remaining indices (like ``DistributedSampler``).
-        world: the world to shard over. Default: the initialised one, looked up at the first
-            iteration and kept (before ``hvd_trainer.init()`` the sampler acts as a world of one).
+        world: the world to shard over. Default: the current one, looked up at every use (so
+            after in-process recovery the rest of the epoch is dealt over the new world; before
+            ``hvd_trainer.init()`` the sampler acts as a world of one).
 
     Raises:
         ValueError: an empty dataset.
@@ -97,11 +98,12 @@ class ElasticSampler(Sampler[int]):
         return mine[batch_idx * batch_size:(batch_idx + 1) * batch_size]
 
     def _world(self) -> tuple[int, int]:
-        """``(rank, size)`` of :attr:`world`, resolved once (a world of one before ``init()``)."""
+        """``(rank, size)`` of :attr:`world`, else of the current world (one before ``init()``)."""
         if self.world is None:
             if not is_initialized():
                 return 0, 1
-            self.world = get_world()
+            current = get_world()
+            return current.rank, current.size
         return self.world.rank, self.world.size
 
     def _order(self) -> list[int]:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hvd_trainer.checkpoint import load_checkpoint
-from hvd_trainer.comm import World, broadcast_object, get_world
+from hvd_trainer.comm import HostsUpdatedInterrupt, World, broadcast_object, get_world, reform_due
 from hvd_trainer.elastic.persist import BackgroundWriter, snapshot_to_cpu
 
 __all__ = ["State", "ObjectState", "TorchState", "STATE_FILENAME"]
@@ -94,15 +94,21 @@ class State:
         """Snapshot the state in memory; when a file is attached, write it in the background.
 
         Returns once the snapshot is taken (later in-place changes do not reach it); the file
-        follows atomically (:meth:`flush` waits for it).
+        follows atomically (:meth:`flush` waits for it). With in-process recovery a commit is
+        also the step boundary where a restarted worker is let in: every rank raises
+        ``HostsUpdatedInterrupt`` at the same commit (as Horovod's ``commit`` does when hosts
+        changed), and ``elastic.run`` re-forms the world and calls the function again.
 
         Raises:
             PersistError: the previous background write failed.
+            HostsUpdatedInterrupt: a worker waits to join (in-process recovery; after the commit).
         """
         self._saved = self._capture()
         self._commit_count += 1
         if self._path is not None and self._writer:
             self._persist.submit({"commit_count": self._commit_count, "state": self._saved}, self._path)
+        if reform_due():
+            raise HostsUpdatedInterrupt(skip_sync=False)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the attached file holds the last commit; ``False`` if ``timeout`` (s) ran out.

@@ -52,13 +52,25 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
     if opts.verbose:
         # third-party notices the workers otherwise drop (hvd_trainer.lightning.quiet.VERBOSE_ENV)
         env["HVD_TRAINER_VERBOSE"] = "1"
-    if restarts(opts) > 0:
+    env.update(_recovery_env(opts))
+    if opts.recovery != "in-process" and restarts(opts) > 0:
         # With restarts, torchrun's agent otherwise shares one TCPStore across attempts, and a
         # restarted rank can read a dead rank's gloo address left by the previous attempt
         # ("Gloo connectFullMesh failed ... Connection refused"). A fresh store per attempt
         # (hosted by the new rank 0) avoids it. Read by the agent (c10d rendezvous).
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
+
+
+def _recovery_env(opts: HvdrunOptions) -> dict[str, str]:
+    """In-process recovery's variables (none for the restart path). The workers' membership
+    rounds live in the agent's store (it outlives every worker); each worker entry starts its own
+    lost child again (up to the restart budget), and the agent restarts nobody."""
+    if opts.recovery != "in-process":
+        return {}
+    return {"HVDRUN_RECOVERY": "in-process", "HVDRUN_RESPAWNS": str(restarts(opts)),
+            "HVDRUN_MIN_NP": str(opts.min_np or opts.num_proc),
+            "HVDRUN_MAX_NP": str(max(opts.max_np or opts.num_proc, opts.num_proc))}
 
 
 def _as_horovod_env(mode: str) -> dict[str, str]:
@@ -129,6 +141,8 @@ def _nodes(opts: HvdrunOptions) -> str:
     ppn = opts.procs_per_host
     if not opts.elastic:
         return str(len(opts.hosts))
+    if opts.recovery == "in-process":  # membership changes by rank inside the job, not by host
+        return str(len(opts.hosts)) if not opts.multi_host else f"1:{len(opts.hosts)}"
     lo = opts.min_np if opts.min_np is not None else opts.num_proc
     hi = opts.max_np if opts.max_np is not None else opts.num_proc
     if lo % ppn or hi % ppn:
@@ -180,7 +194,8 @@ def torchrun_args(opts: HvdrunOptions, port: int, agent: AgentIdentity | None = 
             args.append(f"--local-addr={agent.address}")
     else:
         args += ["--master-addr=127.0.0.1", f"--master-port={port}", f"--rdzv-conf=timeout={timeout}"]
-    args.append(f"--max-restarts={max_restarts}")
+    # in-process: the worker entries start lost workers again; the agent must not restart all
+    args.append(f"--max-restarts={0 if opts.recovery == 'in-process' else max_restarts}")
     # --output-filename: the worker entry writes <dir>/rank.<N>/{stdout,stderr} (HVDRUN_OUTPUT_DIR).
     return [*args, "--no-python", *worker_command(opts.command)]
 

@@ -47,7 +47,12 @@ class HvdrunOptions:
     max_np: int | None = None
     """Elastic: most processes the job grows to."""
     max_restarts: int | None = None
-    """How many times torchrun restarts all workers after a failure (elastic: default 3)."""
+    """How many times torchrun restarts all workers after a failure (elastic: default 3); with
+    ``recovery="in-process"``: how often each lost worker is started again alone."""
+    recovery: str = "restart"
+    """Elastic recovery from a lost worker: ``restart`` (torchrun restarts every worker, which
+    resume from the last commit on disk) or ``in-process`` (the survivors keep their processes and
+    re-form the world; the lost worker is restarted alone and joins)."""
     port: int | None = None
     """Rendezvous port; ``None`` = a free one (single host) or 29400 (several hosts)."""
     rdzv_id: str | None = None
@@ -122,6 +127,9 @@ class HvdrunOptions:
             raise HvdrunError(f"--this-host {self.this_host!r} is not one of the hosts {self.hosts_spec}.")
 
     def _check_elastic(self) -> None:
+        if self.recovery == "in-process" and not self.elastic:
+            raise HvdrunError("--recovery in-process needs an elastic job. HINT: add --min-np and --max-np "
+                              f"(e.g. --min-np 1 --max-np {self.num_proc}).")
         lo = self.min_np if self.min_np is not None else self.num_proc
         hi = self.max_np if self.max_np is not None else self.num_proc
         if not 1 <= lo <= self.num_proc <= hi:
@@ -176,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-np", "--max-num-proc", type=int, dest="max_np", help="elastic maximum")
     p.add_argument("--max-restarts", "--reset-limit", type=int, dest="max_restarts",
                    help="restarts of all workers after a failure (elastic default 3)")
+    p.add_argument("--recovery", choices=("restart", "in-process"), default="restart",
+                   help="elastic: restart every worker after a loss (default), or keep the survivors' "
+                        "processes and restart only the lost one (in-process)")
     p.add_argument("--port", type=int, help="rendezvous port (default: a free one)")
     p.add_argument("--rdzv-id", help="job id shared by all hosts of a multi-host run")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),
@@ -233,7 +244,8 @@ def parse_options(argv: Sequence[str]) -> tuple[HvdrunOptions | None, argparse.N
         output_filename=ns.output_filename, verbose=ns.verbose,
         fusion_threshold_mb=ns.fusion_threshold_mb, cycle_time_ms=ns.cycle_time_ms,
         timeline_filename=ns.timeline_filename, min_np=ns.min_np, max_np=ns.max_np,
-        max_restarts=ns.max_restarts, port=ns.port, rdzv_id=ns.rdzv_id, device=ns.device,
+        max_restarts=ns.max_restarts, recovery=ns.recovery, port=ns.port, rdzv_id=ns.rdzv_id,
+        device=ns.device,
         dry_run=ns.dry_run, extra_env=flag_env(ns), mpi_binding=binding, mpi_extra=extra,
         elastic_timeout_seconds=ns.elastic_timeout, prefix_timestamp=ns.prefix_timestamp,
         notes=notes_for(ns, ssh=_uses_ssh(ns, hosts)), ssh_port=ns.ssh_port,

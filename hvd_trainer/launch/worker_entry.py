@@ -21,7 +21,13 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
    the rank itself (``RankFailedError``, its prints) instead of this entry's;
 5. forwards SIGTERM/SIGINT to the child, dies with the child (``PR_SET_PDEATHSIG``: a
    SIGKILLed entry takes its child along) and ends with the child's status (the same signal
-   when the child was killed), so the launcher sees what the command did.
+   when the child was killed), so the launcher sees what the command did;
+6. with in-process recovery (``HVDRUN_RECOVERY=in-process``, ``hvdrun --recovery in-process``):
+   when the child is killed by a signal (SIGKILL, SIGSEGV, the OOM killer; not the launcher's
+   SIGTERM/SIGINT), starts the command again at once, alone, up to ``HVDRUN_RESPAWNS`` times
+   (``HVDRUN_RESPAWN_COUNT`` tells it which start it is). torchrun's agent never sees the loss,
+   so it does not stop the survivors; the new process joins them at their next commit. A child
+   that *exits* (0, a user error, a peer's failure it could not recover from) ends the entry.
 """
 
 from __future__ import annotations
@@ -140,6 +146,21 @@ def _exit_like(returncode: int) -> None:
     sys.exit(returncode)
 
 
+def _respawn_budget(env: Mapping[str, str]) -> int:
+    """How often a killed child is started again alone (0 without in-process recovery)."""
+    if env.get("HVDRUN_RECOVERY") != "in-process":
+        return 0
+    try:
+        return max(0, int(env.get("HVDRUN_RESPAWNS", "0")))
+    except ValueError:
+        return 0
+
+
+def _killed(returncode: int, stopping: bool) -> bool:
+    """The child died of a signal that was not the launcher's stop request."""
+    return returncode < 0 and not stopping and -returncode not in (signal.SIGTERM, signal.SIGINT)
+
+
 def main(argv: list[str]) -> None:
     """Run ``argv`` (the user's command) as described in the module docstring; never returns."""
     if not argv:
@@ -150,22 +171,42 @@ def main(argv: list[str]) -> None:
     rank = env.get("HOROVOD_RANK", "?")
     timestamp = env.get("HVDRUN_PREFIX_TIMESTAMP") == "1"
     logs = _open_logs(env["HVDRUN_OUTPUT_DIR"], rank) if env.get("HVDRUN_OUTPUT_DIR") else (None, None)
-    try:
-        child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509
-    except OSError as exc:
-        sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
-    _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
+    budget, respawns = _respawn_budget(env), 0
+    stopping: list[bool] = []
+    current: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopping.append(True)
+        if current:
+            current[-1].send_signal(signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
-    pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp),  # type: ignore[arg-type]
-             _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp)]  # type: ignore[arg-type]
-    for pump in pumps:
-        pump.start()
-    returncode = child.wait()
-    for pump in pumps:
-        pump.join(timeout=5.0)  # a grandchild may keep a pipe open; do not wait for it forever
-    _exit_like(returncode)
+        signal.signal(sig, forward)
+    while True:
+        env["HVDRUN_RESPAWN_COUNT"] = str(respawns)
+        try:
+            child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509
+        except OSError as exc:
+            sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
+        current.append(child)
+        _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
+        pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp),  # type: ignore[arg-type]
+                 _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp)]  # type: ignore[arg-type]
+        for pump in pumps:
+            pump.start()
+        returncode = child.wait()
+        for pump in pumps:
+            pump.join(timeout=5.0)  # a grandchild may keep a pipe open; do not wait for it forever
+        if not (_killed(returncode, bool(stopping)) and respawns < budget):
+            _exit_like(returncode)
+        respawns += 1
+        name = signal.Signals(-returncode).name
+        sys.stderr.buffer.write(
+            prefix(rank, "stderr", timestamp) + f"hvdrun: rank {rank} (pid {child.pid}) was killed by "
+            f"{name}; starting it again alone ({respawns} of {budget}); the other ranks go on and "
+            "let it in at their next commit\n".encode())
+        sys.stderr.flush()
 
 
 if __name__ == "__main__":

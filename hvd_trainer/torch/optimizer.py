@@ -37,6 +37,7 @@ import torch
 
 from hvd_trainer.comm import (
     Average,
+    CommValueError,
     Compression,
     Compressor,
     FusionConfig,
@@ -256,7 +257,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._process_set = process_set
         self._fusion_config = fusion_config
         self._reducer_kwargs = self._check_reducer_kwargs()
-        self._world = get_world() if world is None else world
+        self._world_arg = world
+        if world is None:
+            get_world()  # NotInitializedError now, not at the first step
+        self._built_for: World | None = None  # the world the reducer was built for
         # torch.optim.Optimizer bookkeeping (hook tables, profiled step); its __init__ is not
         # called because the parameters, state and defaults are the inner optimizer's.
         init_optimizer_bookkeeping(self)
@@ -431,6 +435,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- gradient hooks -----------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._follow_world()
         count = self._counts.get(id(p), 0) + 1
         if count > self._bpps:
             raise GradientSyncError(
@@ -500,6 +505,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
 
     def _build_reducer(self) -> None:
+        self._built_for = self._world
         trainable = [(n, p) for n, p in self._named if id(p) in self._trainable_ids]
         frozen = [p for _, p in trainable if not p.requires_grad]
         for p in frozen:  # frozen since construction: hooks need requires_grad to register
@@ -591,7 +597,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 world=self._world,
             )
 
+    @property
+    def _world(self) -> World:
+        """The world passed in, else the current one (which in-process recovery replaces)."""
+        return get_world() if self._world_arg is None else self._world_arg
+
+    def _follow_world(self) -> None:
+        """After in-process recovery replaced the current world: drop the reducer built for the
+        old one (its hooks and its broken in-flight work) and this step's pending counts; the
+        next synchronize() builds a reducer over the new world."""
+        if self._reducer is None or self._built_for is self._world:
+            return
+        if self._zero is not None:
+            raise CommValueError(
+                "zero_stage with in-process recovery: the shards belong to the old world. HINT: use "
+                "hvdrun --recovery restart with zero_stage, or zero_stage=0."
+            )
+        self._reducer.remove()
+        self._reducer, self._reducer_ids = None, set()
+        self._counts.clear()
+        self._due = self._synced = self._user_synced = False
+
     def _synchronize(self) -> None:
+        self._follow_world()
         if self._op is ReduceOp.ADASUM:  # gradients stay local; step() combines weight changes
             self._reset_counts()
             self._synced = True
@@ -616,6 +644,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reducer.require_sync = True
 
     def _check_not_due(self, what: str) -> None:
+        self._follow_world()  # a step cut short by a lost rank is not due in the new world
         if self._due:
             raise GradientSyncError(
                 f"{what} was called while the gradients of this step are being averaged across "

@@ -74,6 +74,7 @@ COMM_ROWS = (
     ("ops.flatten", "ops.ops", "ops.arguments", "ops.compression"),
     # world/
     ("world.build_info",),
+    ("world.quorum",),
     ("world.world", "world.liveness", "world.heartbeat", "world.membership", "world.join_board"),
     # base/
     ("base.store", "base.config", "base.launch_env", "base.errors", "base.fatal", "base.future_work"),

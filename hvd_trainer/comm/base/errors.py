@@ -75,8 +75,10 @@ class HostsUpdatedInterrupt(RuntimeError):
     """Horovod's signal that hosts were added or removed during elastic training, kept so
     ported ``except HostsUpdatedInterrupt:`` clauses stay valid.
 
-    hvd_trainer never raises it: when the set of workers changes, torchrun's elastic agent
-    restarts all workers and :func:`hvd_trainer.elastic.run` resumes from the last commit.
+    With in-process recovery (``hvdrun --recovery in-process``) ``State.commit()`` raises it on
+    every rank at the same commit when a restarted worker waits to join;
+    :func:`hvd_trainer.elastic.run` catches it, re-forms the world with the joiner and calls the
+    function again. (With the restart path the agent restarts all workers instead.)
 
     Args:
         skip_sync: Horovod's flag: the state need not be synced from rank 0 on reset.

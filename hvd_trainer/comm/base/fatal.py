@@ -18,7 +18,8 @@ import sys
 from collections.abc import Callable
 
 __all__ = [
-    "exit_hard_at_exit", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer", "PEER_FAILED_EXIT_CODE",
+    "exit_hard_at_exit", "cancel_hard_exit", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer",
+    "PEER_FAILED_EXIT_CODE",
 ]
 
 PEER_FAILED_EXIT_CODE = 75
@@ -37,6 +38,8 @@ def flush_before_hard_exit(fn: Callable[[], None]) -> None:
 
 
 def _hard_exit() -> None:
+    if not _registered:  # cancelled: the process recovered
+        return
     for fn in _flushers:
         with contextlib.suppress(Exception):
             fn()
@@ -58,6 +61,13 @@ def exit_hard_at_exit(code: int = 1) -> None:
         # atexit runs handlers last-in first-out, so this one runs before those registered
         # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)
+
+
+def cancel_hard_exit() -> None:
+    """Undo :func:`exit_hard_at_exit`: the process recovered in place (in-process recovery
+    destroyed the broken process group and built a new one), so it ends normally again."""
+    global _registered, _exit_code
+    _registered, _exit_code = False, 1
 
 
 def stopped_for_a_peer() -> bool:

@@ -62,6 +62,9 @@ __all__ = [
     "LaunchEnv",
     "LaunchEnvError",
     "TorchElasticEnv",
+    "RecoveryEnv",
+    "recovery_env",
+    "RECOVERY_ENV",
     "expand_nodelist",
     "from_torchrun",
     "from_pytorchjob",
@@ -519,3 +522,44 @@ def torchelastic_env(env: Mapping[str, str] | None = None) -> TorchElasticEnv:
         restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT") or 0,
         run_id=env.get("TORCHELASTIC_RUN_ID", ""),
     )
+
+
+RECOVERY_ENV = "HVDRUN_RECOVERY"
+"""How hvdrun's elastic job recovers from a lost worker: ``in-process`` or ``restart``."""
+MIN_NP_ENV, MAX_NP_ENV = "HVDRUN_MIN_NP", "HVDRUN_MAX_NP"
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryEnv:
+    """hvdrun's elastic settings as its workers see them (all defaults outside hvdrun)."""
+
+    in_process: bool = False
+    """``HVDRUN_RECOVERY=in-process``: survivors keep their processes and form a new group."""
+    min_np: int = 1
+    """``HVDRUN_MIN_NP``: the fewest workers the job trains with."""
+    max_np: int = 0
+    """``HVDRUN_MAX_NP``: launch slots that may exist (0: the launch's world size)."""
+    settle_seconds: float = 2.0
+    """``HVD_ELASTIC_SETTLE_SECONDS``: how long a membership round waits for a missing worker on
+    another host before closing without it."""
+
+
+def recovery_env(env: Mapping[str, str] | None = None) -> RecoveryEnv:
+    """Read hvdrun's recovery variables (the one place that reads them).
+
+    Raises:
+        LaunchEnvError: ``HVDRUN_RECOVERY`` is neither ``in-process`` nor ``restart``, or a count
+            is not an integer.
+    """
+    env = os.environ if env is None else env
+    mode = env.get(RECOVERY_ENV, "restart")
+    if mode not in ("in-process", "restart"):
+        raise LaunchEnvError(f"{RECOVERY_ENV}={mode!r}: expected 'in-process' or 'restart'.")
+    try:
+        settle = float(env.get("HVD_ELASTIC_SETTLE_SECONDS", "2.0"))
+    except ValueError as exc:
+        raise LaunchEnvError(
+            f"HVD_ELASTIC_SETTLE_SECONDS={env['HVD_ELASTIC_SETTLE_SECONDS']!r} is not a number"
+        ) from exc
+    return RecoveryEnv(in_process=mode == "in-process", min_np=_int(env, MIN_NP_ENV) or 1,
+                       max_np=_int(env, MAX_NP_ENV) or 0, settle_seconds=settle)

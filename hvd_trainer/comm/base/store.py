@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.base._torch_compat import default_store as _torch_default_store
 
-__all__ = ["default_store", "try_get", "generation_store"]
+__all__ = ["default_store", "try_get", "generation_store", "raw_job_store"]
 
 _ABSENT = "\x00hvd-absent\x00"
 
@@ -63,3 +63,14 @@ def generation_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
     store.set_timeout(timeout)
     _latest = store  # the previous one closes now; the server it shared stays up
     return dist.PrefixStore(f"hvd_trainer/{_generation}", store)
+
+
+def raw_job_store(rank: int, size: int, timeout: timedelta) -> dist.Store:
+    """The job's store (``env://``: torchrun's agent store under hvdrun) without a prefix, kept
+    open for the process's life: in-process recovery's membership rounds live there, across
+    every process group this process builds."""
+    global _latest
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, timeout=timeout))
+    store.set_timeout(timeout)
+    _latest = store
+    return store

@@ -1,0 +1,66 @@
+"""In-process recovery worker (torch API): commits every step; rank 1 SIGKILLs itself once.
+
+Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S]
+In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself when ``state.step ==
+KILL_STEP`` (-1: never). Every committed step records the world size and each rank's sample
+indices, so the test can replay the same steps in one process. Rank 0 saves the final weights,
+that history and the steps' completion times to OUT_FILE.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import hvd_trainer.torch as hvd
+from hvd_trainer import elastic
+
+out_file, kill_step = sys.argv[1], int(sys.argv[2])
+step_sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
+respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
+slot = int(os.environ["RANK"])
+torch.manual_seed(0)
+N, BATCH, EPOCHS = 128, 4, 2
+dataset = TensorDataset(torch.randn(N, 4), torch.randn(N, 1), torch.arange(N))
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                     named_parameters=model.named_parameters())
+sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=1)
+loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+state = elastic.TorchState(model, optimizer, epoch=0, step=0, history=[], sampler=sampler)
+done_at: list[float] = []
+
+
+@elastic.run
+def train(state: elastic.TorchState) -> None:
+    print(f"START slot={slot} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} respawn={respawn} "
+          f"step={state.step}", flush=True)
+    for epoch in range(state.epoch, EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, (x, y, idx) in enumerate(loader):
+            if respawn == 0 and slot == 1 and state.step == kill_step:
+                print(f"FAIL_AT {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(step_sleep)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            sampler.record_batch(i, BATCH)
+            state.step += 1
+            state.history.append((epoch, hvd.allgather_object(idx.tolist())))
+            done_at.append(time.time())
+            state.commit()
+        state.epoch = epoch + 1
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    torch.save({"model": model.state_dict(), "history": state.history, "step": state.step,
+                "done_at": done_at}, out_file)
+print(f"DONE slot={slot} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} step={state.step}", flush=True)
