@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
-from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
+from hvd_trainer.comm.base.errors import CommTypeError, CommValueError, RankFailedError
 from hvd_trainer.comm.base.fatal import cancel_hard_exit, flush_before_hard_exit
 from hvd_trainer.comm.base.launch_env import LaunchEnv, recovery_env, torchelastic_env
 from hvd_trainer.comm.base.store import generation_store, raw_job_store
@@ -253,14 +253,20 @@ def recover() -> World:
     Raises:
         RuntimeError: the world was not formed for in-process recovery (see
             :func:`in_process_recovery`).
-        RankFailedError: fewer than ``--min-np`` workers arrived in time.
+        RankFailedError: fewer than ``--min-np`` workers arrived in time, or this host is cut
+            off from the job's store (the heartbeat found it on the far side of a partition).
     """
     recovery = _Recovery.current
     if recovery is None or not is_initialized():
         raise RuntimeError("recover() needs a world formed for in-process recovery. HINT: launch with "
                            "hvdrun --min-np/--max-np --recovery in-process.")
+    watch = get_world().runtime.peer_watch if get_world().runtime is not None else None
+    failure = watch.failure if watch is not None else None
+    if failure is not None and failure.cut_off:
+        raise RankFailedError(f"elastic: this host is cut off from the job's store, so it cannot re-form "
+                              f"the world with the others; it stops. ({failure.message})")
     _drop_world()
-    world = recovery.build(recovery.quorum.reform())
+    world = recovery.build(recovery.quorum.reform(failure.ranks if failure is not None else ()))
     cancel_hard_exit()  # the broken group is gone: this process ends normally again
     return world
 

@@ -95,6 +95,8 @@ class Failure:
     hosts: tuple[str, ...]
     ranks: tuple[int, ...]
     found_at: float = field(default=0.0, compare=False)
+    cut_off: bool = False
+    """This rank cannot reach the job's store (it is on the far side of the partition)."""
 
     def error(self) -> HostUnreachableError:
         return HostUnreachableError(self.message)
@@ -130,7 +132,7 @@ def judge(
             f"rank {me} on {my_host} cannot reach the job's store at {store_addr} for "
             f"{quiet:.1f} s: this host is cut off from {', '.join(hosts)}"
             + (f"; unreachable: {_ranks_by_host(peers, others)}" if others else "") + f". {hint}",
-            hosts, tuple(others), now)
+            hosts, tuple(others), now, cut_off=True)
     # A peer's silence is measured at this rank's last completed round: on the far side of a
     # cut, rounds stop too, and the store (not the peers) is what cannot be reached.
     def quiet_for(p: PeerState) -> float:

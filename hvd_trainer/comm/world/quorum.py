@@ -21,7 +21,7 @@ round where everyone is a first-timer):
 
 1. every member of the previous round has arrived; or
 2. at least ``min_np`` have arrived and every missing one is known dead (a process on this host
-   whose pid is gone); or
+   whose pid is gone, or a rank the heartbeat found unreachable); or
 3. at least ``min_np`` have arrived and ``settle_seconds`` passed since this worker arrived (a
    missing rank on another host: its pid cannot be checked from here).
 
@@ -112,19 +112,25 @@ class Quorum:
         min_np: the fewest members a round may close with.
         settle_seconds: see rule 3 of the module docstring.
         timeout_seconds: how long a round may wait for ``min_np`` members, seconds.
+        host, pid: this worker's host name and process id (default: this process's).
+
+    Raises:
+        ValueError: ``slot`` is outside ``[0, max_slots)``.
     """
 
     def __init__(self, store: Any, run_id: str, *, slot: int, max_slots: int, min_np: int,
-                 settle_seconds: float = DEFAULT_SETTLE_SECONDS, timeout_seconds: float = 600.0) -> None:
+                 settle_seconds: float = DEFAULT_SETTLE_SECONDS, timeout_seconds: float = 600.0,
+                 host: str | None = None, pid: int | None = None) -> None:
         if not 0 <= slot < max_slots:
             raise ValueError(f"slot {slot} outside [0, {max_slots}): --max-np must cover every launched rank")
         self.store, self.slot, self.max_slots = store, slot, max_slots
         self.min_np, self.settle_seconds, self.timeout_seconds = min_np, settle_seconds, timeout_seconds
         self._prefix = f"hvd/quorum/{run_id}"
-        self.me = Member(slot, socket.gethostname(), os.getpid())
+        self.me = Member(slot, host or socket.gethostname(), os.getpid() if pid is None else pid)
         self.current: Membership | None = None
         self._checks = 0
         self._reform_at: int | None = None
+        self._lost: set[int] = set()
 
     def _key(self, *parts: object) -> str:
         return "/".join([self._prefix, *map(str, parts)])
@@ -148,14 +154,19 @@ class Quorum:
         previous = None if latest == 0 else self._read_members(latest)
         return self._enter(latest + 1, previous, may_close=latest == 0, joiner=latest > 0)
 
-    def reform(self) -> Membership:
+    def reform(self, lost_ranks: Sequence[int] = ()) -> Membership:
         """Leave the current membership (after a peer failed, or to admit a joiner) for the next.
+
+        Args:
+            lost_ranks: ranks of the current membership known to be gone (the heartbeat found
+                their host unreachable): the round does not wait for them.
 
         Raises:
             RankFailedError: fewer than ``min_np`` workers arrived within ``timeout_seconds``.
         """
         if self.current is None:
             raise RuntimeError("reform() before join()")
+        self._lost = {self.current.members[r].slot for r in lost_ranks if 0 <= r < self.current.size}
         return self._enter(self.current.epoch + 1, self.current, may_close=True)
 
     def _enter(self, epoch: int, previous: Membership | None, *, may_close: bool,
@@ -225,7 +236,11 @@ class Quorum:
         return waited >= self.settle_seconds
 
     def _known_dead(self, member: Member | None) -> bool:
-        return member is not None and member.host == self.me.host and not pid_alive(member.pid)
+        if member is None:
+            return False
+        if member.slot in self._lost:  # asked only while it has not arrived
+            return True
+        return member.host == self.me.host and not pid_alive(member.pid)
 
     def _read_members(self, epoch: int) -> Membership:
         text = try_get(self.store, self._key(epoch, "members"))
