@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.errors import CommTypeError, CommValueError, RankFailedError
-from hvd_trainer.comm.base.fatal import cancel_hard_exit, flush_before_hard_exit
+from hvd_trainer.comm.base.fatal import flush_before_hard_exit, recovered
 from hvd_trainer.comm.base.launch_env import LaunchEnv, recovery_env, torchelastic_env
 from hvd_trainer.comm.base.store import generation_store, raw_job_store
 from hvd_trainer.comm.ops.process_set import ProcessSet
@@ -267,7 +267,9 @@ def recover() -> World:
                               f"the world with the others; it stops. ({failure.message})")
     _drop_world()
     world = recovery.build(recovery.quorum.reform(failure.ranks if failure is not None else ()))
-    cancel_hard_exit()  # the broken group is gone: this process ends normally again
+    if watch is not None:
+        watch.forget_record()  # recovered: hvdrun's partition watch must not stop this host
+    recovered()  # ends with its own status, but hard: the broken group may hang at exit
     return world
 
 

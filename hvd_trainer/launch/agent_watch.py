@@ -77,10 +77,14 @@ class AgentWatch:
         job_dir: the directory exported to workers as ``HVDRUN_JOB_DIR``.
         max_restarts: ``--max-restarts`` of the job (the ``n`` of "attempt k of n").
         out: where announcements go (hvdrun's stderr).
+        exit_barrier_seconds: the agent's wait for the other agents once its workers finished
+            (torch's ``_exit_barrier_timeout``; ``None``: leave torchrun's 300 s).
     """
 
-    def __init__(self, job_dir: Path, max_restarts: int, out: TextIO | None = None) -> None:
+    def __init__(self, job_dir: Path, max_restarts: int, out: TextIO | None = None,
+                 exit_barrier_seconds: float | None = None) -> None:
         self.job_dir, self.max_restarts = job_dir, max_restarts
+        self.exit_barrier_seconds = exit_barrier_seconds
         self.out = out or sys.stderr
         self.restarts_used = 0
         self.user_error: dict[str, Any] | None = None
@@ -120,6 +124,8 @@ class AgentWatch:
         watch = self
 
         def monitor(agent: Any, worker_group: Any) -> Any:
+            if watch.exit_barrier_seconds is not None:
+                agent._exit_barrier_timeout = watch.exit_barrier_seconds
             result = original(agent, worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 watch.on_failure(agent, result.failures)

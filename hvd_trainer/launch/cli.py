@@ -40,7 +40,7 @@ from hvd_trainer.launch.check_build import check_build_report
 from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, torchrun_args, worker_env
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import HvdrunOptions, build_parser, parse_options
-from hvd_trainer.launch.runner import run_mpirun, run_torchrun
+from hvd_trainer.launch.runner import IN_PROCESS_EXIT_BARRIER_SECONDS, run_mpirun, run_torchrun
 from hvd_trainer.launch.secret import SECRET_ENV, job_secret, masked
 from hvd_trainer.launch.ssh_launch import remote_commands, run_with_remote_agents
 from hvd_trainer.launch.this_host import find_this_host
@@ -174,8 +174,10 @@ def _launch(opts: HvdrunOptions) -> int:
         return 0
 
     def run_local() -> int:
+        in_process = opts.recovery == "in-process"
         return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
-                            verbose=opts.verbose, max_restarts=restarts(opts))
+                            verbose=opts.verbose, max_restarts=0 if in_process else restarts(opts),
+                            exit_barrier_seconds=IN_PROCESS_EXIT_BARRIER_SECONDS if in_process else None)
 
     if ssh:
         return run_with_remote_agents(opts, None if agent is None else agent.index, run_local)

@@ -25,7 +25,7 @@ from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures
 from hvd_trainer.launch.loopback import use_loopback_store
 from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
 
-__all__ = ["run_torchrun", "run_mpirun", "describe_exit"]
+__all__ = ["run_torchrun", "run_mpirun", "describe_exit", "IN_PROCESS_EXIT_BARRIER_SECONDS"]
 
 JOB_DIR_ENV = "HVDRUN_JOB_DIR"
 """The job directory exported to workers (read by :mod:`hvd_trainer.elastic.user_error`)."""
@@ -147,15 +147,22 @@ def _run_agent(args: list[str], watch: AgentWatch) -> None:
         run(parsed)
 
 
+IN_PROCESS_EXIT_BARRIER_SECONDS = 20.0
+"""How long a finished agent waits for the other hosts' agents with in-process recovery
+(torchrun's default is 300 s): a host lost during the job stays in the rendezvous, since the
+survivors re-formed their world without a new one, and would hold the others for the full wait."""
+
+
 def run_torchrun(
     args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False,
-    max_restarts: int = 0,
+    max_restarts: int = 0, exit_barrier_seconds: float | None = None,
 ) -> int:
     """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success).
 
     The workers get ``HVDRUN_JOB_DIR`` (a fresh temporary directory, removed at the end) for
     their user-error records; restarts are announced and counted (:class:`AgentWatch`), and
-    with restarts allowed the last lines say how many were used.
+    with restarts allowed the last lines say how many were used. ``exit_barrier_seconds``: how
+    long a finished agent waits for the other hosts' agents (``None``: torchrun's 300 s).
     """
     import logging
 
@@ -169,7 +176,7 @@ def run_torchrun(
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:
         os.environ[JOB_DIR_ENV] = job_dir
-        watch = AgentWatch(Path(job_dir), max_restarts)
+        watch = AgentWatch(Path(job_dir), max_restarts, exit_barrier_seconds=exit_barrier_seconds)
         try:
             with PartitionWatch(Path(job_dir)):
                 return _run_watched(args, watch, start_timeout_seconds)

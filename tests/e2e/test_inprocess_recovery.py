@@ -22,11 +22,11 @@ IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
 N, BATCH, EPOCHS, KILL_STEP = 128, 4, 2, 10
 
 
-def _replay(history: list[tuple[int, list[list[int]]]]) -> dict[str, torch.Tensor]:
+def replay(history: list[tuple[int, list[list[int]]]], n: int = N) -> dict[str, torch.Tensor]:
     """The committed steps in one process: each step averages the ranks' gradients over the
     samples each rank saw (sum in rank order, then divide: what the allreduce computes)."""
     torch.manual_seed(0)  # the worker's construction, in its order
-    xs, ys = torch.randn(N, 4), torch.randn(N, 1)
+    xs, ys = torch.randn(n, 4), torch.randn(n, 1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for _, per_rank in history:
@@ -67,7 +67,7 @@ def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path)
     for epoch in range(EPOCHS):  # every sample exactly once per epoch, whatever the world size was
         seen = sorted(i for e, per_rank in got["history"] if e == epoch for r in per_rank for i in r)
         assert seen == list(range(N)), (epoch, seen)
-    want = _replay(got["history"])
+    want = replay(got["history"])
     for name, tensor in want.items():
         assert torch.equal(got["model"][name], tensor), name  # bit-identical
 

@@ -16,9 +16,10 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 __all__ = [
-    "exit_hard_at_exit", "cancel_hard_exit", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer",
+    "exit_hard_at_exit", "recovered", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer",
     "PEER_FAILED_EXIT_CODE",
 ]
 
@@ -38,8 +39,6 @@ def flush_before_hard_exit(fn: Callable[[], None]) -> None:
 
 
 def _hard_exit() -> None:
-    if not _registered:  # cancelled: the process recovered
-        return
     for fn in _flushers:
         with contextlib.suppress(Exception):
             fn()
@@ -63,11 +62,24 @@ def exit_hard_at_exit(code: int = 1) -> None:
         atexit.register(_hard_exit)
 
 
-def cancel_hard_exit() -> None:
-    """Undo :func:`exit_hard_at_exit`: the process recovered in place (in-process recovery
-    destroyed the broken process group and built a new one), so it ends normally again."""
-    global _registered, _exit_code
-    _registered, _exit_code = False, 1
+def recovered() -> None:
+    """The process recovered in place from a peer's failure (in-process recovery built a new
+    process group). The broken group may still be referenced (a failed collective's work, an
+    exception's frames) and its destructor can wait forever for a peer behind a cut link, so the
+    hard exit stays registered, but with the status the interpreter would have had: 0, or 1
+    after an uncaught exception (recorded by a ``sys.excepthook`` wrapper installed here)."""
+    global _exit_code
+    exit_hard_at_exit(0)
+    _exit_code = 0
+    previous = sys.excepthook
+
+    def record(kind: Any, value: Any, tb: Any) -> None:
+        global _exit_code
+        _exit_code = 1
+        previous(kind, value, tb)
+
+    if getattr(previous, "__name__", "") != "record":
+        sys.excepthook = record
 
 
 def stopped_for_a_peer() -> bool:

@@ -310,6 +310,12 @@ class PeerWatch:
             tmp.write_text(json.dumps(record))
             tmp.replace(path)
 
+    def forget_record(self) -> None:
+        """Remove this rank's record: the rank recovered in process (its hvdrun must not stop it)."""
+        if self._job_dir:
+            with contextlib.suppress(OSError):
+                (Path(self._job_dir) / UNREACHABLE_RECORD.format(rank=self.rank)).unlink()
+
     def _end_process(self, failure: Failure) -> None:
         """The main thread did not end the process: say why and leave (no store call: the store
         may be the unreachable side)."""

@@ -1,6 +1,6 @@
 """In-process recovery worker (torch API): commits every step; rank 1 SIGKILLs itself once.
 
-Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S]
+Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S [SAMPLES]]
 In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself when ``state.step ==
 KILL_STEP`` (-1: never). Every committed step records the world size and each rank's sample
 indices, so the test can replay the same steps in one process. Rank 0 saves the final weights,
@@ -24,8 +24,9 @@ out_file, kill_step = sys.argv[1], int(sys.argv[2])
 step_sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
+hvd.init()  # as in Horovod's elastic examples (a restarted worker joins here)
 torch.manual_seed(0)
-N, BATCH, EPOCHS = 128, 4, 2
+N, BATCH, EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 128, 4, 2
 dataset = TensorDataset(torch.randn(N, 4), torch.randn(N, 1), torch.arange(N))
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -54,6 +55,7 @@ def train(state: elastic.TorchState) -> None:
             state.step += 1
             state.history.append((epoch, hvd.allgather_object(idx.tolist())))
             done_at.append(time.time())
+            print(f"STEP {state.step} rank={hvd.rank()} size={hvd.size()}", flush=True)
             state.commit()
         state.epoch = epoch + 1
         state.commit()

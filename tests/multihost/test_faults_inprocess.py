@@ -1,0 +1,85 @@
+"""In-process recovery across namespace hosts (``hvdrun --recovery in-process``, 2 hosts x 1 rank).
+
+* h2 is killed (SIGKILL of everything on it): h1's rank keeps its process, re-forms the world
+  alone (the missing rank is on another host: the round waits ``HVD_ELASTIC_SETTLE_SECONDS``)
+  and goes on from its in-memory commit; the job ends with status 0 on h1.
+* h2's link is cut: h1's heartbeat finds h2 silent after ``HOROVOD_GLOO_TIMEOUT_SECONDS`` and
+  h1 goes on at once (the round does not wait for a rank the heartbeat lost); h2, cut off from
+  the job's store, stops instead of re-forming a world of its own.
+
+Both assert that no sample is lost or repeated and that the final weights equal a one-process
+replay of the committed steps (bit-identical), and print the seconds from the fault to h1's next
+completed step (``FAULT-TIME ...``, pytest ``-s``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.e2e.test_inprocess_recovery import replay
+from tests.multihost.faults_helpers import Job, start_job
+from tests.multihost.netns import cluster
+
+HVDRUN = os.path.join(os.path.dirname(sys.executable), "hvdrun")
+WORKER = str(Path(__file__).resolve().parents[1] / "e2e" / "scripts" / "inprocess_worker.py")
+SAMPLES, EPOCHS, TIMEOUT = 256, 2, 4
+
+
+def _line(out: Path) -> list[str]:
+    return [HVDRUN, "-np", "2", "-H", "h1:1,h2:1", "--min-np", "1", "--max-np", "2", "--recovery",
+            "in-process", "--port", "29400", "--no-ssh", "--start-timeout", "90",
+            sys.executable, WORKER, str(out), "-1", "0.1", str(SAMPLES)]
+
+
+def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> None:
+    assert job.wait_exit("h1", 240) is not None, job.tail()
+    assert job.procs["h1"].returncode == 0, job.tail()
+    text = job.text("h1")
+    assert re.search(r"re-formed in process \(\w+\): 2 -> 1 ranks", text), job.tail()
+    pids = set(re.findall(r"START slot=0 pid=(\d+)", text))
+    assert len(pids) == 1, job.tail()  # h1's rank kept its process
+    after = job.first("h1", "size=1", after=fault_at)
+    assert after is not None, job.tail()
+    print(f"\nFAULT-TIME in-process {what}: h1's next step done {after - fault_at:.1f} s after the fault")
+    assert after - fault_at < limit, job.tail()
+    got = torch.load(out)
+    for epoch in range(EPOCHS):
+        seen = sorted(i for e, per_rank in got["history"] if e == epoch for r in per_rank for i in r)
+        assert seen == list(range(SAMPLES)), epoch
+    for name, tensor in replay(got["history"], SAMPLES).items():
+        assert torch.equal(got["model"][name], tensor), name
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_host_leaves_the_survivor_training_in_its_own_process(tmp_path: Path) -> None:
+    with cluster(2) as c:
+        h1, h2 = c.hosts
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt"))
+        assert job.wait_for("h1", "STEP 10 rank=0 size=2", timeout=150), job.tail()
+        killed_at = time.monotonic()
+        c.kill_host(h2)
+        _check(job, tmp_path / "out.pt", killed_at, "host killed", 3.0 + 1.0)
+        assert not any(c.pids().values()), c.pids()
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_host_is_dropped_after_the_heartbeat_timeout(tmp_path: Path) -> None:
+    with cluster(2) as c:
+        h1, h2 = c.hosts
+        env = {**os.environ, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(TIMEOUT)}
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt"), env=env)
+        assert job.wait_for("h1", "STEP 10 rank=0 size=2", timeout=150), job.tail()
+        cut_at = time.monotonic()
+        c.cut(h2)
+        _check(job, tmp_path / "out.pt", cut_at, "link cut", 3.0 + TIMEOUT)
+        assert job.wait_exit("h2", 120) is not None, job.tail()
+        assert job.procs["h2"].returncode != 0, job.tail()
+        assert "this host is cut off from h1" in job.text("h2"), job.tail()  # it stopped, did not re-form
+        assert "re-formed" not in job.text("h2"), job.tail()
