@@ -31,8 +31,9 @@ commit any survivor holds (broadcast), runs the reset callbacks and calls the fu
 the same process; the sampler deals the rest of the epoch over the new world. The lost worker is
 restarted alone by hvdrun's worker entry and joins at the survivors' next ``commit()``, which
 raises ``HostsUpdatedInterrupt`` on every rank (no restore: the commit is current); the joiner
-receives the state by broadcast from a survivor, not from the file. Commit every step: at most
-that step is redone.
+receives the state by broadcast from a survivor, not from the file. A member lost while the
+world re-forms (a restarted worker killed again during its join) makes the others re-form once
+more without it. Commit every step: at most that step is redone.
 
 Example::
 
@@ -104,7 +105,7 @@ def _resume(state: State, directory: Path | None) -> World:
     world = init()
     path = None if directory is None else directory / STATE_FILENAME
     state.attach_file(path, writer=world.local_rank == 0)
-    _sync_newest(state, world)
+    world = _sync_or_reform(state, world)
     if state.commit_count > 0:
         state.on_reset()
     return world
@@ -123,6 +124,23 @@ def _sync_newest(state: State, world: World) -> None:
     state.sync(world=world, root_rank=root)  # carries the commit count: every rank knows whether it resumed
 
 
+def _sync_or_reform(state: State, world: World) -> World:
+    """:func:`_sync_newest`; with in-process recovery, when a member is lost during it (a restarted
+    worker killed while it joins, a survivor lost while a joiner syncs), re-form the world without
+    it and sync again, as often as that happens. Returns the world the state was synced over."""
+    while True:
+        try:
+            _sync_newest(state, world)
+            return world
+        except Exception as exc:
+            if not (in_process_recovery() and is_peer_failure(exc)):
+                raise
+            _log.warning("elastic: a member was lost while the world re-formed (%s); re-forming again",
+                         type(exc).__name__)
+            world = recover()
+            state.restore()  # the failed sync applied nothing, or the newest commit in full
+
+
 def _recover_in_process(state: State, exc: BaseException) -> World:
     """Re-form the world in this process after ``exc`` (a peer's failure, or a joiner waiting)
     and continue from the newest commit (see the module docstring)."""
@@ -132,7 +150,7 @@ def _recover_in_process(state: State, exc: BaseException) -> World:
     world = recover()
     if not joiner:
         state.restore()  # back to this rank's last commit; the newest one is then broadcast
-    _sync_newest(state, world)
+    world = _sync_or_reform(state, world)
     state.on_reset()
     if world.rank == 0:
         why = "a worker joined" if joiner else f"{type(exc).__name__}"
