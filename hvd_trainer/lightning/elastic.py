@@ -1,4 +1,5 @@
-"""Elastic mode of ``Trainer(strategy="horovod")``: commit during ``fit``, resume after a restart.
+"""Elastic mode of ``Trainer(strategy="horovod")``: commit during ``fit``, resume after a restart
+or, with in-process recovery, continue ``fit`` in the surviving processes.
 
 When a worker dies, torchrun's elastic agent (``hvdrun --min-np/--max-np`` or
 ``--max-restarts N``) stops every worker and starts the script again in new processes,
@@ -21,7 +22,8 @@ where the job was instead of starting over:
    (:mod:`hvd_trainer.elastic.user_error`), which fails the job instead of restarting it.
 3. **Mid-epoch**: the training DataLoader becomes a
    :class:`~hvd_trainer.elastic.resumable_loader.ResumableDataLoader`, so a resumed epoch
-   continues at the next batch and no sample is seen twice or skipped. For a loader that
+   continues at the next batch and no sample is seen twice or skipped, also on another number
+   of ranks (the samples of the epoch no rank trained yet are dealt over the new ranks). For a loader that
    cannot be resumed exactly, commits happen only at epoch ends (a warning says why).
 4. **Random numbers**: each commit also holds every rank's global RNG states (torch CPU and
    CUDA, numpy, Python ``random``; :mod:`hvd_trainer.elastic.rng_state`) as they were right after the
@@ -39,6 +41,43 @@ where the job was instead of starting over:
 The first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset) deletes an old commit at the
 same path, so a new job never resumes from an earlier job's state.
 
+No step commit is made after an epoch's last batch: the epoch-end commit follows it (after
+validation), and Lightning starts the epoch after a resume from a last-batch checkpoint without
+counting it as started, so a later mid-epoch commit of that epoch would not resume mid-epoch.
+
+**In-process recovery** (``hvdrun --min-np/--max-np --recovery in-process``; elastic mode is then
+on by default): the processes that survive a lost rank are not restarted, as in Horovod's
+elastic mode. The strategy's Lightning launcher (:class:`InProcessFitLauncher`) runs ``fit`` and,
+when it raises a peer's failure (:func:`~hvd_trainer.elastic.user_error.is_peer_failure`:
+``RankFailedError``, a broken transport), releases the failed run (as Lightning does after an
+exception, without the ``on_exception`` hooks), agrees on the new membership with the other
+survivors (:func:`hvd_trainer.comm.recover`: ranks renumbered, the size may change) and runs
+``fit`` again in the same process with the same arguments. The strategy then follows the new
+world (its ranks, ``world_size`` and so Lightning's ``DistributedSampler``, the gradient reducer
+and every collective: the next ``setup`` rebuilds them), and :meth:`ElasticFit.start` restores the
+newest commit any rank holds **in memory**: each rank keeps its own last commit (every rank
+snapshots, no file is written), the ranks allgather their commit counts and the lowest rank
+holding the newest broadcasts it; it is restored as ``fit(ckpt_path=...)`` would
+(``trainer.ckpt_path`` reads :data:`MEMORY_CHECKPOINT`). A commit is also made when training
+starts, so a failure before the first step commit returns to the start. The training loader
+deals the samples of the interrupted epoch that no rank trained yet over the new world
+(:mod:`hvd_trainer.elastic.resumable_loader`: no sample of the epoch is skipped or trained twice)
+and the epoch continues at the batch index from which those batches end it. Random states are
+restored only when the world size did not change.
+
+The lost worker is started again alone by hvdrun's worker entry; its ``hvd_trainer`` init joins
+through the same membership rounds, and every commit is a step boundary where the members check
+:func:`hvd_trainer.comm.reform_due`: at the same commit on every rank they raise
+``HostsUpdatedInterrupt`` (after taking the commit), which the launcher handles like a failure,
+and the joiner's own first ``fit`` runs the same collectives, so it receives the newest commit by
+broadcast from a survivor. A restarted worker must join in the script's same ``fit`` call (a
+``RuntimeError`` says so otherwise). When ``fit`` ends, a restarted worker still waiting to join
+ends with status 0 (:func:`hvd_trainer.comm.finish_job`). An exception of the user's code (not a
+peer's failure) still ends the job at once, as described above. Callbacks of the survivors see
+``setup``/``on_fit_start``/``on_train_start`` again when ``fit`` runs again (as after any
+``fit`` resumed from a checkpoint), without ``teardown`` in between. ``zero_stage`` is refused
+with in-process recovery (a commit holds the sharded optimizer state on rank 0 only).
+
 Directory: ``elastic_checkpoint_dir`` if given (kept after the job); otherwise
 ``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>`` (what ``hvdrun`` gives: a fresh run id per
 job; the rule of :func:`hvd_trainer.elastic.default_checkpoint_dir`), or
@@ -48,7 +87,8 @@ rendezvous). Automatic directories lose their commit file when ``fit`` ends norm
 Environment (set by torchrun, read through :func:`hvd_trainer.comm.base.launch_env.torchelastic_env`):
 ``TORCHELASTIC_MAX_RESTARTS`` (elastic mode is on by default when > 0),
 ``TORCHELASTIC_RESTART_COUNT`` (the attempt), ``TORCHELASTIC_RUN_ID`` (the default directory
-and a guard against foreign commits).
+and a guard against foreign commits); and by hvdrun: ``HVDRUN_RECOVERY=in-process`` (in-process
+recovery, read through :func:`hvd_trainer.comm.base.launch_env.recovery_env`).
 """
 
 from __future__ import annotations

@@ -316,6 +316,8 @@ def test_elastic_switch_and_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert HorovodStrategy(elastic=False).elastic is False
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert HorovodStrategy().elastic is False and HorovodStrategy(elastic=True).elastic is True
+    monkeypatch.setenv("HVDRUN_RECOVERY", "in-process")  # torchrun never restarts; hvdrun's entry does
+    assert HorovodStrategy().elastic is True and HorovodStrategy(elastic=False).elastic is False
     for kwargs, needle in [
         (dict(elastic="yes"), "elastic='yes'"),
         (dict(elastic_checkpoint_dir="s3://bucket/x"), "elastic_checkpoint_dir='s3://bucket/x'"),
