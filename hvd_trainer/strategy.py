@@ -18,7 +18,9 @@ launcher's processes are used as they are.
 
 Elastic mode (on by default under ``hvdrun --min-np/--max-np`` or ``--max-restarts N``): ``fit``
 commits full checkpoints and, after torchrun restarted the workers, resumes from the last one by
-itself, mid-epoch included (see :mod:`hvd_trainer.lightning.elastic`).
+itself, mid-epoch included; under ``hvdrun --recovery in-process`` the surviving workers continue
+``fit`` in their processes and a restarted worker joins them at a commit (see
+:mod:`hvd_trainer.lightning.elastic`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,12 @@ from hvd_trainer.lightning._compat import (
     optimizers_to_device,
 )
 from hvd_trainer.lightning.cluster_env import HorovodEnvironment
-from hvd_trainer.lightning.elastic import ElasticFit, ElasticFitConfig
+from hvd_trainer.lightning.elastic import (
+    ElasticFit,
+    ElasticFitConfig,
+    InProcessFitLauncher,
+    in_process_launch,
+)
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
 from hvd_trainer.lightning.signals import install_sigterm_handler
@@ -130,9 +137,12 @@ class _HorovodStrategyLogic:
             :mod:`hvd_trainer.lightning.elastic`): commit a full checkpoint every
             ``elastic_commit_every_n_steps`` optimizer steps and at each epoch end, and in a
             restarted attempt (``TORCHELASTIC_RESTART_COUNT > 0``) restore the last commit at the
-            start of ``fit`` when no ``ckpt_path`` was given, mid-epoch included. ``None``
-            (default): on when torchrun may restart workers (``TORCHELASTIC_MAX_RESTARTS > 0``,
-            i.e. ``hvdrun --min-np/--max-np`` or ``--max-restarts N``); ``True``/``False``: forced.
+            start of ``fit`` when no ``ckpt_path`` was given, mid-epoch included. Under
+            ``hvdrun --recovery in-process`` a lost peer does not end ``fit``: the survivors
+            re-form the world and continue from the newest commit in memory, and the restarted
+            worker joins at a commit. ``None`` (default): on when torchrun may restart workers
+            (``TORCHELASTIC_MAX_RESTARTS > 0``, i.e. ``hvdrun --min-np/--max-np`` or
+            ``--max-restarts N``) or hvdrun asked for in-process recovery; ``True``/``False``: forced.
         elastic_checkpoint_dir: local directory of the commits (every node's local rank 0
             writes its copy). ``None``: ``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>``, or
             ``<default_root_dir>/hvd_elastic`` without a unique run id; removed after a normal
@@ -175,7 +185,7 @@ class _HorovodStrategyLogic:
             several optimizers, or parameters unfrozen during the fit);
             ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
-            an int >= 0.
+            an int >= 0; (at the start of ``fit``) ``zero_stage`` with in-process recovery.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
             training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
             shards), which would otherwise hang the job at the end of the first epoch; and at an
@@ -316,9 +326,44 @@ class _HorovodStrategyLogic:
         """The gradient reducer while fitting (``None`` otherwise)."""
         return self._reducer
 
+    @property
+    @override
+    def global_rank(self) -> int:
+        """The comm world's rank once it exists (in-process recovery renumbers ranks), else the
+        launcher's."""
+        return self._world.rank if self._world is not None else super().global_rank
+
+    @property
+    @override
+    def local_rank(self) -> int:
+        return self._world.local_rank if self._world is not None else super().local_rank
+
+    @property
+    @override
+    def node_rank(self) -> int:
+        return self._world.cross_rank if self._world is not None else super().node_rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """Processes in the comm world once it exists (in-process recovery may change it), else
+        the launcher's count."""
+        return self._world.size if self._world is not None else super().world_size
+
     def set_world_ranks(self) -> None:
-        """Point Lightning's rank-zero utilities at the launcher's global rank."""
+        """Point Lightning's rank-zero utilities at this process's global rank."""
         rank_zero_only.rank = self.global_rank
+
+    def follow_world(self, world: World) -> None:
+        """Adopt ``world`` (re-formed by in-process recovery: ranks renumbered, size may differ):
+        ranks, samplers and everything the next ``setup`` builds follow it."""
+        self._world = world
+        self.set_world_ranks()
+
+    @property
+    def elastic_fit(self) -> ElasticFit | None:
+        """The running elastic fit's commit bookkeeping (``None`` outside an elastic ``fit``)."""
+        return self._elastic
 
     # -- lifecycle --------------------------------------------------------------------------
     @override
@@ -327,6 +372,8 @@ class _HorovodStrategyLogic:
         assert env is not None
         if not env.creates_processes_externally and self.num_processes * self.num_nodes > 1:
             self._launcher = SubprocessScriptLauncher(env, self.num_processes, self.num_nodes)
+        elif in_process_launch():
+            self._launcher = InProcessFitLauncher(self)  # runs fit again after a lost peer
         else:
             self._launcher = None
 
@@ -339,6 +386,7 @@ class _HorovodStrategyLogic:
         device_type = self.parallel_devices[0].type if self.parallel_devices else "cpu"
         backend = "nccl" if device_type == "cuda" else "gloo"
         self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds, environ=environ)
+        self.set_world_ranks()  # a restarted worker's rank comes from the membership it joined
         super().setup_environment()
 
     @override
@@ -346,10 +394,20 @@ class _HorovodStrategyLogic:
         assert self.accelerator is not None and self.model is not None
         fitting = trainer.state.fn == "fit"
         install_sigterm_handler(trainer, self._require_world())  # before Lightning registers it
-        self._elastic = None
+        previous, self._elastic = self._elastic, None
         if fitting and self.elastic:
+            if previous is not None and previous.recovering:  # fit runs again after in-process recovery
+                self._elastic = previous
+                previous.world = self._require_world()
+            else:
+                self._elastic = ElasticFit(self._elastic_config, trainer, self._require_world())
+            if self._elastic.in_process and self._zero_stage:
+                raise StrategyConfigError(
+                    f"zero_stage={self._zero_stage} with in-process recovery: a commit holds the "
+                    "optimizer state on rank 0 only, which a survivor may not be. HINT: use hvdrun "
+                    "--recovery restart with zero_stage, or zero_stage=0."
+                )
             # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)
-            self._elastic = ElasticFit(self._elastic_config, trainer, self._require_world())
             self._elastic.start(trainer)
         self.accelerator.setup(trainer)
         if fitting and self._layer_sync is not None:
@@ -378,7 +436,9 @@ class _HorovodStrategyLogic:
     def elastic(self) -> bool:
         """Whether ``fit`` commits and resumes (the ``elastic`` argument, or auto-detected)."""
         enabled = self._elastic_config.enabled
-        return torchelastic_env().max_restarts > 0 if enabled is None else enabled
+        if enabled is not None:
+            return enabled
+        return torchelastic_env().max_restarts > 0 or in_process_launch()
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -682,10 +742,11 @@ class _HorovodStrategyLogic:
         """Refuse to train when ranks have different numbers of training batches per epoch; a
         resumed elastic fit restores a mid-epoch commit's RNG states here."""
         trainer = attached_trainer(self.lightning_module)
+        if trainer is not None:  # a new check each fit: the world may have been re-formed since the last
+            trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, _EpochEndCheck)]
         if trainer is not None and self.world_size > 1:
             _check_equal_batches(trainer, self._require_world())
-            if not any(isinstance(cb, _EpochEndCheck) for cb in trainer.callbacks):
-                trainer.callbacks.append(_EpochEndCheck(self._require_world()))
+            trainer.callbacks.append(_EpochEndCheck(self._require_world()))
         if self._elastic is not None:
             self._elastic.restore_rng(before_loader=False)
         super().on_train_start()

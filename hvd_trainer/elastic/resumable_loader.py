@@ -20,12 +20,22 @@ again while the resumed epoch's order is drawn, so the same order comes out.
 The position is read from the Trainer's loop counters (``position``), not counted in
 ``__iter__``: Lightning may fetch a batch ahead of the training step (it prefetches from loaders
 without a length), so the iterator's count is not the trained count.
+
+Another world size (an elastic job that lost or regained ranks, in process or after a restart):
+a ``DistributedSampler`` deals its epoch's order to the ranks round-robin, so the samples every
+rank trained after ``b`` batches of ``B`` are exactly the first ``b * B * W`` of the epoch's order
+(the *offset*, kept in the state). The resumed epoch deals the rest of that order over the new
+world the same way (padded or cut as ``DistributedSampler`` pads or cuts), so no sample of the
+epoch is skipped or trained twice. The new world's ranks then have another number of batches
+left than the saved batch index implies; the epoch keeps its full length in batches (Lightning's
+``num_training_batches``) and continues at the index from which the remaining batches end it
+(the loader's ``on_resume`` moves Lightning's batch counters there).
 """
 
 from __future__ import annotations
 
 import itertools
-import warnings
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -85,11 +95,14 @@ class ResumableSampler(Sampler[int]):
         """For a random sampler: ``{"torch", "generator"}`` states (``uint8`` tensors; ``generator``
         None without one) its current iteration drew its order from; else None."""
         self._replay: dict[str, torch.Tensor | None] | None = None
+        self._deal_from: int | None = None
+        """Offset into the epoch's global order the next iteration deals the rest from."""
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.skip = 0
             self._replay = None
+            self._deal_from = None
         self.epoch = epoch
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
@@ -99,7 +112,29 @@ class ResumableSampler(Sampler[int]):
         (a pending :meth:`replay` is kept)."""
         replay = self._replay
         self.set_epoch(epoch)
-        self.skip, self._replay = skip, replay
+        self.skip, self._replay, self._deal_from = skip, replay, None
+
+    def deal_from(self, epoch: int, offset: int) -> int:
+        """Make the next iteration this rank's share of epoch ``epoch``'s samples that follow the
+        first ``offset`` of the epoch's global order (those the ranks trained, in any world):
+        the rest dealt round-robin over the wrapped ``DistributedSampler``'s ``num_replicas``,
+        padded or cut as it pads or cuts. ``offset`` 0 gives exactly the wrapped sampler's order.
+
+        Returns:
+            How many indices this rank draws in that iteration.
+
+        Raises:
+            TypeError: the wrapped sampler is not a ``DistributedSampler``.
+            ValueError: ``offset`` is negative.
+        """
+        if not isinstance(self.sampler, DistributedSampler):
+            raise TypeError(f"deal_from needs a DistributedSampler, this one wraps a "
+                            f"{type(self.sampler).__name__}.")
+        if offset < 0:
+            raise ValueError(f"offset={offset} must be >= 0 (samples of the epoch's order).")
+        self.set_epoch(epoch)
+        self.skip, self._replay, self._deal_from = 0, None, offset
+        return len(_dealt(self.sampler, offset))
 
     def replay(self, epoch_rng: dict[str, torch.Tensor | None] | None) -> None:
         """Make the next iteration draw its order from ``epoch_rng`` (an :attr:`epoch_rng` of the
@@ -111,6 +146,9 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         skip, self.skip = self.skip, 0
         replay, self._replay = self._replay, None
+        offset, self._deal_from = self._deal_from, None
+        if offset is not None:
+            return iter(_dealt(self.sampler, offset))  # type: ignore[arg-type]
         if not isinstance(self.sampler, _SEEDED):
             return itertools.islice(iter(self.sampler), skip, None)
         # a random sampler draws from these generators at its first index, never later
@@ -137,26 +175,47 @@ class ResumableDataLoader(DataLoader):
     """A ``DataLoader`` over a :class:`ResumableSampler` with Lightning's ``_Stateful`` interface.
 
     Build it with :func:`make_resumable`. ``state_dict()`` is ``{"epoch", "batches",
-    "batch_size", "num_replicas", "length"}`` (``batches``: batches of ``epoch`` trained on each
-    rank); ``load_state_dict`` makes the next ``iter()`` start at that batch of that epoch.
+    "batch_size", "num_replicas", "length", "offset"}`` (``batches``: batches of ``epoch``
+    trained on each rank, Lightning's batch index; ``offset``: samples of the epoch's global
+    order trained by all ranks together, see the module docstring); ``load_state_dict`` makes
+    the next ``iter()`` continue that epoch where it stopped.
 
-    A state saved with another world size (an elastic job that shrank or grew) still resumes
-    at the saved batch index, which Lightning's loop counters require, with a warning: that one
-    epoch is then not exact.
+    A state saved with another world size (an elastic job that shrank or grew) deals the rest
+    of the epoch over this loader's ranks; the epoch then continues at another batch index,
+    which ``load_state_dict`` passes to ``on_resume`` (a state without ``offset``, written
+    before it existed, counts as ``batches * batch_size * num_replicas``).
+
+    Args:
+        position: returns ``(epoch, batches of it trained)`` (see :data:`Position`).
+        on_resume: called by ``load_state_dict`` with the batch index (batches, 0-based count
+            of batches already done) at which the resumed epoch continues, when it is not the
+            saved one (another world size): the caller moves its loop counters there.
 
     Raises:
         ResumeStateError: (``load_state_dict``) the state was saved for a dataset of another
-            length or another batch size.
+            length or another batch size; or with another world size and no ``on_resume``.
     """
 
-    def __init__(self, *args: Any, position: Position, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, position: Position, on_resume: Callable[[int], None] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.position = position
+        self.on_resume = on_resume
+        self._segment = (-1, 0, 0)
+        """``(epoch, offset, batch)``: that epoch resumed at ``batch`` after ``offset`` samples."""
 
     def state_dict(self) -> dict[str, Any]:
         epoch, batches = self.position()
         return {"epoch": epoch, "batches": batches, "batch_size": self.batch_size,
-                "num_replicas": _num_replicas(self.sampler), "length": len(self.dataset)}  # type: ignore[arg-type]
+                "num_replicas": _num_replicas(self.sampler), "length": len(self.dataset),  # type: ignore[arg-type]
+                "offset": self._offset(epoch, batches)}
+
+    def _offset(self, epoch: int, batches: int) -> int:
+        """Samples of ``epoch``'s order trained by every rank together after ``batches``."""
+        seg_epoch, offset, start = self._segment
+        if seg_epoch != epoch:
+            offset, start = 0, 0
+        return offset + (batches - start) * int(self.batch_size or 1) * _num_replicas(self.sampler)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, now in (("length", len(self.dataset)), ("batch_size", self.batch_size)):  # type: ignore[arg-type]
@@ -166,24 +225,54 @@ class ResumableDataLoader(DataLoader):
                     f"{key}={now!r}. HINT: resume with the same dataset and batch size, or delete the "
                     "elastic checkpoint to start over."
                 )
-        if state["num_replicas"] != _num_replicas(self.sampler):
-            warnings.warn(
-                f"the training loader was saved on {state['num_replicas']} ranks and resumes on "
-                f"{_num_replicas(self.sampler)}: epoch {state['epoch']} continues after batch "
-                f"{state['batches']} of the new sharding, so some of its samples may be seen twice "
-                "or not at all (exact again from the next epoch).",
-                stacklevel=2,
-            )
         sampler = self.sampler
         assert isinstance(sampler, ResumableSampler)
-        sampler.resume_at(int(state["epoch"]), int(state["batches"]) * int(state["batch_size"]))
+        epoch, batches, size = int(state["epoch"]), int(state["batches"]), int(state["batch_size"])
+        replicas = _num_replicas(sampler)
+        offset = int(state.get("offset", batches * size * int(state["num_replicas"])))
+        if offset == batches * size * replicas or not isinstance(sampler.sampler, DistributedSampler):
+            sampler.resume_at(epoch, batches * size)  # this world's own prefix: skip this rank's part
+            self._segment = (epoch, offset, batches)
+            return
+        count = sampler.deal_from(epoch, offset)
+        left = count // size if self.drop_last else math.ceil(count / size)
+        start = len(self) - left
+        self._segment = (epoch, offset, start)
+        if start == batches:
+            return
+        if self.on_resume is None:
+            raise ResumeStateError(
+                f"the training loader was saved on {state['num_replicas']} ranks and resumes on "
+                f"{replicas}: epoch {epoch} continues at batch {start}, not {batches}, and no "
+                "on_resume was given to move the loop there. HINT: make_resumable(..., on_resume=...)."
+            )
+        self.on_resume(start)
+
+
+def _dealt(sampler: DistributedSampler, offset: int) -> list[int]:
+    """``sampler``'s rank's share of its epoch's order after the first ``offset`` samples: the
+    rest dealt round-robin over ``num_replicas``, cut (``drop_last``) or padded with the
+    order's first samples to a multiple of it, as ``DistributedSampler`` does for the whole."""
+    whole = DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=sampler.shuffle,
+                               seed=sampler.seed)  # the epoch's global order, unpadded
+    whole.set_epoch(sampler.epoch)
+    order = list(whole)
+    rest = order[min(offset, len(order)):]
+    replicas = sampler.num_replicas
+    if sampler.drop_last:
+        rest = rest[:len(rest) - len(rest) % replicas]
+    elif rest and len(rest) % replicas:
+        pad = replicas - len(rest) % replicas
+        rest += (order * math.ceil(pad / len(order)))[:pad]
+    return rest[sampler.rank::replicas]
 
 
 def _num_replicas(sampler: Any) -> int:
     return int(getattr(getattr(sampler, "sampler", None), "num_replicas", 1))
 
 
-def make_resumable(loader: object, position: Position) -> tuple[object, str | None]:
+def make_resumable(loader: object, position: Position,
+                   on_resume: Callable[[int], None] | None = None) -> tuple[object, str | None]:
     """Return ``(resumable copy of loader, None)``, or ``(loader, why not)`` when a skip would
     not be exact.
 
@@ -194,6 +283,7 @@ def make_resumable(loader: object, position: Position) -> tuple[object, str | No
     :meth:`ResumableSampler.replay` with the rank's :attr:`ResumableSampler.epoch_rng`).
     Every other argument of the
     loader (workers, collate function, pinning, generator) is passed on unchanged.
+    ``position`` and ``on_resume``: see :class:`ResumableDataLoader`.
     """
     reason = _unsupported(loader)
     if reason is not None:
@@ -202,7 +292,8 @@ def make_resumable(loader: object, position: Position) -> tuple[object, str | No
     kwargs = {name: getattr(loader, name) for name in _DATALOADER_ARGS if hasattr(loader, name)}
     resumable = ResumableDataLoader(
         loader.dataset, batch_size=loader.batch_size, drop_last=loader.drop_last,
-        sampler=ResumableSampler(loader.sampler), position=position, **kwargs,
+        sampler=ResumableSampler(loader.sampler), position=position,
+        on_resume=on_resume, **kwargs,
     )
     return resumable, None
 

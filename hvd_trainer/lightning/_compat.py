@@ -29,6 +29,9 @@ num_processes, num_nodes)``                                  N-1 processes (stra
 ``trainer._signal_connector``: ``._sigterm_notifier_fn``     SIGTERM without Lightning's raw
 (an instance attribute set before                            broadcast in the handler; a dead
 ``register_signal_handlers()``), ``.received_sigterm``       peer is named (lightning/signals.py)
+``Trainer._teardown()``, ``trainer_fn`` of                   in-process recovery: release a
+``Strategy.launcher.launch(trainer_fn, *args, trainer=...)``  failed fit and run it again in the
+(called by ``trainer.call._call_and_handle_interrupt``)      same process (lightning/elastic.py)
 ==========================================================  ==================================
 
 Replaced by public API: ``lightning_fabric.utilities.distributed._all_gather_ddp_if_available``
@@ -62,6 +65,7 @@ __all__ = [
     "optimizers_to_device",
     "replace_sigterm_notifier",
     "restore_modules_and_callbacks",
+    "teardown_failed_run",
 ]
 
 
@@ -104,3 +108,11 @@ def replace_sigterm_notifier(trainer: pl.Trainer, notify: Callable[..., None]) -
     broadcasts inside the handler). ``connector.received_sigterm`` is what the loops read."""
     connector = trainer._signal_connector
     connector._sigterm_notifier_fn = functools.partial(notify, connector=connector)
+
+
+def teardown_failed_run(trainer: pl.Trainer) -> None:
+    """Release what a run that raised still holds (the strategy's setup, the loops' data
+    fetchers, loggers' connector, signal handlers), as Lightning's own error path does after a
+    failed ``fit``, without calling the ``on_exception`` hooks: the caller runs it again."""
+    trainer._teardown()
+    trainer.state.stage = None  # as Lightning resets it after its teardown

@@ -463,3 +463,46 @@ def test_lightning_signal_connector_sigterm_notifier(no_launcher: None) -> None:
     finally:
         signal.signal(signal.SIGTERM, before)
     assert calls == [signal.SIGTERM] and trainer.received_sigterm is False
+
+
+def test_lightning_launcher_runs_fit_again_after_teardown(no_launcher: None) -> None:
+    """``Strategy.launcher.launch(trainer_fn, *args, trainer=...)`` is how Lightning runs ``fit``
+    (``trainer.call._call_and_handle_interrupt``), and the same ``trainer_fn`` runs again after
+    ``Trainer._teardown()`` released a failed run (lightning/elastic.py's in-process recovery)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.trainer.states import TrainerStatus
+
+    from hvd_trainer.lightning._compat import teardown_failed_run
+
+    assert _params(pl.Trainer._teardown) == ["self"]
+    runs: list[str] = []
+
+    class Lost(RuntimeError):
+        pass
+
+    class LoseOnce(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if len(runs) == 1:
+                raise Lost("a peer was lost")
+
+    class AgainOnce:
+        is_interactive_compatible = True
+
+        def launch(self, function: Callable[..., Any], *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+            runs.append(function.__name__)
+            try:
+                return function(*args, **kwargs)
+            except Lost:
+                teardown_failed_run(trainer)
+                assert trainer.state.stage is None
+                trainer.state.status, trainer.training = TrainerStatus.RUNNING, True
+                runs.append(function.__name__)
+                return function(*args, **kwargs)
+
+        def kill(self, signum: int) -> None:
+            pass
+
+    trainer = _trainer(max_steps=2, callbacks=[LoseOnce()])
+    trainer.strategy._launcher = AgainOnce()
+    trainer.fit(_tiny_module())
+    assert runs == ["_fit_impl", "_fit_impl"] and trainer.state.finished and trainer.global_step == 2

@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset, WeightedRandomSampler
 
 import hvd_trainer
+import hvd_trainer.comm as comm
+from hvd_trainer.comm import HorovodInternalError
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader
 from hvd_trainer.lightning import elastic as lightning_elastic
 from hvd_trainer.lightning.elastic import COMMIT_KEY
@@ -152,7 +154,7 @@ def test_restarted_attempt_resumes_exactly(tmp_path: Path, monkeypatch: pytest.M
         (14, dict(sampler="random")),  # the RandomSampler's epoch order is drawn again
         (13, dict(sampler="weighted")),
         (11, dict(sampler="custom")),  # epoch-end commit only: restored before the iterator
-        (-2, dict(every=5)),  # killed in epoch 0's last validation: the last batch's commit
+        (-2, dict(every=5)),  # killed in epoch 0's last validation: before its epoch-end commit
     ],
 )
 def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -174,8 +176,8 @@ def test_resume_draws_the_same_random_numbers(tmp_path: Path, monkeypatch: pytes
     assert trainer.global_step == EPOCHS * N // BATCH // kwargs.get("accumulate_grad_batches", 1)
     assert got.seen == ref.seen
     assert _same_weights(ref, got)
-    if crash_at_step == -2:  # the commit after step 10's batch; the epoch-end one never came
-        assert (commit["global_step"], commit[COMMIT_KEY]["commit"]) == (10, 2)
+    if crash_at_step == -2:  # step 5's commit: none after an epoch's last batch, the epoch-end one never came
+        assert (commit["global_step"], commit[COMMIT_KEY]["commit"]) == (5, 1)
     if kwargs.get("sampler") in ("random", "weighted"):  # resumed mid-epoch, not at an epoch end
         assert commit[COMMIT_KEY]["batch"] > 0 and commit[COMMIT_KEY]["rng"][0]["sampler"] is not None
 
@@ -196,6 +198,61 @@ def test_cuda_dropout_resumes_exactly(tmp_path: Path, monkeypatch: pytest.Monkey
     trainer, got = _fit(tmp_path / "run", **kwargs)
     assert trainer.ckpt_path is not None and got.seen == ref.seen
     assert _same_weights(ref, got)
+
+
+def test_resumed_twice_across_an_epoch_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed in epoch 0's last validation, resumed, killed mid-epoch 1, resumed again: the
+    second resume continues epoch 1 mid-epoch (Lightning starts the epoch after a resume from a
+    last-batch commit without counting it as started, so no such commit is made)."""
+    _, ref = _fit(tmp_path / "ref", every=2)
+    _attempt(monkeypatch, 0)
+    _fit(tmp_path / "run", -2, every=2)
+    _attempt(monkeypatch, 1)
+    _fit(tmp_path / "run", 14, every=2)
+    _attempt(monkeypatch, 2)
+    trainer, got = _fit(tmp_path / "run", every=2)
+    assert trainer.ckpt_path is not None and got.seen == ref.seen
+    assert _same_weights(ref, got)
+
+
+@pytest.mark.parametrize(("failures", "every"),
+                         [((14,), 3), ((10, 14), 2), ((-2, 14), 2), ((0, 5, 12, 25), 2)])
+def test_in_process_recovery_runs_fit_again_from_the_commit_in_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: tuple[int, ...], every: int) -> None:
+    """The strategy's launcher under ``hvdrun --recovery in-process``, in one process: each peer
+    failure (``HorovodInternalError`` from ``training_step`` at these global steps; -2: in epoch
+    0's last validation) re-forms the world (here ``comm.recover`` returns the same world of one:
+    the membership rounds need hvdrun, see tests/e2e/test_lightning_inprocess.py) and fit runs
+    again from the last commit in memory, ending exactly as an uninterrupted fit."""
+    _, ref = _fit(tmp_path / "ref", every=every)
+    monkeypatch.setenv("HVDRUN_RECOVERY", "in-process")
+    monkeypatch.setattr(comm, "in_process_recovery", lambda: True)
+    monkeypatch.setattr(comm, "recover", comm.get_world)
+    left = list(failures)
+
+    def fail(module: Net, at: int) -> None:
+        if left and at == left[0] and not module.trainer.sanity_checking:
+            left.pop(0)
+            raise HorovodInternalError(f"a peer was lost at step {module.global_step}")
+
+    training_step, validation_step = Net.training_step, Net.validation_step
+
+    def failing_training_step(self: Net, *args: Any) -> torch.Tensor:
+        fail(self, self.global_step)
+        return training_step(self, *args)
+
+    def failing_validation_step(self: Net, *args: Any) -> None:
+        if self.global_step == 10:  # -2: the validation at epoch 0's end
+            fail(self, -2)
+        validation_step(self, *args)
+
+    monkeypatch.setattr(Net, "training_step", failing_training_step)
+    monkeypatch.setattr(Net, "validation_step", failing_validation_step)
+    trainer, got = _fit(tmp_path / "run", every=every)
+    assert left == [] and trainer.ckpt_path == lightning_elastic.MEMORY_CHECKPOINT
+    assert got.seen == ref.seen and trainer.global_step == ref.trainer.global_step
+    assert _same_weights(ref, got)
+    assert not (tmp_path / "run" / "lightning_fit0.ckpt").exists()  # commits stay in memory
 
 
 def test_commit_of_another_world_size_skips_random_states(tmp_path: Path,
@@ -259,6 +316,8 @@ def test_elastic_switch_and_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     assert HorovodStrategy(elastic=False).elastic is False
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
     assert HorovodStrategy().elastic is False and HorovodStrategy(elastic=True).elastic is True
+    monkeypatch.setenv("HVDRUN_RECOVERY", "in-process")  # torchrun never restarts; hvdrun's entry does
+    assert HorovodStrategy().elastic is True and HorovodStrategy(elastic=False).elastic is False
     for kwargs, needle in [
         (dict(elastic="yes"), "elastic='yes'"),
         (dict(elastic_checkpoint_dir="s3://bucket/x"), "elastic_checkpoint_dir='s3://bucket/x'"),

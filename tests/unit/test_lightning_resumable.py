@@ -24,11 +24,13 @@ from hvd_trainer.elastic.resumable_loader import (
 N, BATCH = 22, 3  # 11 per rank: 4 batches, the last one partial
 
 
-def _loader(rank: int, *, num_workers: int = 0, position=lambda: (0, 0)) -> DataLoader:
-    data = TensorDataset(torch.arange(N))
-    sampler = DistributedSampler(data, num_replicas=2, rank=rank, shuffle=True, seed=5)
+def _loader(rank: int, *, num_workers: int = 0, position=lambda: (0, 0), replicas: int = 2,
+            on_resume=None, n: int = N, drop_last: bool = False) -> DataLoader:
+    data = TensorDataset(torch.arange(n))
+    sampler = DistributedSampler(data, num_replicas=replicas, rank=rank, shuffle=True, seed=5,
+                                 drop_last=drop_last)
     loader, reason = make_resumable(DataLoader(data, batch_size=BATCH, sampler=sampler,
-                                               num_workers=num_workers), position)
+                                               num_workers=num_workers), position, on_resume)
     assert reason is None and isinstance(loader, ResumableDataLoader)
     return loader
 
@@ -56,6 +58,22 @@ def test_sampler_skips_once_and_keeps_full_length() -> None:
     assert list(sampler) == list(inner) and sampler.skip == 0
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_dealing_from_this_worlds_prefix_is_the_sampler_own_order(drop_last: bool) -> None:
+    for replicas in (1, 2, 3, 4):
+        for rank in range(replicas):
+            inner = DistributedSampler(range(N), num_replicas=replicas, rank=rank, shuffle=True, seed=5,
+                                       drop_last=drop_last)
+            inner.set_epoch(3)
+            full = list(inner)
+            for done in range(len(full) // BATCH + 1):
+                sampler = ResumableSampler(inner)
+                assert sampler.deal_from(3, done * BATCH * replicas) == len(full) - done * BATCH
+                assert list(sampler) == full[done * BATCH:], (replicas, rank, done)
+    with pytest.raises(TypeError, match="RandomSampler"):
+        ResumableSampler(RandomSampler(range(N))).deal_from(0, 3)
+
+
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_resumed_epoch_draws_the_remaining_batches_of_every_rank(num_workers: int) -> None:
     for done in range(5):  # 0..4 batches of epoch 1 already trained on each rank
@@ -63,7 +81,8 @@ def test_resumed_epoch_draws_the_remaining_batches_of_every_rank(num_workers: in
         for rank in (0, 1):
             whole = _epoch(_loader(rank), 1)
             state = _loader(rank, position=lambda d=done: (1, d)).state_dict()
-            assert state == {"epoch": 1, "batches": done, "batch_size": BATCH, "num_replicas": 2, "length": N}
+            assert state == {"epoch": 1, "batches": done, "batch_size": BATCH, "num_replicas": 2, "length": N,
+                             "offset": done * BATCH * 2}
             fresh = _loader(rank, num_workers=num_workers)  # a restarted process
             fresh.load_state_dict(state)  # before the first iter(), as Lightning does
             rest = [batch[0].tolist() for batch in fresh]  # no set_epoch needed: the state has it
@@ -73,6 +92,51 @@ def test_resumed_epoch_draws_the_remaining_batches_of_every_rank(num_workers: in
         assert sorted(seen) == list(range(N)), done
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (2, 3), (1, 2), (3, 2)])
+def test_another_world_size_deals_the_rest_of_the_epoch(before: int, after: int, drop_last: bool) -> None:
+    """Resumed on another number of ranks, the epoch goes on with the samples no rank trained
+    yet, dealt over the new ranks, and ends at the epoch's full batch count in the new world."""
+    n = 24  # the first world's shards need no padding
+    whole = [_epoch(_loader(r, replicas=before, n=n, drop_last=drop_last), 1) for r in range(before)]
+    for done in range(len(whole[0])):  # batches trained before; the last one is still to come
+        trained = [i for r in range(before) for batch in whole[r][:done] for i in batch]
+        state = _loader(0, replicas=before, n=n, position=lambda d=done: (1, d)).state_dict()
+        assert state["offset"] == len(trained) == done * BATCH * before
+        rest = []
+        for rank in range(after):
+            starts: list[int] = []
+            fresh = _loader(rank, replicas=after, n=n, drop_last=drop_last, on_resume=starts.append)
+            fresh.load_state_dict(state)
+            batches = [batch[0].tolist() for batch in fresh]
+            start = starts[0] if starts else done
+            assert start + len(batches) == len(fresh), (rank, start)  # the epoch ends on time
+            rest += [i for batch in batches for i in batch]
+            fresh.position = lambda s=start: (1, s + 1)  # a commit one batch later in the new world
+            assert fresh.state_dict()["offset"] == len(trained) + BATCH * after
+        left = n - len(trained)  # over `after` ranks: padded with repeats, or cut with drop_last
+        seen = trained + rest
+        if drop_last:
+            assert len(seen) == len(set(seen)) == n - left % after, (done, before, after)
+        else:
+            assert set(seen) == set(range(n)) and len(seen) == n + (-left) % after, (done, before, after)
+
+
+def test_resumed_share_is_padded_like_distributed_sampler() -> None:
+    """22 samples, 6 trained, 16 left over 3 ranks: padded to 18 with the order's first samples."""
+    state = _loader(0, position=lambda: (0, 1)).state_dict()
+    shares = []
+    for rank in range(3):
+        loader = _loader(rank, replicas=3, on_resume=lambda start: None)
+        loader.load_state_dict(state)
+        shares.append([i for batch in loader for i in batch[0].tolist()])
+    assert [len(s) for s in shares] == [6, 6, 6]
+    trained = _epoch(_loader(0), 0)[0] + _epoch(_loader(1), 0)[0]
+    seen = trained + [i for s in shares for i in s]
+    order = list(DistributedSampler(range(N), num_replicas=1, rank=0, shuffle=True, seed=5))
+    assert sorted(seen) == sorted([*range(N), *order[:2]])  # the epoch order's first two, again
+
+
 def test_state_of_another_dataset_is_refused() -> None:
     state = _loader(0, position=lambda: (0, 1)).state_dict()
     with pytest.raises(ResumeStateError, match="length=22") as info:
@@ -80,8 +144,10 @@ def test_state_of_another_dataset_is_refused() -> None:
     assert "HINT" in str(info.value)
     with pytest.raises(ResumeStateError, match="batch_size=8"):
         _loader(0).load_state_dict({**state, "batch_size": 8})
-    with pytest.warns(UserWarning, match="saved on 4 ranks and resumes on 2"):
-        _loader(0).load_state_dict({**state, "num_replicas": 4})
+    # another world size whose rest of the epoch ends at another batch index: only with on_resume
+    with pytest.raises(ResumeStateError, match="saved on 4 ranks and resumes on 2: epoch 0 continues "
+                                               "at batch 2, not 1"):
+        _loader(0).load_state_dict({**state, "num_replicas": 4, "offset": 12})
 
 
 def test_loader_arguments_survive_and_unsupported_loaders_are_named() -> None:

@@ -1,0 +1,94 @@
+"""In-process recovery of ``Trainer(strategy=HorovodStrategy())`` under ``hvdrun --recovery in-process``.
+
+Usage: lightning_inprocess.py OUT_DIR MODE   (MODE: kill | user)
+2 ranks, 64 samples, batch 4 per rank, 4 epochs (8 steps each on 2 ranks), commits every 2
+optimizer steps (elastic mode is on by itself under in-process recovery).
+``kill``: in its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself before optimizer
+step ``KILL_STEP + 1``; hvdrun's worker entry starts it again alone and it joins the survivor at
+a commit. ``user``: rank 1 raises ``ValueError`` in ``training_step`` at global step 2.
+Every training step records ``(epoch, world size, global step, the indices all ranks trained)``
+in the module, which is committed with the checkpoints, so a recovered fit keeps only the
+committed steps' records. Each slot that finishes saves its final weights and the records to
+``OUT_DIR/final.<slot>.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from hvd_trainer.strategy import HorovodStrategy
+
+OUT_DIR, MODE = Path(sys.argv[1]), sys.argv[2]
+SLOT = int(os.environ["RANK"])  # the launch rank; the world's rank may differ after a recovery
+RESPAWN = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
+N, BATCH, EPOCHS, COMMIT_EVERY, KILL_STEP = 64, 4, 4, 2, 5
+STEP_SLEEP = {1: 0.5, 2: 0.1}  # seconds per step by world size: slow alone, so the restarted worker
+# (a new Python importing torch and Lightning) joins before the fit ends
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.seen: list[tuple[int, int, int, list[int]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if MODE == "user" and self.global_rank == 1 and self.global_step == 2:
+            raise ValueError(f"bad batch {self.global_step}")
+        x, y, idx = batch
+        time.sleep(STEP_SLEEP.get(self.trainer.world_size, 0.1))
+        indices = sorted(self.all_gather(idx).flatten().tolist())
+        self.seen.append((self.current_epoch, self.trainer.world_size, self.global_step, indices))
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["seen"] = list(self.seen)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.seen = list(checkpoint["seen"])
+
+
+class Report(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        print(f"START slot={SLOT} pid={os.getpid()} rank={trainer.global_rank} size={trainer.world_size} "
+              f"respawn={RESPAWN} step={trainer.global_step}", flush=True)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if MODE == "kill" and RESPAWN == 0 and SLOT == 1 and trainer.global_step == KILL_STEP:
+            print(f"FAIL_AT {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+    trainer = pl.Trainer(
+        strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY), accelerator="cpu",
+        devices=2, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()],
+    )
+    model = Regressor()
+    print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
+    trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
+    torch.save({"model": model.state_dict(), "seen": model.seen, "step": trainer.global_step},
+               OUT_DIR / f"final.{SLOT}.pt")
+    print(f"DONE slot={SLOT} pid={os.getpid()} rank={trainer.global_rank} size={trainer.world_size} "
+          f"step={trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

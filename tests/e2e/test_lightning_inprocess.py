@@ -1,0 +1,64 @@
+"""In-process recovery of ``Trainer(strategy=HorovodStrategy())`` end to end: ``hvdrun --recovery
+in-process``.
+
+Slot 1 is SIGKILLed mid-epoch. The survivor keeps its process (same pid from the start of ``fit``
+to its end), re-forms the world alone and continues ``fit`` from its newest commit in memory,
+its epoch's remaining samples dealt to it alone; hvdrun's worker entry starts slot 1 again, which
+joins at a commit and receives the checkpoint by broadcast. Every sample is trained exactly once
+per epoch and both ranks end with the same weights. A user error still fails the job at once.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, hvdrun
+
+SCRIPT = str(SCRIPTS / "lightning_inprocess.py")
+IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
+N, EPOCHS = 64, 4
+
+
+def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path) -> None:
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", SCRIPT, str(tmp_path), "kill"], timeout=150)
+    assert res.returncode == 0, res.explain()
+    fits = re.findall(r"FIT slot=(\d) pid=(\d+) respawn=(\d)", res.output)
+    starts = re.findall(r"START slot=(\d) pid=(\d+) rank=(\d) size=(\d) respawn=(\d) step=(\d+)", res.output)
+    dones = re.findall(r"DONE slot=(\d) pid=(\d+) rank=(\d) size=(\d) step=(\d+)", res.output)
+    # slot 0: one fit call in one process, trained alone after the loss, then with the joiner
+    survivor = [pid for slot, pid, _ in fits if slot == "0"]
+    assert len(survivor) == 1 and {p for s, p, *_ in starts if s == "0"} == set(survivor), res.explain()
+    assert any(s == "0" and size == "1" and int(step) > 0 for s, _, _, size, _, step in starts), res.explain()
+    assert ("0", survivor[0], "0", "2") == dones[[d[0] for d in dones].index("0")][:4], res.explain()
+    # slot 1: started again once, joined a world of 2 mid-fit, and finished in that process
+    joiner = [pid for slot, pid, respawn in fits if slot == "1" and respawn == "1"]
+    assert len(joiner) == 1, res.explain()
+    joined = [int(step) for _, p, _, size, _, step in starts if p == joiner[0] and size == "2"]
+    assert joined and joined[0] > 0, res.explain()
+    assert ("1", joiner[0], "1", "2") == dones[[d[0] for d in dones].index("1")][:4], res.explain()
+    assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
+    assert "not retried" not in res.output and "restarts used" in res.output, res.explain()
+    assert alive([int(p) for _, p, _ in fits]) == [], res.explain()
+
+    ranks = [torch.load(tmp_path / f"final.{slot}.pt") for slot in (0, 1)]
+    for name, tensor in ranks[0]["model"].items():
+        assert torch.equal(ranks[1]["model"][name], tensor), name
+    seen = ranks[0]["seen"]  # (epoch, world size, global step, indices of all ranks): committed steps
+    assert seen == ranks[1]["seen"] and ranks[0]["step"] == len(seen), res.explain()
+    assert [step for _, _, step, _ in seen] == list(range(len(seen)))  # no step lost or redone
+    assert {size for _, size, _, _ in seen} == {1, 2} and seen[-1][1] == 2, res.explain()
+    for epoch in range(EPOCHS):  # every sample exactly once per epoch, whatever the world size was
+        indices = sorted(i for e, _, _, batch in seen if e == epoch for i in batch)
+        assert indices == list(range(N)), (epoch, indices)
+    sizes = " ".join(f"{e}:{size}" for e, size, _, _ in seen)
+    print(f"SCENARIO lightning-in-process-sigkill: {len(seen)} steps (epoch:world size) {sizes}")
+
+
+def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", SCRIPT, str(tmp_path), "user"], timeout=120)
+    assert res.returncode == 1, res.explain()
+    assert "ValueError: bad batch 2" in res.output and "not retried" in res.output, res.explain()
+    assert "starting it again" not in res.output and "DONE" not in res.output, res.explain()
