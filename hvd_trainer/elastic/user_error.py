@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hvd_trainer.comm.base.errors import HorovodInternalError, HostsUpdatedInterrupt, StallError
+from hvd_trainer.comm.base.fatal import peer_failed
 
 __all__ = ["JOB_DIR_ENV", "is_peer_failure", "record_user_error", "user_error_path"]
 
@@ -51,7 +52,16 @@ def _transport_failure(exc: BaseException) -> bool:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is one a restart can cure: one of
-    Horovod's peer errors, torch's ``DistError``, or a gloo/NCCL transport ``RuntimeError``."""
+    Horovod's peer errors, torch's ``DistError``, or a gloo/NCCL transport ``RuntimeError``.
+
+    Also true for any ``exc`` once this process's comm layer raised a peer's failure in its
+    current world (:func:`~hvd_trainer.comm.base.fatal.peer_failed`; in-process recovery clears
+    it): what ends the function then follows from that failure even where a framework
+    re-raised it as its own type without the chain. TensorFlow does: an exception inside
+    ``tf.numpy_function`` (the Keras ``DistributedOptimizer``'s allreduce) reaches ``fit``'s
+    caller as ``tf.errors.UnknownError`` carrying only its text."""
+    if peer_failed():
+        return True
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:

@@ -6,7 +6,10 @@ elastic restarts rely on, and --check-build's MPI launcher line.
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -174,6 +177,39 @@ def test_user_error_classification_and_record(tmp_path, monkeypatch) -> None:
     assert record_user_error(ValueError("bad value 3"), rank=1) == user_error_path(tmp_path, 1)
     assert read_user_errors(tmp_path) == [{"rank": 1, "type": "ValueError", "message": "bad value 3",
                                            "exit_code": 1}]
+
+
+def test_after_a_peer_failure_whatever_ends_the_function_is_one(monkeypatch) -> None:
+    # TensorFlow re-raises the RankFailedError of a tf.numpy_function (the Keras allreduce) as
+    # its own UnknownError, carrying only the text: the comm layer's record of it decides.
+    # (The record is set by hand: exit_hard_at_exit would end this pytest process hard.)
+    from hvd_trainer.comm.base import fatal
+
+    class UnknownError(Exception):  # stands in for tensorflow.errors.UnknownError
+        pass
+
+    tf_error = UnknownError("Graph execution error: ... RankFailedError: rank 1 is no longer running")
+    assert not fatal.peer_failed() and not is_peer_failure(tf_error)
+    monkeypatch.setattr(fatal, "_peer_failed", True)  # what exit_hard_at_exit(PEER_FAILED_EXIT_CODE) records
+    assert is_peer_failure(tf_error) and is_peer_failure(ValueError("anything"))
+    monkeypatch.setattr(fatal, "_peer_failed", False)  # what recovered() does once the world is re-formed
+    assert not is_peer_failure(tf_error)
+
+
+def test_peer_failed_is_recorded_again_after_an_in_process_recovery() -> None:
+    # In a subprocess: exit_hard_at_exit registers a hard exit at interpreter exit.
+    script = (
+        "from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE as P, exit_hard_at_exit, "
+        "peer_failed, recovered\n"
+        "assert not peer_failed()\n"
+        "exit_hard_at_exit(P); assert peer_failed()\n"
+        "recovered(); assert not peer_failed()\n"
+        "exit_hard_at_exit(P); assert peer_failed()  # a second failure, in the re-formed world\n"
+        "print('PEER_FAILED_OK')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert "PEER_FAILED_OK" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_agent_watch_supports_this_torch() -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = [
     "exit_hard_at_exit", "recovered", "flush_before_hard_exit", "pid_alive", "stopped_for_a_peer",
-    "PEER_FAILED_EXIT_CODE",
+    "peer_failed", "PEER_FAILED_EXIT_CODE",
 ]
 
 PEER_FAILED_EXIT_CODE = 75
@@ -30,6 +30,7 @@ that caused them, so it names the rank that failed first."""
 
 _registered = False
 _exit_code = 1
+_peer_failed = False
 _flushers: list[Callable[[], None]] = []
 
 
@@ -52,8 +53,10 @@ def exit_hard_at_exit(code: int = 1) -> None:
     """Once per process: end with ``os._exit(code)`` at interpreter exit (after other handlers).
 
     The first call's ``code`` is kept (1, or :data:`PEER_FAILED_EXIT_CODE` after a peer failed).
+    A call with :data:`PEER_FAILED_EXIT_CODE` is also recorded for :func:`peer_failed`.
     """
-    global _registered, _exit_code
+    global _registered, _exit_code, _peer_failed
+    _peer_failed = _peer_failed or code == PEER_FAILED_EXIT_CODE
     if not _registered:
         _registered = True
         _exit_code = code
@@ -68,9 +71,9 @@ def recovered() -> None:
     exception's frames) and its destructor can wait forever for a peer behind a cut link, so the
     hard exit stays registered, but with the status the interpreter would have had: 0, or 1
     after an uncaught exception (recorded by a ``sys.excepthook`` wrapper installed here)."""
-    global _exit_code
+    global _exit_code, _peer_failed
     exit_hard_at_exit(0)
-    _exit_code = 0
+    _exit_code, _peer_failed = 0, False
     previous = sys.excepthook
 
     def record(kind: Any, value: Any, tb: Any) -> None:
@@ -80,6 +83,14 @@ def recovered() -> None:
 
     if getattr(previous, "__name__", "") != "record":
         sys.excepthook = record
+
+
+def peer_failed() -> bool:
+    """Whether the comm layer raised a peer's failure (``RankFailedError``,
+    ``HostUnreachableError``) in this process since it started or last :func:`recovered`: in the
+    current world, a peer is gone. Unlike :func:`stopped_for_a_peer` it also says so after an
+    earlier in-process recovery, whose hard exit keeps its own status."""
+    return _peer_failed
 
 
 def stopped_for_a_peer() -> bool:
