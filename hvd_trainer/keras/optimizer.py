@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import torch
 
 from hvd_trainer.comm import (
@@ -23,6 +24,7 @@ from hvd_trainer.comm import (
     World,
     get_world,
     grouped_allreduce_,
+    in_process_recovery,
 )
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.comm.ops.process_set import resolve_set
@@ -165,6 +167,19 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         >>> model.compile(optimizer=opt, loss="mse")
         >>> model.fit(x, y, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
 
+    In-process recovery (``hvdrun --recovery in-process``, Keras elastic training with
+    :func:`hvd_trainer.elastic.run`): built without ``world=``, the optimizer reduces over the
+    current world, so it follows the world that ``elastic.run`` re-forms after a lost rank or a
+    restarted worker's join. On torch the old world's hook reducer is dropped and one over the new
+    world built before the next backward; on TensorFlow the traced step always holds the
+    allreduce (in a one-rank world it only applies the scale factors) and looks the world up when
+    it runs, and so does the ``1/size`` of local variables. The learning rate is not rescaled:
+    do that in a reset callback (``state.register_reset_callbacks``), as in Horovod.
+    :class:`~hvd_trainer.elastic.KerasState` empties a partly filled accumulation window when it
+    loads a commit (:meth:`clear_accumulated_gradients`). Not supported there: ZeRO sharding
+    (the first step in a new world raises :class:`DistributedOptimizerError`) and
+    ``process_set`` (its ranks are the old world's).
+
     Local variables (Horovod's ``register_local_var`` and
     :func:`~hvd_trainer.keras.PartialDistributedOptimizer`): their gradients are not reduced;
     each rank applies its own, divided by the world size when ``scale_local_gradients`` (as
@@ -217,7 +232,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             gradients: the fused buckets are reduce-scattered, so a rank receives only its own
             variables' gradients. Ranks outside ``process_set`` and a single-rank run do not
             shard.
-        world: the world to reduce over (default: the initialised one, looked up on first use).
+        world: the world to reduce over (default: the current one, looked up at each step, so
+            that it follows in-process recovery; see above).
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
@@ -474,6 +490,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             raise DistributedOptimizerError(f"consolidate_variables(to={to}): {exc}") from exc
 
     def scale_loss(self, loss):
+        self._follow_world()  # torch: before backward, whose hooks start the reduction
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list) -> None:
@@ -488,10 +505,46 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     # -- the work ---------------------------------------------------------------------------
     @property
     def world(self) -> World:
-        """The world gradients are reduced over (resolved on first use)."""
-        if self._world is None:
-            self._world = get_world()
-        return self._world
+        """The world gradients are reduced over: the one passed in, else the current one, looked
+        up at each use (in-process recovery replaces it; see :meth:`_follow_world`)."""
+        return get_world() if self._world is None else self._world
+
+    def _follow_world(self) -> None:
+        """torch backend, after in-process recovery replaced the current world: drop the hook
+        reducer built for the old one (its hooks, its broken in-flight work) and build one over
+        the new world when it has other ranks (error-feedback state carried over). Runs before
+        each backward (``scale_loss``) and at ``apply()``, so the first step in a new world reduces
+        over it. On TensorFlow the traced step looks the world up when it runs (see
+        :meth:`_reduces_in_graph`).
+
+        Raises:
+            DistributedOptimizerError: ZeRO sharding is active (its shards belong to the old world).
+        """
+        if self._tf or not self.built or self._passes > 1:
+            return
+        world = self.world
+        if self._reducer is not None and self._reducer.world is world:
+            return
+        if self._zero is not None:
+            raise DistributedOptimizerError(
+                f"zero_stage={self._zero_stage} with in-process recovery: the optimizer state is "
+                "sharded over the old world's ranks, some of which are gone. HINT: use hvdrun "
+                "--recovery restart with zero_stage, or zero_stage=0."
+            )
+        if self._reducer is not None:
+            self._feedback = self._feedback_state()
+            self._reducer.remove()
+            self._reducer = None
+        if self._reduces():
+            self._build_torch_reducer(built_trainable_variables(self))
+
+    def _reduces_in_graph(self) -> bool:
+        """TensorFlow, at trace time: whether the traced step holds the gradient reduction. With
+        in-process recovery the world may shrink or grow after the trace (Keras keeps the traced
+        function), so it always does; at run time a one-rank world only applies the scale factors."""
+        if self._process_set is None and in_process_recovery():
+            return True
+        return self._reduces()
 
     def build(self, var_list: Sequence[Any]) -> None:
         sharded = bool(self._zero_stage) and self._reduces()
@@ -565,10 +618,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
+        self._follow_world()
         if self._passes > 1:
             self._apply_accumulated(grads, trainable_variables)
             return
-        if self._reduces():
+        if self._reduces_in_graph() if self._tf else self._reduces():
             tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
             grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
         self._inner_apply(grads, trainable_variables)
@@ -594,7 +648,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         counter = _accumulate.iteration_variable(self.inner_optimizer)
         if self._tf:
             def update(summed):
-                if self._reduces():
+                if self._reduces_in_graph():
                     summed = self._reduce_tf(summed, tvs, passes=self._passes)
                 elif self._average_passes:
                     summed = [None if g is None else g / self._passes for g in summed]
@@ -690,7 +744,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         local = self._local_mask(tvs)
         out = list(grads)
-        factor = self._local_factor(passes)
+        factor: Any = self._local_factor(passes)
+        if any(local) and in_process_recovery():  # 1/size of the world the step runs in, not the trace's
+            factor = tf.ensure_shape(tf.numpy_function(
+                lambda: np.float64(self._local_factor(passes)), [], Tout=tf.float64, stateful=True,
+                name="hvd_local_factor"), [])
         for i, g in enumerate(grads):
             if local[i] and g is not None:
                 out[i] = tf.convert_to_tensor(g) * tf.cast(factor, g.dtype)
@@ -730,6 +788,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             arrays, names, compressor=self._compression, state=self._feedback, world=self.world,
             op=op, prescale_factor=pre, postscale_factor=post, process_set=self._process_set,
         )
+
+    def clear_accumulated_gradients(self) -> None:
+        """Empty the gradient-accumulation window (``backward_passes_per_step > 1``): the local
+        sums and the pass counter go back to zero, so the next ``apply()`` is the window's first
+        pass. :class:`~hvd_trainer.elastic.KerasState` calls it when it loads a commit: the window
+        held gradients of steps after the commit, and after a recovery every rank (a restarted
+        one too) must count the window from the same step. No-op with one pass per step."""
+        if self._accum is not None:
+            self._accum.reset()
 
     # -- error-feedback state (int8, powersgd) ------------------------------------------------
     def _feedback_state(self) -> FeedbackState | None:

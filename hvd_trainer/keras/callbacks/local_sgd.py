@@ -34,6 +34,11 @@ class LocalSGDCallback(keras.callbacks.Callback):
     per outer step (both backends). ``state_dict()``/``load_state_dict()`` hold the anchors, the
     outer momentum and the counters (save them with the model to resume).
 
+    In-process recovery (``hvdrun --recovery in-process``): the outer loop belongs to the world it
+    started in. The first ``fit`` in a new world starts it again on every rank, as at the start of
+    training (the survivors drop their anchors, outer momentum and counters; a restarted worker
+    has none): rank 0's weights are broadcast and become the anchors.
+
     Args:
         sync_every: training batches per outer step (``H``).
         outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True).
@@ -54,6 +59,7 @@ class LocalSGDCallback(keras.callbacks.Callback):
         self._vars: list[Any] = []
         self._mirrors: list[torch.Tensor] = []
         self._pending: dict[str, Any] | None = None
+        self._world: Any = None  # the world the outer loop started in
 
     @property
     def outer(self) -> OuterSync | None:
@@ -61,12 +67,13 @@ class LocalSGDCallback(keras.callbacks.Callback):
         return self._outer
 
     def _start(self) -> None:
+        self._world = get_world()
         broadcast_variables(self.model.weights, root_rank=0)
         self._vars = list(self.model.trainable_weights)
         self._mirrors = [torch.from_numpy(np.array(self._read(v), dtype=np.float32)) for v in self._vars]
         for m in self._mirrors:
             m.requires_grad_(True)
-        self._outer = OuterSync(self._mirrors, self.config, world=get_world())
+        self._outer = OuterSync(self._mirrors, self.config, world=self._world)
         if self._pending is not None:
             self._outer.load_state_dict(self._pending)
             self._pending = None
@@ -85,6 +92,8 @@ class LocalSGDCallback(keras.callbacks.Callback):
             v.assign(m.detach().numpy().astype(v.dtype))
 
     def on_train_begin(self, logs: dict | None = None) -> None:
+        if self._outer is not None and self._world is not get_world():  # in-process recovery
+            self._outer = None
         if self._outer is None and self.model.built:
             self._start()
 
