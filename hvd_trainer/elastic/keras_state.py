@@ -25,7 +25,9 @@ class KerasState(State):
     unbuilt optimizer (a restarted worker). An hvd_trainer ``DistributedOptimizer`` with an
     error-feedback compression (``"int8"``, ``"powersgd:R"``) has its residuals (and PowerSGD's
     ``Q``) committed and restored too (training state; ``sync()`` gives every rank rank 0's, as
-    ``TorchState`` does with the torch optimizer's ``state_dict``).
+    ``TorchState`` does with the torch optimizer's ``state_dict``). With
+    ``backward_passes_per_step > 1`` loading a snapshot (``restore()``, ``sync()``) empties its
+    gradient-accumulation window, on every rank alike.
 
     Args:
         model: a built ``keras.Model``.
@@ -96,3 +98,6 @@ class KerasState(State):
         feedback = snapshot.get("__compression__")
         if feedback is not None and callable(getattr(self.optimizer, "load_compression_state_dict", None)):
             self.optimizer.load_compression_state_dict(feedback)
+        clear = getattr(self.optimizer, "clear_accumulated_gradients", None)
+        if callable(clear):  # a partly filled window holds gradients of steps after the commit
+            clear()

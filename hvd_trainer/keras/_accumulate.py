@@ -76,6 +76,14 @@ class TFAccumulation:
 
         tf.cond(tf.equal(count, self.passes), update, on_accumulate)
 
+    def reset(self) -> None:
+        """Zero the sums and the pass counter (eagerly): a new window starts."""
+        import tensorflow as tf
+
+        for s in self.sums:
+            s.assign(tf.zeros_like(s))
+        self.counter.assign(0)
+
 
 class TorchAccumulation:
     """Accumulators (one torch tensor per trainable variable), "used" flags and a pass counter.

@@ -1,14 +1,18 @@
 """elastic.KerasState: commit/restore of weights and optimizer variables, and resume through
 elastic.run from the persisted file (world of one, Keras on the torch backend, subprocess so
-the backend choice does not leak into other tests)."""
+the backend choice does not leak into other tests); loading a commit empties the
+DistributedOptimizer's gradient-accumulation window (torch and TensorFlow backends)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,3 +73,46 @@ def test_keras_state_commit_restore_and_resume(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "run")], env=env,
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0 and "KERAS_STATE_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+WINDOW_SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    import keras
+    import hvd_trainer
+    import hvd_trainer.keras as hk
+
+    hvd_trainer.init()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+                  loss="mse")
+    x, y = np.ones((4, 3), "float32"), np.zeros((4, 2), "float32")
+    state = hk.elastic.KerasState(model)
+    state.commit()
+    w0 = [a.copy() for a in model.get_weights()]
+
+    def one_batch():
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+        return all(np.array_equal(a, b) for a, b in zip(model.get_weights(), w0))
+
+    assert one_batch()      # the window's first pass: accumulated, nothing applied
+    state.restore()         # the commit holds no window: it starts empty again
+    assert one_batch()      # so this is a first pass again (without the reset: an update)
+    assert not one_batch()  # the second pass applies the window
+    print("WINDOW_OK")
+    """
+)
+
+
+BACKENDS = ["torch"] + (["tensorflow"] if importlib.util.find_spec("tensorflow") else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_loading_a_commit_empties_the_accumulation_window(backend: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", WINDOW_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0 and "WINDOW_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
