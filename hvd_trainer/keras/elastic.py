@@ -15,6 +15,26 @@ that a restart resumes from the last commit::
             hvd.elastic.CommitStateCallback(state, batches_per_commit=10)])
 
     train(state)
+
+In-process recovery (``hvdrun --min-np/--max-np --recovery in-process``, as Horovod's elastic
+Keras did it): a rank lost inside ``fit`` makes the allreduce fail on the others; the failure
+leaves ``fit`` (on TensorFlow as the ``UnknownError`` of the allreduce's ``tf.numpy_function``,
+which :func:`~hvd_trainer.elastic.user_error.is_peer_failure` still counts as the peer's
+failure) and ``run`` re-forms the world in the surviving processes, restores the state from its
+last commit in memory, runs the reset callbacks and calls ``train`` again. The restarted worker
+joins at the survivors' next commit: ``CommitStateCallback``'s ``state.commit()`` raises
+``HostsUpdatedInterrupt``, which leaves ``fit`` the same way (Keras runs these callbacks in the
+training loop's thread), and the joiner receives the weights and optimizer state by broadcast.
+The ``DistributedOptimizer`` (built without ``world=``), ``MetricAverageCallback`` and
+``BroadcastGlobalVariablesCallback`` use the world current at each step; what was computed from
+the world size must be recomputed in a reset callback, e.g. the learning rate::
+
+    def on_state_reset():
+        model.optimizer.learning_rate = lr * hvd.size()
+
+    state.register_reset_callbacks([on_state_reset])
+
+``train`` resumes at ``state.batch`` (see :class:`UpdateBatchStateCallback` for the data).
 """
 
 from __future__ import annotations
@@ -69,12 +89,24 @@ class CommitStateCallback(keras.callbacks.Callback):
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):
-    """Keep ``state.batch`` at the last finished batch of the epoch (0 again at epoch end).
+    """Keep ``state.batch`` at the index of the last finished batch of the epoch (0 again at epoch
+    end), counted from the epoch's start also when ``fit`` resumed in its middle.
 
-    After a restart in the middle of an epoch, the first epoch's ``params["steps"]`` (what
-    Keras' progress bar and callbacks read) is shortened by ``state.batch``, as Horovod does;
-    the data pipeline itself must skip the batches already seen (e.g. with
-    :class:`hvd_trainer.elastic.ElasticSampler` or ``fit(steps_per_epoch=...)``).
+    As in Horovod, a resumed epoch starts at ``state.batch``: after a restart or an in-process
+    recovery in the middle of an epoch, that batch (the last one committed) is trained again and
+    none is skipped. The index of a ``fit`` that begins with ``state.batch = b`` starts at ``b``
+    in its first epoch (Horovod counts from 0 there, so a second failure in that epoch resumed at
+    the wrong batch), and that epoch's ``params["steps"]`` (what Keras' progress bar and
+    callbacks read) is shortened by ``b``, as Horovod does. The data pipeline itself must start
+    at batch ``b``: Keras 3 runs every epoch of one ``fit`` for the same number of steps, so
+    resume with one ``fit(<batches b..steps-1>, epochs=1)`` for the rest of the epoch, then the
+    remaining epochs::
+
+        @hvd.elastic.run
+        def train(state):
+            if state.batch:
+                model.fit(batches(state.batch, steps), epochs=1, callbacks=callbacks)
+            model.fit(batches(0, steps), epochs=epochs - state.epoch, callbacks=callbacks)
 
     Args:
         state: the elastic state; needs a ``batch`` attribute (``KerasState(model, batch=0)``).
@@ -84,9 +116,13 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         super().__init__()
         self.state = state
         self.steps_per_epoch: int | None = None
+        self.offset = 0
+        """What Keras' batch index 0 is in the epoch: ``state.batch`` when ``fit`` began, until
+        its first epoch ends."""
 
     def on_train_begin(self, logs=None) -> None:
         self.steps_per_epoch = None
+        self.offset = self.state.batch
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         steps = self.params.get("steps")
@@ -96,10 +132,11 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
             self.params["steps"] = self.steps_per_epoch - self.state.batch
 
     def on_train_batch_end(self, batch, logs=None) -> None:
-        self.state.batch = batch
+        self.state.batch = self.offset + batch
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         self.state.batch = 0
+        self.offset = 0
 
 
 class UpdateEpochStateCallback(keras.callbacks.Callback):
