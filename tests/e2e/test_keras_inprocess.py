@@ -1,0 +1,72 @@
+"""In-process recovery of Keras 3 elastic training (``hvd_trainer.keras.elastic``) end to end:
+``hvdrun -np 2 --min-np 1 --max-np 2 --recovery in-process`` on the torch backend, and on
+TensorFlow when it is installed.
+
+Slot 1 is SIGKILLed in the middle of an epoch, inside ``model.fit``. The survivor keeps its
+process (same pid): the peer's failure leaves ``fit`` (on TensorFlow as the ``UnknownError`` of
+the allreduce's ``tf.numpy_function``) and reaches ``elastic.run``, which re-forms the world
+alone, restores the ``KerasState`` from memory and calls ``train`` again; the
+``DistributedOptimizer`` then reduces over the new world, and the reset callback rescales the
+learning rate. The restarted slot 1 joins at the survivor's next commit (``HostsUpdatedInterrupt``
+out of ``fit``) and gets the weights and optimizer state by broadcast. Both end with equal
+weights and the same committed history, in which every batch of every epoch was committed, in
+order, and a batch was trained again only where the world changed (Horovod's rule: resume at
+``state.batch``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, hvdrun
+
+WORKER = str(SCRIPTS / "keras_inprocess_worker.py")
+IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
+STEPS, EPOCHS, LR, KILL_AT = 8, 3, 0.02, 10  # the worker's constants; the kill: before the 11th batch
+
+BACKENDS = ["torch"] + (["tensorflow"] if importlib.util.find_spec("tensorflow") else [])
+
+
+def _check_history(history: np.ndarray) -> None:
+    """Every (epoch, batch) committed once, in order, except a batch trained again right after the
+    world changed; the learning rate always the one scaled for the world it ran in."""
+    steps = [(int(e), int(b), int(n)) for e, b, n, _ in history]
+    assert sorted({(e, b) for e, b, _ in steps}) == [(e, b) for e in range(EPOCHS) for b in range(STEPS)]
+    redone = 0
+    for (e1, b1, n1), (e2, b2, n2) in zip(steps, steps[1:], strict=False):
+        following = (e2, b2) == ((e1, b1 + 1) if b1 + 1 < STEPS else (e1 + 1, 0))
+        again = (e2, b2) == (e1, b1) and n2 != n1  # resumed at state.batch in the new world
+        assert following or again, (e1, b1, n1, e2, b2, n2)
+        redone += again
+    assert redone <= 2, steps  # at most one per world change
+    sizes = [n for _, _, n in steps]
+    assert sizes[:KILL_AT] == [2] * KILL_AT and 1 in sizes and sizes[-1] == 2, sizes  # alone, then joined
+    assert np.allclose(history[:, 3], LR * history[:, 2]), history  # the reset callback rescaled it
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str) -> None:
+    env = clean_env(KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(tmp_path), str(KILL_AT)], timeout=150,
+                 env=env)
+    assert res.returncode == 0, res.explain()
+    pattern = r"START slot=(\d) pid=(\d+) rank=\d size=(\d) respawn=(\d) epoch=\d+ batch=\d+ commits=\d+"
+    starts = re.findall(pattern, res.output)
+    survivor = {pid for slot, pid, _, _ in starts if slot == "0"}
+    assert len(survivor) == 1, res.explain()  # slot 0: one process throughout
+    assert ("0", survivor.pop(), "1", "0") in starts, res.explain()  # it went on alone
+    assert any(s[0] == "1" and s[2] == "2" and s[3] == "1" for s in starts), res.explain()  # slot 1 rejoined
+    assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
+    assert "restarts used" not in res.output or "0 of" in res.output, res.explain()
+    assert alive([int(p) for _, p, _, _ in starts]) == [], res.explain()
+
+    final = [np.load(tmp_path / f"final.{slot}.npz") for slot in (0, 1)]
+    for name in final[0].files:
+        assert np.array_equal(final[0][name], final[1][name]), name  # weights and history alike
+    assert int(final[0]["epoch"]) == EPOCHS and int(final[0]["batch"]) == 0
+    _check_history(final[0]["history"])
