@@ -27,25 +27,26 @@ from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, hvdrun
 
 WORKER = str(SCRIPTS / "keras_inprocess_worker.py")
 IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
-STEPS, EPOCHS, LR, KILL_AT = 8, 3, 0.02, 10  # the worker's constants; the kill: before the 11th batch
+STEPS, EPOCHS, LR, KILL_AT = 8, 3, 0.02, 10  # the worker's constants; the kill: once 10 batches are committed
 
 BACKENDS = ["torch"] + (["tensorflow"] if importlib.util.find_spec("tensorflow") else [])
 
 
 def _check_history(history: np.ndarray) -> None:
     """Every (epoch, batch) committed once, in order, except a batch trained again right after the
-    world changed; the learning rate always the one scaled for the world it ran in."""
+    world changed; a stretch alone between the kill and the join; the learning rate always the
+    one scaled for the world it ran in."""
     steps = [(int(e), int(b), int(n)) for e, b, n, _ in history]
     assert sorted({(e, b) for e, b, _ in steps}) == [(e, b) for e in range(EPOCHS) for b in range(STEPS)]
-    redone = 0
     for (e1, b1, n1), (e2, b2, n2) in zip(steps, steps[1:], strict=False):
         following = (e2, b2) == ((e1, b1 + 1) if b1 + 1 < STEPS else (e1 + 1, 0))
         again = (e2, b2) == (e1, b1) and n2 != n1  # resumed at state.batch in the new world
         assert following or again, (e1, b1, n1, e2, b2, n2)
-        redone += again
-    assert redone <= 2, steps  # at most one per world change
-    sizes = [n for _, _, n in steps]
-    assert sizes[:KILL_AT] == [2] * KILL_AT and 1 in sizes and sizes[-1] == 2, sizes  # alone, then joined
+    # 2 ranks, then 1 after the kill, then 2 again once the restarted rank joined. (A loaded
+    # machine may start with 1: --min-np 1 lets the first round form without a late worker,
+    # which then joins at a commit.)
+    sizes = "".join(str(n) for _, _, n in steps)
+    assert re.fullmatch(r"1*2+1+2+", sizes), sizes
     assert np.allclose(history[:, 3], LR * history[:, 2]), history  # the reset callback rescaled it
 
 
@@ -59,7 +60,7 @@ def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str) -> None:
     starts = re.findall(pattern, res.output)
     survivor = {pid for slot, pid, _, _ in starts if slot == "0"}
     assert len(survivor) == 1, res.explain()  # slot 0: one process throughout
-    assert ("0", survivor.pop(), "1", "0") in starts, res.explain()  # it went on alone
+    assert ("0", survivor.pop(), "1", "0") in starts, res.explain()  # it ran alone
     assert any(s[0] == "1" and s[2] == "2" and s[3] == "1" for s in starts), res.explain()  # slot 1 rejoined
     assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
     assert "restarts used" not in res.output or "0 of" in res.output, res.explain()

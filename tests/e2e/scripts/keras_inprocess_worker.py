@@ -5,7 +5,7 @@ Usage: keras_inprocess_worker.py OUT_DIR KILL_AT
 ``@hvd.elastic.run def train(state): model.fit(...)`` with ``MetricAverageCallback`` and the three
 elastic callbacks (a commit after every batch), the learning rate scaled by the world size and
 rescaled by a reset callback. In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs
-itself before the batch that would be the ``KILL_AT``-th committed one (-1: never). Every
+itself before its first batch once ``KILL_AT`` batches are committed (-1: never). Every
 committed batch records ``(epoch, batch, world size, learning rate)`` in the state, so the history
 rolls back with it. Each rank writes its final weights and that history to
 ``OUT_DIR/final.<slot>.npz``.
@@ -34,7 +34,7 @@ out_dir, kill_at = Path(sys.argv[1]), int(sys.argv[2])
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
 STEPS, EPOCHS, GLOBAL_BATCH, LR = 8, 3, 8, 0.02
-ALONE_SLEEP_S, PAIR_SLEEP_S = 1.0, 0.1  # alone the survivor waits for the restarted worker to join
+ALONE_SLEEP_S, PAIR_SLEEP_S = 2.5, 0.1  # alone the survivor waits for the restarted worker to join
 
 hvd.init()
 data_rng = np.random.default_rng(0)
@@ -74,7 +74,7 @@ class Record(keras.callbacks.Callback):
     """Slot 1's kill, the pace, and one history entry per batch (committed by the next callback)."""
 
     def on_train_batch_begin(self, batch, logs=None) -> None:
-        if respawn == 0 and slot == 1 and len(state.history) == kill_at:
+        if respawn == 0 and slot == 1 and 0 <= kill_at <= len(state.history):
             print(f"FAIL_AT {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(ALONE_SLEEP_S if hvd.size() == 1 else PAIR_SLEEP_S)
