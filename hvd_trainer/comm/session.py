@@ -314,7 +314,8 @@ def _make_quorum(info: LaunchEnv, timeout_seconds: float, environ: Mapping[str, 
     store = raw_job_store(info.rank, info.size, timedelta(seconds=timeout_seconds))
     return Quorum(store, torchelastic_env(environ).run_id, slot=info.rank,
                   max_slots=max(settings.max_np, info.size), min_np=settings.min_np,
-                  settle_seconds=settings.settle_seconds, timeout_seconds=timeout_seconds)
+                  settle_seconds=settings.settle_seconds, timeout_seconds=timeout_seconds,
+                  launched=info.size)
 
 
 def shutdown() -> None:

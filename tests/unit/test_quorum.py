@@ -159,3 +159,14 @@ def test_every_worker_restarted_closes_the_round_without_the_old_members(store: 
 def test_slot_outside_max_np_is_refused(store: Any) -> None:
     with pytest.raises(ValueError, match="--max-np must cover"):
         _quorum(store, 3, slots=2)
+
+
+def test_the_first_round_waits_for_every_launched_worker_however_late(store: Any) -> None:
+    qs = [_quorum(store, s, settle=0.2, slots=2) for s in (0, 1)]
+
+    def late() -> Membership:
+        time.sleep(1.0)  # five settle times: a slow import on a busy machine
+        return qs[1].join()
+
+    got = _in_threads([qs[0].join, late])
+    assert all(_slots(m) == [0, 1] and m.epoch == 1 for m in got), got

@@ -52,7 +52,8 @@ def _hard_exit() -> None:
 def exit_hard_at_exit(code: int = 1) -> None:
     """Once per process: end with ``os._exit(code)`` at interpreter exit (after other handlers).
 
-    The first call's ``code`` is kept (1, or :data:`PEER_FAILED_EXIT_CODE` after a peer failed).
+    The first call's ``code`` is kept (1, or :data:`PEER_FAILED_EXIT_CODE` after a peer failed),
+    except after :func:`recovered` (status 0), where a new failure's code replaces it.
     A call with :data:`PEER_FAILED_EXIT_CODE` is also recorded for :func:`peer_failed`.
     """
     global _registered, _exit_code, _peer_failed
@@ -63,6 +64,8 @@ def exit_hard_at_exit(code: int = 1) -> None:
         # atexit runs handlers last-in first-out, so this one runs before those registered
         # earlier; what must still be written registers with flush_before_hard_exit().
         atexit.register(_hard_exit)
+    elif _exit_code == 0:
+        _exit_code = code
 
 
 def recovered() -> None:
@@ -78,7 +81,8 @@ def recovered() -> None:
 
     def record(kind: Any, value: Any, tb: Any) -> None:
         global _exit_code
-        _exit_code = 1
+        if _exit_code == 0:  # a later peer's failure keeps its own status
+            _exit_code = 1
         previous(kind, value, tb)
 
     if getattr(previous, "__name__", "") != "record":

@@ -16,8 +16,8 @@ Keys (torchrun's agent store, which outlives every worker; all under ``hvd/quoru
 * ``<E>/reform_at``: the check count (:meth:`Quorum.reform_due`) at which the members of ``E``
   leave it together to admit a joiner.
 
-When a round closes (any arrived member may close it; a joiner never does, except in the first
-round where everyone is a first-timer):
+When a round closes (any arrived member may close it; a joiner only by rules 1-2; the first round,
+where everyone is a first-timer, only when every launched worker arrived):
 
 1. every member of the previous round has arrived; or
 2. at least ``min_np`` have arrived and every missing one is known dead (a process on this host
@@ -113,6 +113,8 @@ class Quorum:
         settle_seconds: see rule 3 of the module docstring.
         timeout_seconds: how long a round may wait for ``min_np`` members, seconds.
         host, pid: this worker's host name and process id (default: this process's).
+        launched: how many workers the launch started (slots ``0 .. launched-1``): the first
+            round waits for all of them (default: ``max_slots``).
 
     Raises:
         ValueError: ``slot`` is outside ``[0, max_slots)``.
@@ -120,10 +122,11 @@ class Quorum:
 
     def __init__(self, store: Any, run_id: str, *, slot: int, max_slots: int, min_np: int,
                  settle_seconds: float = DEFAULT_SETTLE_SECONDS, timeout_seconds: float = 600.0,
-                 host: str | None = None, pid: int | None = None) -> None:
+                 host: str | None = None, pid: int | None = None, launched: int | None = None) -> None:
         if not 0 <= slot < max_slots:
             raise ValueError(f"slot {slot} outside [0, {max_slots}): --max-np must cover every launched rank")
         self.store, self.slot, self.max_slots = store, slot, max_slots
+        self.launched = max_slots if launched is None else launched
         self.min_np, self.settle_seconds, self.timeout_seconds = min_np, settle_seconds, timeout_seconds
         self._prefix = f"hvd/quorum/{run_id}"
         self.me = Member(slot, host or socket.gethostname(), os.getpid() if pid is None else pid)
@@ -185,7 +188,7 @@ class Quorum:
         self.store.add(self._key(epoch, "arrived"), 1)
         arrived_at = time.monotonic()
         expected: dict[int, Member | None] = (
-            {m.slot: m for m in previous.members} if previous else dict.fromkeys(range(self.max_slots))
+            {m.slot: m for m in previous.members} if previous else dict.fromkeys(range(self.launched))
         )
         while True:
             closed = try_get(self.store, self._key(epoch, "members"))
@@ -195,7 +198,8 @@ class Quorum:
                 raise JobFinished(f"the job finished while slot {self.slot} waited to join")
             if may_close:
                 here = self._arrivals(epoch)
-                waited = 0.0 if joiner else time.monotonic() - arrived_at  # rule 3 is the members'
+                # rule 3 is for members leaving a membership; the first round waits for every launch
+                waited = 0.0 if joiner or previous is None else time.monotonic() - arrived_at
                 if self._should_close(here, expected, waited):
                     text = ",".join(m.encode() for m in sorted(here.values(), key=lambda m: m.slot))
                     self.store.compare_set(self._key(epoch, "members"), "", text)
