@@ -4,37 +4,65 @@ they resume from the last commit, and the final weights equal an uninterrupted r
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
-from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun, pids_from
+from hvd_trainer.elastic import STATE_FILENAME
+from tests.e2e.hvdrun_helpers import SCRIPTS, Result, alive, clean_env, fail_time, hvdrun, pids_from
 
 WORKER = str(SCRIPTS / "elastic_worker.py")
 KILL_STEP = 10  # commits happen every 3 steps, so the last commit before the kill is step 9
 STEPS = 24  # 3 epochs x 64 samples / (2 ranks x batch 4)
 
 
-def test_killed_worker_resumes_from_last_commit_with_identical_result(tmp_path: Path) -> None:
+@dataclass
+class KilledRun:
+    result: Result
+    out_file: Path
+    """Rank 0's final weights and committed per-step sample indices."""
+    tmp: Path
+    """The job's TMPDIR, which holds the automatic commit directory while it runs."""
+    left_behind: list[int]
+    """Workers still running right after hvdrun exited (looked up then: a test may run later)."""
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
+    """The elastic job whose rank 1 is SIGKILLed at step 10, committing to the automatic
+    directory (<tmp>/hvd_trainer_elastic/<run id>) in a temp folder of its own. Both tests check
+    it: one the resumed result, the other the lines and files recovery leaves."""
+    base = tmp_path_factory.mktemp("elastic")
+    tmp = base / "tmp"
+    tmp.mkdir()
+    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "python", WORKER, "default",
+                  str(base / "run.pt"), str(KILL_STEP)], timeout=240, env=clean_env(TMPDIR=str(tmp)))
+    return KilledRun(res, base / "run.pt", tmp, alive(pids_from(res.output)))
+
+
+def test_killed_worker_resumes_from_last_commit_with_identical_result(tmp_path: Path,
+                                                                      killed_run: KilledRun) -> None:
     ref = hvdrun(["-np", "2", "python", WORKER, str(tmp_path / "ref"), str(tmp_path / "ref.pt"), "-1"],
                  timeout=150)
     assert ref.returncode == 0, ref.explain()
-    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "python", WORKER,
-                  str(tmp_path / "run"), str(tmp_path / "run.pt"), str(KILL_STEP)], timeout=240)
+    assert (tmp_path / "ref" / STATE_FILENAME).is_file()  # an explicit checkpoint_dir keeps its commit
+    res = killed_run.result
     assert res.returncode == 0, res.explain()
     assert "START rank=1 attempt=0 step=0" in res.output, res.explain()
     for rank in (0, 1):
         # resumed from the last commit, which was not lost
         assert f"START rank={rank} attempt=1 step=9 epoch=1" in res.output, res.explain()
         assert f"DONE rank={rank} step={STEPS}" in res.output, res.explain()
-    assert alive(pids_from(res.output)) == [], res.explain()
+    assert killed_run.left_behind == [], res.explain()
 
     restart = float(re.search(r"START rank=0 attempt=1 .* at=(\d+\.\d+)", res.output).group(1))
     seconds = restart - fail_time(res.output)
     print(f"SCENARIO elastic-sigkill: workers restarted and resumed {seconds:.1f} s after the kill")
     assert seconds < 60, res.explain()
 
-    want, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "run.pt")
+    want, got = torch.load(tmp_path / "ref.pt"), torch.load(killed_run.out_file)
     assert got["step"] == want["step"] == STEPS
     for name, tensor in want["model"].items():
         assert torch.equal(got["model"][name], tensor), name  # bit-identical
@@ -44,12 +72,9 @@ def test_killed_worker_resumes_from_last_commit_with_identical_result(tmp_path: 
         assert indices == list(range(64)), (epoch, indices)
 
 
-def test_recovery_is_one_line_per_survivor_names_one_pid_and_leaves_no_temp_files(tmp_path: Path) -> None:
-    # the automatic commit directory (<tmp>/hvd_trainer_elastic/<run id>), in a temp folder of our own
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "python", WORKER, "default",
-                  str(tmp_path / "run.pt"), str(KILL_STEP)], timeout=240, env=clean_env(TMPDIR=str(tmp)))
+def test_recovery_is_one_line_per_survivor_names_one_pid_and_leaves_no_temp_files(
+        killed_run: KilledRun) -> None:
+    res, tmp = killed_run.result, killed_run.tmp
     assert res.returncode == 0, res.explain()
     for rank in (0, 1):
         assert f"START rank={rank} attempt=1 step=9 epoch=1" in res.output, res.explain()

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from hvd_trainer.launch.commands import find_mpirun
-from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun, pids_from
+from tests.e2e.hvdrun_helpers import SCRIPTS, Result, alive, clean_env, fail_time, hvdrun, pids_from
+from tests.e2e.shared_launches import TimelineProbe
 
 WORKER = str(SCRIPTS / "fault_worker.py")
 
@@ -114,14 +115,12 @@ def test_lightning_stall_ends_the_job() -> None:
     assert seconds < 60, res.explain()
 
 
-def test_timeline_written_without_shutdown(tmp_path: Path) -> None:
+def test_timeline_written_without_shutdown(verbose_timeline_probe: TimelineProbe) -> None:
     """--timeline-filename: rank 0's Chrome trace holds the collectives even when the script
     never calls hvd.shutdown() (written at interpreter exit)."""
     import json
 
-    trace = tmp_path / "timeline.json"
-    code = "import torch, hvd_trainer as hvd; hvd.init(); hvd.allreduce(torch.ones(3), name='ones')"
-    res = hvdrun(["-np", "2", "--timeline-filename", str(trace), "python", "-c", code], timeout=120)
+    res, trace = verbose_timeline_probe.result, verbose_timeline_probe.trace
     assert res.returncode == 0, res.explain()
     events = json.loads(trace.read_text())["traceEvents"]
     tensors = {e["args"].get("tensor") for e in events if e.get("ph") == "X"}
@@ -147,13 +146,14 @@ def test_shutdown_then_init_again_in_the_same_job() -> None:
     assert "AGAIN 0 1.0" in res.output and "AGAIN 1 1.0" in res.output, res.explain()
 
 
-def test_lightning_rank_killed_while_survivor_computes() -> None:
+def test_lightning_rank_killed_while_survivor_computes(tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed while rank 0 computes (no collective in flight): torchrun's agent
     SIGTERMs rank 0, whose Lightning SIGTERM handler used to run a raw ``dist.broadcast`` (gloo's
     "Connection reset by peer" traceback, exit 1). Now it raises RankFailedError naming rank 1
     at once, exits 75, and hvdrun blames rank 1 only."""
     script = str(SCRIPTS / "lightning_train.py")
-    res = hvdrun(["-np", "2", "python", script, "--kill-rank1", "--busy-survivor"], timeout=150)
+    busy = str(tmp_path / "survivor-computes")  # the survivor's signal to the victim
+    res = hvdrun(["-np", "2", "python", script, "--kill-rank1", "--busy-survivor", busy], timeout=150)
     assert res.returncode == 137, res.explain()
     killed = float(res.output.split("KILLED pid=")[1].split("at=")[1].split()[0])
     victim_pid = res.output.split("KILLED pid=")[1].split()[0]
@@ -170,16 +170,18 @@ def test_lightning_rank_killed_while_survivor_computes() -> None:
 
 
 @pytest.mark.parametrize("verbose", [False, True])
-def test_omp_threads_set_without_torchrun_banner(verbose: bool) -> None:
+def test_omp_threads_set_without_torchrun_banner(verbose: bool, request: pytest.FixtureRequest,
+                                                 stamped_probe: Result) -> None:
     """Without OMP_NUM_THREADS, each of several workers per host gets 1 (torchrun's value) and
-    no 4-line banner; ``--verbose`` says it in one hvdrun line. A user's value is kept."""
-    env = clean_env()
-    del env["OMP_NUM_THREADS"]
-    probe = ["python", "-c", "import os; print('OMP', os.environ.get('OMP_NUM_THREADS'))"]
-    res = hvdrun(["-np", "2", *(["--verbose"] if verbose else []), *probe], timeout=60, env=env)
+    no 4-line banner; ``--verbose`` says it in one hvdrun line. A user's value is kept.
+
+    The jobs are shared (shared_launches.py): ``plain_probe`` / ``verbose_timeline_probe`` run
+    without OMP_NUM_THREADS, ``stamped_probe`` with the user's OMP_NUM_THREADS=3."""
+    res = (request.getfixturevalue("verbose_timeline_probe").result if verbose
+           else request.getfixturevalue("plain_probe"))
     assert res.returncode == 0, res.explain()
     assert res.output.count("<stdout>:OMP 1") == 2, res.explain()
     assert "Setting OMP_NUM_THREADS" not in res.output and "*****" not in res.output, res.explain()
     assert ("hvdrun: OMP_NUM_THREADS=1 for each of the 2 workers" in res.output) is verbose, res.explain()
-    res = hvdrun(["-np", "2", *probe], timeout=60, env=clean_env(OMP_NUM_THREADS="3"))
+    res = stamped_probe
     assert res.output.count("<stdout>:OMP 3") == 2, res.explain()

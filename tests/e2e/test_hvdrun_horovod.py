@@ -9,39 +9,37 @@ from pathlib import Path
 import pytest
 
 from hvd_trainer.launch.commands import find_mpirun
-from tests.e2e.hvdrun_helpers import SCRIPTS, clean_env, hvdrun, last_line
+from tests.e2e.hvdrun_helpers import SCRIPTS, Result, clean_env, hvdrun, last_line
+from tests.e2e.shared_launches import PROBE_PREFIXES
 
 ELASTIC = ["--min-np", "2", "--max-np", "2", "--max-restarts", "2"]
 
 
-def test_horovod_variables_reach_every_worker() -> None:
-    code = ("import os; print('VARS', *(os.environ[f'HOROVOD_{k}'] for k in ('RANK', 'SIZE', 'LOCAL_RANK', "
-            "'LOCAL_SIZE', 'CROSS_RANK', 'CROSS_SIZE')), os.environ['HOROVOD_HOSTNAME'] != '')")
-    res = hvdrun(["-np", "2", "python", "-c", code], timeout=90)
+def test_horovod_variables_reach_every_worker(plain_probe: Result) -> None:
+    res = plain_probe
     assert res.returncode == 0, res.explain()
     assert "[0]<stdout>:VARS 0 2 0 2 0 1 True" in res.output, res.explain()
     assert "[1]<stdout>:VARS 1 2 1 2 0 1 True" in res.output, res.explain()
 
 
-def test_lines_are_prefixed_by_rank_and_never_merged() -> None:
-    # Each rank writes 200 lines in three unflushed pieces, with no pause: on a shared terminal
-    # the pieces of the two ranks would interleave.
-    code = ("import os, sys\nr = os.environ['RANK']\nfor i in range(200):\n"
-            "    sys.stdout.write(f'line {i} '); sys.stdout.write('of rank '); sys.stdout.write(r + '\\n')\n"
-            "print('to stderr', r, file=sys.stderr)\n")
-    res = hvdrun(["-np", "2", "python", "-c", code], timeout=90)
+def test_lines_are_prefixed_by_rank_and_never_merged(plain_probe: Result) -> None:
+    # Each rank writes 200 lines in three unflushed pieces, with no pause (conftest.LINES_CODE);
+    # its other lines (PROBE_PREFIXES) come first, whole, and are left out of the comparison.
+    res = plain_probe
     assert res.returncode == 0, res.explain()
     for rank in (0, 1):
-        lines = [ln for ln in res.output.splitlines() if ln.startswith(f"[{rank}]<stdout>:")]
-        assert lines == [f"[{rank}]<stdout>:line {i} of rank {rank}" for i in range(200)], res.explain()
+        prefix = f"[{rank}]<stdout>:"
+        lines = [ln for ln in res.output.splitlines()
+                 if ln.startswith(prefix) and not ln[len(prefix):].startswith(PROBE_PREFIXES)]
+        assert lines == [f"{prefix}line {i} of rank {rank}" for i in range(200)], res.explain()
         assert f"[{rank}]<stderr>:to stderr {rank}" in res.output, res.explain()
     stray = [ln for ln in res.output.splitlines()
              if "of rank" in ln and not re.match(r"^\[\d\]<stdout>:", ln)]
     assert stray == [], stray
 
 
-def test_prefix_with_timestamp() -> None:
-    res = hvdrun(["-np", "2", "--prefix-output-with-timestamp", "python", "-c", "print('hi')"], timeout=90)
+def test_prefix_with_timestamp(stamped_probe: Result) -> None:
+    res = stamped_probe
     assert res.returncode == 0, res.explain()
     stamp = r"\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}"
     assert re.search(rf"(?m)^{stamp} \[1\]<stdout>:hi$", res.output), res.explain()
@@ -91,6 +89,8 @@ def test_mpirun_workers_get_horovod_variables_and_prefixes() -> None:
 
 
 def test_lightning_restart_is_announced_and_counted(tmp_path: Path) -> None:
+    # Without --min-np/--max-np: the non-elastic path's restart (test_lightning_elastic runs the
+    # elastic one), so this launch is not shared.
     res = hvdrun(["--max-restarts", "1", "-np", "2", "python", str(SCRIPTS / "lightning_elastic.py"),
                   str(tmp_path / "run.pt"), "4"], timeout=240)
     assert res.returncode == 0, res.explain()

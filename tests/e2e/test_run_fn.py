@@ -11,13 +11,21 @@ import hvd_trainer as hvd
 from hvd_trainer.launch.run_fn import RunError
 from tests.e2e.hvdrun_helpers import ROOT, clean_env
 
+RankResult = tuple[tuple[int, float, str], int]
+"""What each rank of the shared job returns: ``_sum_and_rank``'s result, the closure's value."""
 
-@pytest.fixture(autouse=True)
-def _plain_env(monkeypatch) -> None:
+
+def _use_plain_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the test environment (clean_env): no launcher variables from an outer job."""
     for key in list(os.environ):
         monkeypatch.delenv(key)
     for key, value in clean_env().items():
         monkeypatch.setenv(key, value)
+
+
+@pytest.fixture(autouse=True)
+def _plain_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_plain_env(monkeypatch)
 
 
 def _sum_and_rank(x: float, scale: int = 1) -> tuple[int, float, str]:
@@ -26,14 +34,25 @@ def _sum_and_rank(x: float, scale: int = 1) -> tuple[int, float, str]:
     return hvd.rank() * scale, total, os.environ["HOROVOD_RANK"]
 
 
-def test_results_in_rank_order() -> None:
-    got = hvd.run(_sum_and_rank, args=(2.0,), kwargs={"scale": 10}, np=3, timeout_seconds=120)
+@pytest.fixture(scope="module")
+def three_ranks() -> list[RankResult]:
+    """One successful job for both tests below (each launch costs seconds): a lambda closing
+    over the caller's ``offset``, given args and kwargs; each rank returns ``_sum_and_rank``'s
+    result and the closure's value. Module-scoped, so it sets the plain environment itself."""
+    offset = 7
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _use_plain_env(monkeypatch)
+        return hvd.run(lambda x, scale=1: (_sum_and_rank(x, scale), offset + int(os.environ["RANK"])),
+                       args=(2.0,), kwargs={"scale": 10}, np=3, timeout_seconds=120)
+
+
+def test_results_in_rank_order(three_ranks: list[RankResult]) -> None:
+    got = [summed for summed, _ in three_ranks]
     assert got == [(0, 12.0, "0"), (10, 12.0, "1"), (20, 12.0, "2")]
 
 
-def test_a_closure_from_the_caller_runs_too() -> None:
-    offset = 7
-    assert hvd.run(lambda: offset + int(os.environ["RANK"]), np=2, timeout_seconds=120) == [7, 8]
+def test_a_closure_from_the_caller_runs_too(three_ranks: list[RankResult]) -> None:
+    assert [closed for _, closed in three_ranks] == [7, 8, 9]
 
 
 def _fails_on_rank_1() -> None:
