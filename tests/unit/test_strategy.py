@@ -22,24 +22,45 @@ def test_registered_once_and_idempotent() -> None:
     assert isinstance(StrategyRegistry.get("horovod"), HorovodStrategy)
 
 
-@pytest.mark.parametrize(
-    "first_import",
-    ["hvd_trainer.lightning.elastic", "hvd_trainer.lightning.callbacks", "hvd_trainer.lightning.cluster_env",
-     "hvd_trainer.lightning.plugins", "hvd_trainer.lightning.checkpoint_io", "hvd_trainer.strategy",
-     "pytorch_lightning"],
-)
-def test_registered_whichever_module_is_imported_first(first_import: str) -> None:
-    # A fresh interpreter, warnings as errors: importing any Lightning-side module first must
-    # neither warn (a half-initialised module met by the import hook) nor leave "horovod" out.
-    code = (
-        f"import {first_import}\n"
-        "import hvd_trainer\n"
-        "from pytorch_lightning.strategies import StrategyRegistry\n"
-        "from hvd_trainer.strategy import HorovodStrategy\n"
-        "assert StrategyRegistry['horovod']['strategy'] is HorovodStrategy\n"
-    )
-    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code],
-                          capture_output=True, text=True, timeout=180, check=False)
+FIRST_IMPORTS = ["hvd_trainer.lightning.elastic", "hvd_trainer.lightning.callbacks",
+                 "hvd_trainer.lightning.cluster_env", "hvd_trainer.lightning.plugins",
+                 "hvd_trainer.lightning.checkpoint_io", "hvd_trainer.strategy", "pytorch_lightning"]
+
+
+@pytest.fixture(scope="module")
+def first_import_runs() -> dict[str, subprocess.CompletedProcess]:
+    """One fresh interpreter per first import, all started at once (each spends seconds
+    importing Lightning; they need not wait for one another), warnings as errors."""
+    procs = {}
+    for first_import in FIRST_IMPORTS:
+        code = (
+            f"import {first_import}\n"
+            "import hvd_trainer\n"
+            "from pytorch_lightning.strategies import StrategyRegistry\n"
+            "from hvd_trainer.strategy import HorovodStrategy\n"
+            "assert StrategyRegistry['horovod']['strategy'] is HorovodStrategy\n"
+        )
+        procs[first_import] = subprocess.Popen([sys.executable, "-W", "error::UserWarning", "-c", code],
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    done = {}
+    try:
+        for first_import, proc in procs.items():
+            out, err = proc.communicate(timeout=180)
+            done[first_import] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
+
+
+@pytest.mark.parametrize("first_import", FIRST_IMPORTS)
+def test_registered_whichever_module_is_imported_first(
+        first_import: str, first_import_runs: dict[str, subprocess.CompletedProcess]) -> None:
+    # A fresh interpreter: importing any Lightning-side module first must neither warn (a
+    # half-initialised module met by the import hook) nor leave "horovod" out.
+    done = first_import_runs[first_import]
     assert done.returncode == 0, done.stderr[-3000:]
 
 
