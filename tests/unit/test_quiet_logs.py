@@ -23,29 +23,52 @@ LAUNCHER_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HVD_TRAINER_VERBOSE", "HOROVOD
 SRUN = "The `srun` command is available on your system but is not used"
 
 
-def _stderr(path_dir: Path, **env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
-    base["PYTHONPATH"] = str(ROOT)
-    # an `srun` on PATH (a stand-in, never run): Lightning's SLURM check then warns
-    base["PATH"] = os.pathsep.join([str(path_dir), base.get("PATH", "")])
-    res = subprocess.run([sys.executable, "-c", CODE], env={**base, **env}, capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
-    assert res.returncode == 0, res.stderr
-    return res.stdout + res.stderr
-
-
-@pytest.mark.parametrize(("env", "shown"), [
+LITLOGGER_CASES = [
     ({}, True),  # not launched by hvdrun: Lightning as it is
     ({"HOROVOD_RANK": "0"}, False),
     ({"HOROVOD_RANK": "0", "HVD_TRAINER_VERBOSE": "1"}, True),  # hvdrun --verbose
     ({"HOROVOD_RANK": "0", "HOROVOD_LOG_LEVEL": "debug"}, True),
-])
-def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(env: dict[str, str], shown: bool,
-                                                          tmp_path: Path) -> None:
-    srun = tmp_path / "srun"
+]
+
+
+def _start(path_dir: Path, **env: str) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
+    base["PYTHONPATH"] = str(ROOT)
+    # an `srun` on PATH (a stand-in, never run): Lightning's SLURM check then warns
+    base["PATH"] = os.pathsep.join([str(path_dir), base.get("PATH", "")])
+    return subprocess.Popen([sys.executable, "-c", CODE], env={**base, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def litlogger_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, str, str]]:
+    """(exit status, stdout + stderr, stderr) of a fresh interpreter per case, all started at
+    once (each spends seconds importing Lightning)."""
+    path_dir = tmp_path_factory.mktemp("srun")
+    srun = path_dir / "srun"
     srun.write_text("#!/bin/sh\nexit 1\n")
     srun.chmod(0o755)
-    out = _stderr(tmp_path, **env)
+    procs = [_start(path_dir, **env) for env, _ in LITLOGGER_CASES]
+    runs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=120)
+            runs.append((proc.returncode, out + err, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return runs
+
+
+@pytest.mark.parametrize("case", range(len(LITLOGGER_CASES)),
+                         ids=[f"env{i}-{shown}" for i, (_, shown) in enumerate(LITLOGGER_CASES)])
+def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(case: int,
+                                                          litlogger_runs: list[tuple[int, str, str]]) -> None:
+    shown = LITLOGGER_CASES[case][1]
+    returncode, out, err = litlogger_runs[case]
+    assert returncode == 0, err
     assert (TIP in out) is shown, out
     assert (SRUN in out) is shown, out  # the SLURM hint goes with it
     assert "GPU available:" in out, out  # Lightning's other lines are kept
