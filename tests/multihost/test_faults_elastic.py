@@ -59,6 +59,14 @@ def _wait(predicate, timeout: float) -> bool:
     return False
 
 
+def _connected(host, addr: str, port: int) -> bool:
+    """Whether a process on ``host`` holds an established TCP connection to ``addr:port`` (IPv4,
+    or IPv4-mapped IPv6 as torch's store client connects): the spare's agent reached the store."""
+    out = host.run(["ss", "-tnH", "state", "established"], timeout=30).stdout
+    peers = {f"{addr}:{port}", f"[::ffff:{addr}]:{port}"}
+    return any(line.split()[-1] in peers for line in out.splitlines() if line.split())
+
+
 def _kill_mid_epoch(c, job: Job, host: str = "h2", at_step: int = 16) -> float:
     assert job.wait_for("h1", f"STEP {at_step} rank=0 world=4", timeout=150), job.tail()
     killed_at = time.monotonic()
@@ -70,14 +78,20 @@ def _kill_mid_epoch(c, job: Job, host: str = "h2", at_step: int = 16) -> float:
 def test_a_lost_host_is_replaced_by_a_spare_and_the_weights_equal_an_uninterrupted_run(tmp_path) -> None:
     with cluster(3) as c:
         h1, h2, h3 = c.hosts
+        # the reference run is never interrupted: no pacing sleep per step (the values do not depend on it)
         ref = h1.run([HVDRUN, "-np", "4", sys.executable, WORKER, str(tmp_path / "ref"),
-                      str(tmp_path / "ref.pt")], timeout=180)
+                      str(tmp_path / "ref.pt")], env={**os.environ, "ELASTIC_STEP_SLEEP": "0"}, timeout=180)
         assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
         line = _line("h1:2,h2:2,h3:2", (4, 4), tmp_path / "run", tmp_path / "run.pt")
-        job = start_job(c, [h1, h2], line)
+        hold = tmp_path / "hold"  # the job waits after step 14 until the spare has reached the rendezvous
+        hold.touch()
+        job = start_job(c, [h1, h2], line, env={**os.environ, "ELASTIC_HOLD_FILE": str(hold)})
         assert job.wait_for("h1", "STEP 2 rank=0 world=4", timeout=150), job.tail()
         spare = start_job(c, [h3], line)  # joins the rendezvous as a spare: the world is full
-        time.sleep(3)
+        assert _wait(lambda: _connected(h3, h1.addr, 29400) or spare.procs["h3"].poll() is not None,
+                     90), spare.tail()
+        assert spare.procs["h3"].poll() is None, spare.tail()
+        hold.unlink()
         killed_at = _kill_mid_epoch(c, job)
         last = _last_commit(job, "h1", killed_at)
         assert _wait(lambda: job.procs["h1"].poll() is not None and spare.procs["h3"].poll() is not None,
