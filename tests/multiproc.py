@@ -21,6 +21,7 @@ that must own its processes (one that changes process-wide state the next test w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import multiprocessing as mp
 import os
@@ -111,7 +112,8 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.exitcode is None for p in self.procs)
 
-    def run(self, task_id: int, fn: Callable, args: tuple, timeout_seconds: float) -> dict[int, tuple[str, Any]]:
+    def run(self, task_id: int, fn: Callable, args: tuple,
+            timeout_seconds: float) -> dict[int, tuple[str, Any]]:
         port = free_port()
         for q in self.tasks:
             q.put((task_id, port, fn, args))
@@ -157,10 +159,8 @@ class _Pool:
     def stop(self) -> None:
         """End the workers: politely when idle, killed when they do not exit within 5 s."""
         for q in self.tasks:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a queue already closed
                 q.put(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 5
         for p in self.procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
