@@ -191,6 +191,7 @@ _LOADER = textwrap.dedent("""
 
 
 def test_saved_model_loads_without_hvd_trainer(results, tmp_path):
+    # A fresh interpreter of its own (not run_workers): it must load with hvd_trainer never imported.
     backend, path, _ = results
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"KERAS_BACKEND": backend, **QUIET})

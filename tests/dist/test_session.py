@@ -119,7 +119,10 @@ hvd.shutdown()
 
 
 def test_init_from_horovodrun_variables_only() -> None:
-    """What horovodrun exports for a Gloo job on one host, and nothing of torchrun's."""
+    """What horovodrun exports for a Gloo job on one host, and nothing of torchrun's.
+
+    Owns its processes (not run_workers): the point is an init that reads only HOROVOD_*
+    variables, in interpreters that never saw torchrun's."""
     keep = {k: v for k, v in os.environ.items()
             if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "ROLE_",
                                  "TORCHELASTIC", "OMPI_", "PMI_", "SLURM_", "HOROVOD_"))}
