@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreters import run_at_once
 
 ROOT = Path(__file__).resolve().parents[2]
 TIP = "try installing [litlogger]"
@@ -31,44 +32,33 @@ LITLOGGER_CASES = [
 ]
 
 
-def _start(path_dir: Path, **env: str) -> subprocess.Popen:
+def _env(path_dir: Path, **env: str) -> dict[str, str]:
     base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("SLURM_")}
     base["PYTHONPATH"] = str(ROOT)
     # an `srun` on PATH (a stand-in, never run): Lightning's SLURM check then warns
     base["PATH"] = os.pathsep.join([str(path_dir), base.get("PATH", "")])
-    return subprocess.Popen([sys.executable, "-c", CODE], env={**base, **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return {**base, **env}
 
 
 @pytest.fixture(scope="module")
-def litlogger_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, str, str]]:
-    """(exit status, stdout + stderr, stderr) of a fresh interpreter per case, all started at
-    once (each spends seconds importing Lightning)."""
+def litlogger_runs(tmp_path_factory: pytest.TempPathFactory) -> list[subprocess.CompletedProcess]:
+    """A fresh interpreter per case, all started at once (each spends seconds importing Lightning)."""
     path_dir = tmp_path_factory.mktemp("srun")
     srun = path_dir / "srun"
     srun.write_text("#!/bin/sh\nexit 1\n")
     srun.chmod(0o755)
-    procs = [_start(path_dir, **env) for env, _ in LITLOGGER_CASES]
-    runs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            runs.append((proc.returncode, out + err, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return runs
+    envs = [_env(path_dir, **env) for env, _ in LITLOGGER_CASES]
+    return run_at_once([CODE] * len(envs), envs=envs, cwd=str(ROOT), timeout_seconds=120)
 
 
 @pytest.mark.parametrize("case", range(len(LITLOGGER_CASES)),
                          ids=[f"env{i}-{shown}" for i, (_, shown) in enumerate(LITLOGGER_CASES)])
-def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(case: int,
-                                                          litlogger_runs: list[tuple[int, str, str]]) -> None:
+def test_litlogger_tip_only_outside_hvdrun_or_when_verbose(
+        case: int, litlogger_runs: list[subprocess.CompletedProcess]) -> None:
     shown = LITLOGGER_CASES[case][1]
-    returncode, out, err = litlogger_runs[case]
-    assert returncode == 0, err
+    run = litlogger_runs[case]
+    assert run.returncode == 0, run.stderr
+    out = run.stdout + run.stderr
     assert (TIP in out) is shown, out
     assert (SRUN in out) is shown, out  # the SLURM hint goes with it
     assert "GPU available:" in out, out  # Lightning's other lines are kept

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
 import hvd_trainer  # noqa: F401
 from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+from tests.interpreters import run_at_once
 
 
 def test_registered_once_and_idempotent() -> None:
@@ -29,30 +29,15 @@ FIRST_IMPORTS = ["hvd_trainer.lightning.elastic", "hvd_trainer.lightning.callbac
 
 @pytest.fixture(scope="module")
 def first_import_runs() -> dict[str, subprocess.CompletedProcess]:
-    """One fresh interpreter per first import, all started at once (each spends seconds
-    importing Lightning; they need not wait for one another), warnings as errors."""
-    procs = {}
-    for first_import in FIRST_IMPORTS:
-        code = (
-            f"import {first_import}\n"
-            "import hvd_trainer\n"
-            "from pytorch_lightning.strategies import StrategyRegistry\n"
-            "from hvd_trainer.strategy import HorovodStrategy\n"
-            "assert StrategyRegistry['horovod']['strategy'] is HorovodStrategy\n"
-        )
-        procs[first_import] = subprocess.Popen([sys.executable, "-W", "error::UserWarning", "-c", code],
-                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    done = {}
-    try:
-        for first_import, proc in procs.items():
-            out, err = proc.communicate(timeout=180)
-            done[first_import] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return done
+    """One fresh interpreter per first import, all started at once, warnings as errors."""
+    codes = [f"import {first_import}\n"
+             "import hvd_trainer\n"
+             "from pytorch_lightning.strategies import StrategyRegistry\n"
+             "from hvd_trainer.strategy import HorovodStrategy\n"
+             "assert StrategyRegistry['horovod']['strategy'] is HorovodStrategy\n"
+             for first_import in FIRST_IMPORTS]
+    runs = run_at_once(codes, flags=["-W", "error::UserWarning"])
+    return dict(zip(FIRST_IMPORTS, runs, strict=True))
 
 
 @pytest.mark.parametrize("first_import", FIRST_IMPORTS)
