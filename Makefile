@@ -34,7 +34,7 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/hvdrun -np 2 $(VENV)/bin/hvd-train recipe=gpt
 
 test: $(ALL_STAMP)
-	$(PY) -m pytest -q tests --durations=30
+	$(PY) -m tests.lanes
 
 lint: $(ALL_STAMP)
 	$(VENV)/bin/ruff check hvd_trainer recipes tests bench

@@ -1,0 +1,115 @@
+"""``make test``: the whole suite as two pytest runs side by side, then the 30 slowest tests.
+
+* lane ``wait`` (``tests/multihost``, ``tests/engines``): namespace hosts, cut links, heartbeat
+  timeouts, Ray/Slurm/Spark daemons. Mostly waiting, and holding the suite's tightest timing
+  assertions (a survivor's next step within seconds of a fault), so it runs at normal priority.
+* lane ``cpu`` (``tests/unit``, ``tests/dist``, ``tests/e2e``): interpreters importing torch,
+  Lightning and Keras, rank pools computing; it runs at ``nice`` +5 and takes the CPU the other
+  lane leaves idle.
+
+One run of the whole suite keeps a 2-core machine about half idle (most tests of the wait lane
+sleep on a timeout or a link); side by side, the suite takes about as long as its CPU lane. The
+lanes share nothing: the wait lane's hosts are network namespaces of their own, and every rank pool
+takes a fresh port.
+
+Usage: ``python -m tests.lanes [--reverse] [PYTEST_ARGS...]`` from the repository root; extra
+arguments go to both pytest runs. ``--reverse`` gives each lane its test files in reverse order
+(the tests must not depend on order). Exit status: 0 when both lanes passed, else the first
+non-zero of (cpu, wait); a lane where extra arguments selected nothing (pytest's 5) counts as
+passed unless neither lane ran a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOWEST = 30
+NO_TESTS = 5  # pytest's exit status when nothing was selected
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lane:
+    """One pytest run: its folders under ``tests/`` and its ``nice`` increment."""
+
+    name: str
+    folders: tuple[str, ...]
+    nice: int
+
+
+LANES = (
+    Lane(name="cpu", folders=("unit", "dist", "e2e"), nice=5),
+    Lane(name="wait", folders=("multihost", "engines"), nice=0),
+)
+
+
+def _targets(lane: Lane, reverse: bool) -> list[str]:
+    if not reverse:
+        return [f"tests/{f}" for f in lane.folders]
+    files = [p for f in lane.folders for p in (ROOT / "tests" / f).rglob("test_*.py")]
+    return [str(p.relative_to(ROOT)) for p in sorted(files, reverse=True)]
+
+
+def _start(lane: Lane, args: list[str], reverse: bool, junit: Path, log: Path | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pytest", "-q", *_targets(lane, reverse), f"--junitxml={junit}", *args]
+    if lane.name != "cpu":  # one lane keeps pytest's cache (last failures); two writers would race
+        cmd += ["-p", "no:cacheprovider"]
+    out = open(log, "w") if log is not None else None  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
+                            preexec_fn=(lambda: os.nice(lane.nice)) if lane.nice else None)
+
+
+def slowest(junit_files: list[Path], count: int = SLOWEST) -> list[tuple[float, str]]:
+    """The ``count`` slowest test cases (seconds of setup + call + teardown, test id)."""
+    cases = []
+    for path in junit_files:
+        if not path.exists():
+            continue
+        for case in ET.parse(path).getroot().iter("testcase"):
+            test_id = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+            cases.append((float(case.get("time", 0.0)), test_id))
+    return sorted(cases, reverse=True)[:count]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reverse", action="store_true", help="each lane's test files in reverse order")
+    opts, pytest_args = parser.parse_known_args(argv)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="hvd-test-lanes-") as tmp:
+        junits = {lane.name: Path(tmp) / f"{lane.name}.xml" for lane in LANES}
+        wait_log = Path(tmp) / "wait.log"
+        procs = {
+            lane.name: _start(lane, pytest_args, opts.reverse, junits[lane.name],
+                              None if lane.name == "cpu" else wait_log)
+            for lane in LANES
+        }
+        try:
+            codes = {name: proc.wait() for name, proc in procs.items()}
+        except KeyboardInterrupt:
+            for proc in procs.values():
+                proc.terminate()
+            raise
+        print(f"\n========== lane wait ({', '.join(LANES[1].folders)}) ==========", flush=True)
+        print(wait_log.read_text(), end="", flush=True)
+        print(f"\n========== {SLOWEST} slowest tests, both lanes (setup + call + teardown) ==========")
+        for seconds, test_id in slowest(list(junits.values())):
+            print(f"{seconds:8.2f}s {test_id}")
+    print(f"lanes: cpu exit {codes['cpu']}, wait exit {codes['wait']}; {time.monotonic() - start:.1f} s "
+          "in all (each lane's own time is on its pytest summary line)", flush=True)
+    # 5: pytest selected no test in that lane (``-k`` naming tests of the other lane only)
+    if all(c == NO_TESTS for c in codes.values()):
+        return NO_TESTS
+    return next((c for c in (codes["cpu"], codes["wait"]) if c not in (0, NO_TESTS)), 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
