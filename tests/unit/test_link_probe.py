@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hvd_trainer.comm.reduce.fusion import FusionConfig
-from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes
+from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, fit_link
 
 MIB = 2**20
 
@@ -40,3 +40,24 @@ def test_bucket_seconds_must_be_positive() -> None:
 def test_bucket_cap_is_time_on_the_wire(bytes_per_s: float, expected: int) -> None:
     link = LinkEstimate(bytes_per_s=bytes_per_s, latency_s=1e-4)
     assert bucket_cap_bytes(link, 0.05, 256 * 1024, 16 * MIB) == expected
+
+
+def test_fit_through_two_points_gives_the_links_rate_and_latency() -> None:
+    # 12 MB/s and 1 ms: 8 KiB in 1.68 ms, 256 KiB in 22.8 ms
+    link = fit_link(1e-3 + 8192 / 12e6, 1e-3 + 262144 / 12e6)
+    assert link.bytes_per_s == pytest.approx(12e6)
+    assert link.latency_s == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("t_small", [0.03, 0.0228])  # the small one delayed past / up to the large one
+def test_a_disturbed_small_timing_gives_the_large_ones_rate_not_an_unbounded_one(t_small: float) -> None:
+    link = fit_link(t_small, 0.0228)
+    assert link.bytes_per_s == pytest.approx(262144 / 0.0228)
+    assert link.latency_s == 0.0
+
+
+def test_fit_rejects_points_it_cannot_fit() -> None:
+    with pytest.raises(ValueError, match="large_bytes > small_bytes"):
+        fit_link(0.001, 0.0)
+    with pytest.raises(ValueError, match="large_bytes > small_bytes"):
+        fit_link(0.001, 0.002, small_bytes=4096, large_bytes=4096)
