@@ -499,8 +499,9 @@ class InProcessFitLauncher:
     in-process recovery: it runs ``fit`` in this process and, when a peer's failure (or a
     restarted worker waiting at a commit) interrupts it, re-forms the world with
     :func:`hvd_trainer.comm.recover` and runs ``fit`` again, which resumes from the newest commit
-    in memory (see the module docstring). Anything else (a user error, ``validate``/``test``/
-    ``predict``, a fit without elastic mode) propagates as without it.
+    in memory (see the module docstring). Anything else (a user error, a fit the launcher stopped
+    with SIGTERM, ``validate``/``test``/``predict``, a fit without elastic mode) propagates as
+    without it.
 
     Args:
         strategy: the :class:`~hvd_trainer.strategy.HorovodStrategy`; it provides ``elastic``
@@ -535,8 +536,12 @@ class InProcessFitLauncher:
         """Nothing to kill: hvdrun started the processes (Lightning's launcher interface)."""
 
     def _recoverable(self, trainer: pl.Trainer, exc: BaseException) -> bool:
+        # With in-process recovery the launcher's SIGTERM means the job is ending (torchrun sends
+        # it once a worker exited: a user error, or a failure nothing recovered): the error it
+        # raises (a peer is gone, lightning/signals.py) ends this rank too, instead of a re-formed
+        # world training on until the launcher's SIGKILL.
         return (trainer.state.fn == TrainerFn.FITTING and bool(self.strategy.elastic)
-                and comm.in_process_recovery() and is_peer_failure(exc))
+                and comm.in_process_recovery() and is_peer_failure(exc) and not trainer.received_sigterm)
 
     def _recover(self, trainer: pl.Trainer, exc: BaseException) -> None:
         started = time.monotonic()

@@ -255,6 +255,28 @@ def test_in_process_recovery_runs_fit_again_from_the_commit_in_memory(
     assert not (tmp_path / "run" / "lightning_fit0.ckpt").exists()  # commits stay in memory
 
 
+def test_a_peer_failure_after_the_launchers_sigterm_is_not_recovered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under in-process recovery torchrun sends SIGTERM only when the job is ending (a worker
+    exited): the peer failure the signal handler then raises ends fit, not a re-formed world."""
+    monkeypatch.setenv("HVDRUN_RECOVERY", "in-process")
+    monkeypatch.setattr(comm, "in_process_recovery", lambda: True)
+    recovered: list[int] = []
+    monkeypatch.setattr(comm, "recover", lambda: recovered.append(1) or comm.get_world())
+    training_step = Net.training_step
+
+    def stopped_step(self: Net, *args: Any) -> torch.Tensor:
+        if self.global_step == 5:
+            self.trainer._signal_connector.received_sigterm = True  # what the SIGTERM handler sets first
+            raise HorovodInternalError("rank 1 is no longer running")
+        return training_step(self, *args)
+
+    monkeypatch.setattr(Net, "training_step", stopped_step)
+    with pytest.raises(HorovodInternalError, match="no longer running"):
+        _fit(tmp_path / "run")
+    assert recovered == []
+
+
 def test_commit_of_another_world_size_skips_random_states(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _fit(tmp_path, 14, dropout=True)
