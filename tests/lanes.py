@@ -3,9 +3,9 @@
 * lane ``wait`` (``tests/multihost``, ``tests/engines``): namespace hosts, cut links, heartbeat
   timeouts, Ray/Slurm/Spark daemons. Mostly waiting, and holding the suite's tightest timing
   assertions (a survivor's next step within seconds of a fault), so it runs at normal priority.
-* lane ``cpu`` (``tests/unit``, ``tests/dist``, ``tests/e2e``): interpreters importing torch,
-  Lightning and Keras, rank pools computing; it runs at ``nice`` +5 and takes the CPU the other
-  lane leaves idle.
+* lane ``cpu`` (``tests/unit``, ``tests/dist``, ``tests/e2e``, ``tests/gpu``): interpreters
+  importing torch, Lightning and Keras, rank pools computing; it runs at ``nice`` +5 and takes the
+  CPU the other lane leaves idle. (``tests/gpu`` skips itself where there is no GPU.)
 
 One run of the whole suite keeps a 2-core machine about half idle (most tests of the wait lane
 sleep on a timeout or a link); side by side, the suite takes about as long as its CPU lane. The
@@ -46,7 +46,7 @@ class Lane:
 
 
 LANES = (
-    Lane(name="cpu", folders=("unit", "dist", "e2e"), nice=5),
+    Lane(name="cpu", folders=("unit", "dist", "e2e", "gpu"), nice=5),
     Lane(name="wait", folders=("multihost", "engines"), nice=0),
 )
 
