@@ -262,7 +262,12 @@ def test_a_peer_failure_after_the_launchers_sigterm_is_not_recovered(
     monkeypatch.setenv("HVDRUN_RECOVERY", "in-process")
     monkeypatch.setattr(comm, "in_process_recovery", lambda: True)
     recovered: list[int] = []
-    monkeypatch.setattr(comm, "recover", lambda: recovered.append(1) or comm.get_world())
+
+    def recover() -> None:  # a re-formed world would train on: fail at once instead of hanging
+        recovered.append(1)
+        raise RuntimeError("recovered in process after the launcher's SIGTERM")
+
+    monkeypatch.setattr(comm, "recover", recover)
     training_step = Net.training_step
 
     def stopped_step(self: Net, *args: Any) -> torch.Tensor:
