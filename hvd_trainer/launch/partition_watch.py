@@ -92,6 +92,8 @@ class PartitionWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._done.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)  # done reading before the job directory is removed
 
     def _loop(self) -> None:
         first_seen: float | None = None

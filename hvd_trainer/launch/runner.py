@@ -9,12 +9,15 @@ a log to parse. mpirun runs as a child process; its own report names the failed 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +28,7 @@ from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures
 from hvd_trainer.launch.loopback import use_loopback_store
 from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
 
-__all__ = ["run_torchrun", "run_mpirun", "describe_exit", "IN_PROCESS_EXIT_BARRIER_SECONDS"]
+__all__ = ["run_torchrun", "run_mpirun", "describe_exit", "job_directory", "IN_PROCESS_EXIT_BARRIER_SECONDS"]
 
 JOB_DIR_ENV = "HVDRUN_JOB_DIR"
 """The job directory exported to workers (read by :mod:`hvd_trainer.elastic.user_error`)."""
@@ -153,6 +156,31 @@ IN_PROCESS_EXIT_BARRIER_SECONDS = 20.0
 survivors re-formed their world without a new one, and would hold the others for the full wait."""
 
 
+def _raise_unless_vanished(_func: object, _path: str, exc_info: Any) -> None:
+    if not issubclass(exc_info[0], FileNotFoundError):  # removed meanwhile: what rmtree wants
+        raise exc_info[1]
+
+
+@contextlib.contextmanager
+def job_directory() -> Iterator[Path]:
+    """A fresh ``<tmp>/hvdrun-job-*`` directory (``HVDRUN_JOB_DIR``), removed at the end.
+
+    A directory that cannot be removed (e.g. a worker still running writes into it) is named in
+    a warning line on stderr and left behind; no error is raised, so the job's own result and
+    exit status stand.
+    """
+    path = Path(tempfile.mkdtemp(prefix="hvdrun-job-"))
+    try:
+        yield path
+    finally:
+        try:
+            shutil.rmtree(path, onerror=_raise_unless_vanished)
+        except OSError as exc:
+            print(f"hvdrun: warning: could not remove the job's temporary directory {path} ({exc}); "
+                  "it is left behind. HINT: remove it once no process of the job runs.",
+                  file=sys.stderr, flush=True)
+
+
 def run_torchrun(
     args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False,
     max_restarts: int = 0, exit_barrier_seconds: float | None = None,
@@ -174,11 +202,11 @@ def run_torchrun(
         # "Sending process <pid> closing signal SIGTERM", "failed (exitcode: 1) local_rank: 0
         # (pid: <pid>)": the worker entries' pids, not the ranks'; hvdrun's own line says it
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
-    with tempfile.TemporaryDirectory(prefix="hvdrun-job-") as job_dir:
-        os.environ[JOB_DIR_ENV] = job_dir
-        watch = AgentWatch(Path(job_dir), max_restarts, exit_barrier_seconds=exit_barrier_seconds)
+    with job_directory() as job_dir:
+        os.environ[JOB_DIR_ENV] = str(job_dir)
+        watch = AgentWatch(job_dir, max_restarts, exit_barrier_seconds=exit_barrier_seconds)
         try:
-            with PartitionWatch(Path(job_dir)):
+            with PartitionWatch(job_dir):
                 return _run_watched(args, watch, start_timeout_seconds)
         finally:
             os.environ.pop(JOB_DIR_ENV, None)

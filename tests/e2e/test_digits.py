@@ -30,7 +30,7 @@ def test_digits_result_line(name: str, cmd: list[str], world: int, epochs: int) 
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     output = proc.stdout + proc.stderr
-    tail = "\n".join(output.splitlines()[-25:])
+    tail = "\n".join(output.splitlines()[-200:])  # the whole of a failed run: its first error too
     context = f"command: {' '.join(cmd)}\nexit code: {proc.returncode}\n--- output tail ---\n{tail}"
     assert proc.returncode == 0, context
     lines = [m for m in map(RESULT.match, proc.stdout.splitlines()) if m]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -65,3 +66,24 @@ def test_forget_partition_records_removes_only_them(tmp_path) -> None:
     (tmp_path / "user_error.0.json").write_text("{}")
     forget_partition_records(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["user_error.0.json"]
+
+
+def test_the_watch_has_stopped_reading_once_its_block_ends(tmp_path) -> None:
+    """hvdrun removes the job directory right after the block: the watch must not list it then
+    (CI once saw the watch's listing fail in the middle of that removal)."""
+    watch = PartitionWatch(tmp_path, grace_seconds=60.0, hard_exit=lambda code: None)
+    with watch:
+        _record(tmp_path)
+        time.sleep(0.3)  # at least one poll has run
+    assert not watch._thread.is_alive()
+
+
+def test_a_removed_job_directory_reads_as_no_records(tmp_path) -> None:
+    from hvd_trainer.comm.world.heartbeat import read_records
+
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    _record(job_dir)
+    assert [r["rank"] for r in read_records(job_dir)] == [2]
+    shutil.rmtree(job_dir)
+    assert read_records(job_dir) == []

@@ -153,9 +153,14 @@ def judge(
 
 
 def read_records(job_dir: Path) -> list[dict[str, Any]]:
-    """The ``unreachable.<rank>.json`` records in ``job_dir``, lowest rank first."""
+    """The ``unreachable.<rank>.json`` records in ``job_dir``, lowest rank first (none when
+    ``job_dir`` cannot be listed, e.g. hvdrun removed it at the job's end)."""
     records = []
-    for path in sorted(job_dir.glob(UNREACHABLE_RECORD.format(rank="*"))):
+    try:
+        paths = sorted(job_dir.glob(UNREACHABLE_RECORD.format(rank="*")))
+    except OSError:
+        return []
+    for path in paths:
         with contextlib.suppress(OSError, ValueError):
             records.append(json.loads(path.read_text()))
     return sorted(records, key=lambda r: int(r.get("rank", 0)))
