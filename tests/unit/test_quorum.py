@@ -153,19 +153,24 @@ def test_every_worker_restarted_closes_the_round_without_the_old_members(store: 
     _in_threads([q.join for q in qs])
     again = [_quorum(store, s, slots=2) for s in (0, 1)]
     got: dict[int, Any] = {}
-    threads = [threading.Thread(target=lambda s=s: got.__setitem__(s, again[s].join())) for s in (0, 1)]
+    closed = threading.Event()
+
+    def enter(slot: int) -> None:
+        got[slot] = again[slot].join()
+        closed.set()
+
+    threads = [threading.Thread(target=enter, args=(s,)) for s in (0, 1)]
     for t in threads:
         t.start()
+    assert closed.wait(20)  # the first round to close
     deadline = time.monotonic() + 20
-    while not got and time.monotonic() < deadline:  # the first round to close
-        time.sleep(0.01)
     (first, members), = list(got.items())[:1]
     assert members.epoch == 2 and os.getpid() in [m.pid for m in members.members], members
     if _slots(members) != [0, 1]:
         # The other restarted worker arrived after the first closed round 2 without it (both old
         # pids are dead): it waits at round 3, which the member opens at its next step boundary.
         while not again[first].reform_due() and time.monotonic() < deadline:
-            time.sleep(0.01)
+            pass  # each call is one step boundary (store round trips)
         got[first] = again[first].reform()
     for t in threads:
         t.join(20)
