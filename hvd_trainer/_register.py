@@ -21,7 +21,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["register", "register_pytorch_lightning", "register_lightning_pytorch"]
+__all__ = ["register", "register_pytorch_lightning", "register_lightning_pytorch", "RegisterOnImport"]
 
 
 def _strategy_module_importing() -> bool:
@@ -48,6 +48,7 @@ def register_lightning_pytorch() -> None:
     if _strategy_module_importing():
         return
     from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import SingleDeviceStrategy
     from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
     from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
 
@@ -56,7 +57,7 @@ def register_lightning_pytorch() -> None:
 
     if "horovod" not in LightningRegistry:
         strategy.lightning_pytorch_strategy_class().register_strategies(LightningRegistry)
-    porting.install(_AcceleratorConnector, AcceleratorRegistry)
+    porting.install(_AcceleratorConnector, AcceleratorRegistry, SingleDeviceStrategy)
 
 
 _TARGETS: dict[str, Callable[[], None]] = {
@@ -94,7 +95,7 @@ class _RegisteringLoader(importlib.abc.Loader):
         return getattr(self._inner, name)
 
 
-class _RegisterOnImport(importlib.abc.MetaPathFinder):
+class RegisterOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of the Lightning packages named in ``pending``."""
 
     def __init__(self, pending: dict[str, Callable[[], None]]) -> None:
@@ -119,5 +120,5 @@ def register() -> None:
             _safe(fn)
         else:
             pending[name] = fn
-    if pending and not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport(pending))
+    if pending and not any(isinstance(f, RegisterOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, RegisterOnImport(pending))

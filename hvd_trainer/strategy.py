@@ -42,7 +42,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only
 from pytorch_lightning.accelerators import AcceleratorRegistry
 from pytorch_lightning.plugins import TorchSyncBatchNorm
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.strategies import ParallelStrategy, StrategyRegistry
+from pytorch_lightning.strategies import ParallelStrategy, SingleDeviceStrategy, StrategyRegistry
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.nn.functional import all_gather as differentiable_all_gather
@@ -983,7 +983,10 @@ def _all_gather_with_grads(tensor: Tensor) -> Tensor:
     DDP strategy runs; ``tensor`` itself while ``torch.distributed`` is not initialised, as there)."""
     if not dist.is_initialized():
         return tensor
-    return torch.stack(differentiable_all_gather(tensor.contiguous()))  # contiguous: pytorch#73515
+    # group= given at each call: torch's default (group.WORLD) is bound when its module is first
+    # imported, i.e. to the world then current, which a re-formed world has destroyed.
+    group = dist.group.WORLD
+    return torch.stack(differentiable_all_gather(tensor.contiguous(), group=group))  # contiguous: pytorch#73515
 
 
 def _check_group(group: Any | None) -> None:
@@ -1014,4 +1017,4 @@ def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: in
 # pytorch_lightning while this class does not exist yet; so the strategy registers itself here.
 if "horovod" not in StrategyRegistry:
     HorovodStrategy.register_strategies(StrategyRegistry)
-install_porting_habits(AcceleratorConnector, AcceleratorRegistry)
+install_porting_habits(AcceleratorConnector, AcceleratorRegistry, SingleDeviceStrategy)

@@ -27,8 +27,9 @@ MIB = 1024 * 1024
 WORKER_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_entry.py")
 """The per-worker step (Horovod's variables, prefixed lines, per-rank files), run as a script."""
 HOROVOD_SHIM_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_horovod_shim")
-"""Put first on the workers' ``PYTHONPATH`` by ``--as-horovod`` (its ``sitecustomize`` installs
-:mod:`hvd_trainer.horovod_alias` in every Python process of the job)."""
+"""Put first on every worker's ``PYTHONPATH``: its ``sitecustomize`` registers
+``Trainer(strategy="horovod")`` when a Lightning package is imported and, with ``--as-horovod``,
+installs :mod:`hvd_trainer.horovod_alias` (in every Python process of the job)."""
 
 
 def worker_env(opts: HvdrunOptions) -> dict[str, str]:
@@ -47,8 +48,7 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
         env["HVDRUN_OUTPUT_DIR"] = os.path.abspath(opts.output_filename)
     if opts.prefix_timestamp:
         env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
-    if opts.as_horovod is not None:
-        env.update(_as_horovod_env(opts.as_horovod))
+    env.update(_shim_env(opts.as_horovod))
     if opts.verbose:
         # third-party notices the workers otherwise drop (hvd_trainer.lightning.quiet.VERBOSE_ENV)
         env["HVD_TRAINER_VERBOSE"] = "1"
@@ -73,10 +73,15 @@ def _recovery_env(opts: HvdrunOptions) -> dict[str, str]:
             "HVDRUN_MAX_NP": str(max(opts.max_np or opts.num_proc, opts.num_proc))}
 
 
-def _as_horovod_env(mode: str) -> dict[str, str]:
-    """``PYTHONPATH`` with the Horovod shim first (the user's entries after it) and its mode."""
-    paths = [HOROVOD_SHIM_DIR, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    return {"PYTHONPATH": os.pathsep.join(paths), "HVDRUN_AS_HOROVOD": mode}
+def _shim_env(as_horovod: str | None) -> dict[str, str]:
+    """``PYTHONPATH`` with :data:`HOROVOD_SHIM_DIR` first (the user's entries after it) and
+    ``--as-horovod``'s mode."""
+    user = os.environ.get("PYTHONPATH", "")
+    paths = [HOROVOD_SHIM_DIR, *[p for p in user.split(os.pathsep) if p and p != HOROVOD_SHIM_DIR]]
+    out = {"PYTHONPATH": os.pathsep.join(paths)}
+    if as_horovod is not None:
+        out["HVDRUN_AS_HOROVOD"] = as_horovod
+    return out
 
 
 def _interface_env(opts: HvdrunOptions) -> dict[str, str]:

@@ -26,6 +26,8 @@ num_processes, num_nodes)``                                  N-1 processes (stra
 ``pytorch_lightning.trainer.connectors.accelerator_connector  ``Trainer()`` under hvdrun picks
 ._AcceleratorConnector._choose_strategy(self)``              ``"horovod"`` (lightning/porting.py
                                                              wraps it)
+``_AcceleratorConnector.__init__`` and its ``.strategy``     a single-device strategy under
+(set by the end of ``__init__``)                             hvdrun is named (porting.py)
 ``trainer._signal_connector``: ``._sigterm_notifier_fn``     SIGTERM without Lightning's raw
 (an instance attribute set before                            broadcast in the handler; a dead
 ``register_signal_handlers()``), ``.received_sigterm``       peer is named (lightning/signals.py)

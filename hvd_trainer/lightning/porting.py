@@ -7,12 +7,17 @@
   rank would train its own model without a word. Under torchrun, mpirun or srun without those
   variables, Lightning's own choice stands (``ddp`` for ``devices > 1``), as Lightning 2.x users
   expect. An explicit ``strategy=`` is never changed.
+* A ``Trainer`` that would still train alone in each of the processes Horovod's launcher started
+  (an explicit single-device strategy, e.g. ``strategy="single_device"``) says so on rank 0: every
+  rank would otherwise fit its own model and write its own checkpoints, without a word.
 * ``Trainer(accelerator="horovod")`` (Lightning 1.0-1.4) raises :class:`LightningPortingError`
   with the 2.x spelling, instead of Lightning's generic "invalid accelerator name".
 
-Both are installed into a Lightning package by :func:`install`, which the strategy's registration
-calls (``import hvd_trainer`` is enough). The auto choice wraps the accelerator connector's
-private ``_choose_strategy`` (listed in :mod:`hvd_trainer.lightning._compat`).
+They are installed into a Lightning package by :func:`install`, which the strategy's registration
+calls (``import hvd_trainer`` is enough; under ``hvdrun`` not even that, see
+:mod:`hvd_trainer.launch._horovod_shim`). The auto choice wraps the accelerator connector's
+private ``_choose_strategy``, the warning its ``__init__`` (listed in
+:mod:`hvd_trainer.lightning._compat`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from hvd_trainer.lightning import quiet
 
@@ -81,17 +86,41 @@ def _auto_horovod(choose: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return choose_strategy
 
 
-def install(connector_cls: type, accelerator_registry: Any) -> None:
-    """Install both habits into one Lightning package (idempotent).
+def _warn_if_alone(init: Callable[..., None], single_device_cls: type) -> Callable[..., None]:
+    """Wrap a connector's ``__init__``: a single-device strategy in a job of several processes
+    started by Horovod's launcher is named on rank 0 (each rank would train its own model)."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807 (wraps __init__)
+        init(self, *args, **kwargs)
+        size = os.environ.get("HOROVOD_SIZE", "1") if horovod_launched() else "1"
+        if size.isdigit() and int(size) > 1 and isinstance(self.strategy, single_device_cls):
+            rank_zero_warn(
+                f"hvd_trainer: this Trainer uses {type(self.strategy).__name__} in a job of {size} "
+                "processes started by hvdrun/horovodrun, so every process trains its own model (and "
+                "writes its own checkpoints). HINT: Trainer(strategy='horovod') to train one model "
+                "on all of them, or leave strategy= out."
+            )
+
+    setattr(__init__, _WRAPPED, True)
+    return __init__
+
+
+def install(connector_cls: type, accelerator_registry: Any, single_device_cls: type) -> None:
+    """Install the habits above into one Lightning package (idempotent).
 
     Args:
-        connector_cls: that package's ``_AcceleratorConnector`` (its ``_choose_strategy`` is wrapped).
+        connector_cls: that package's ``_AcceleratorConnector`` (its ``_choose_strategy`` and
+            ``__init__`` are wrapped).
         accelerator_registry: that package's ``AcceleratorRegistry`` (gets ``"horovod"``).
+        single_device_cls: that package's ``SingleDeviceStrategy`` (named when it is chosen).
     """
     quiet.install()
     choose = connector_cls._choose_strategy
     if not getattr(choose, _WRAPPED, False):
         connector_cls._choose_strategy = _auto_horovod(choose)
+    if not getattr(connector_cls.__init__, _WRAPPED, False):
+        connector_cls.__init__ = _warn_if_alone(connector_cls.__init__, single_device_cls)
     if STRATEGY not in accelerator_registry:
         accelerator_registry.register(
             STRATEGY, HorovodAcceleratorName,

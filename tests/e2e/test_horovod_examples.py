@@ -97,12 +97,44 @@ def test_pytorch_mnist_elastic(tmp_path: Path, flags: tuple[str, ...]) -> None:
 
 
 def test_lightning_trainer_without_strategy_under_hvdrun(tmp_path: Path) -> None:
+    """A bare ``Trainer()`` in a program that never imports hvd_trainer (hvdrun's workers register
+    the strategy when Lightning is imported)."""
     (r0, r1), output = _run("lightning_no_strategy", tmp_path)
     for res in (r0, r1):
         assert res["horovod_size"] == "2"  # hvdrun exports Horovod's variables (issue 11, class 7)
         assert res["strategy"] == "HorovodStrategy" and res["world_size"] == 2
+        assert res["hvd_trainer_imported"] is True  # by hvdrun's worker sitecustomize, not the program
     assert r0["weights"] == r1["weights"]  # one model trained, not two independent ones
     assert output.count("using strategy='horovod', as Lightning 1.x did") == 1  # said once, on rank 0
+
+
+def test_lightning_single_device_strategy_under_hvdrun_is_named(tmp_path: Path) -> None:
+    """An explicit single-device strategy trains alone in every process: allowed, said on rank 0."""
+    script = str(EXAMPLES / "lightning_no_strategy.py")
+    res = hvdrun(["-np", "2", "python", script, "--strategy", "single_device"], timeout=150,
+                 env=clean_env(EXAMPLE_OUT=str(tmp_path)))
+    assert res.returncode == 0, res.explain()
+    r0, r1 = (json.loads((tmp_path / f"lightning_no_strategy.{rank}.json").read_text()) for rank in (0, 1))
+    assert r0["strategy"] == r1["strategy"] == "SingleDeviceStrategy"
+    assert r0["weights"] != r1["weights"]  # two models indeed (rank-dependent initial weights)
+    assert res.output.count("so every process trains its own model") == 1, res.explain()
+    assert "HINT: Trainer(strategy='horovod')" in res.output
+
+
+def test_lightning_cli_program_with_horovod_strategy_from_the_command_line(tmp_path: Path) -> None:
+    """``LightningCLI`` with ``--trainer.strategy=horovod``, no hvd_trainer line in the program."""
+    script = str(EXAMPLES / "lightning_cli.py")
+    res = hvdrun(["-np", "2", "python", script, "fit", "--trainer.strategy=horovod",
+                  "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.logger=false",
+                  "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+                  f"--trainer.default_root_dir={tmp_path}"], timeout=150,
+                 env=clean_env(EXAMPLE_OUT=str(tmp_path)))
+    assert res.returncode == 0, res.explain()
+    r0, r1 = (json.loads((tmp_path / f"lightning_cli.{rank}.json").read_text()) for rank in (0, 1))
+    for r in (r0, r1):
+        assert r["strategy"] == "HorovodStrategy" and r["world_size"] == 2 and r["hvd_trainer_imported"]
+    assert r0["weights"] == r1["weights"]
+    assert (tmp_path / "config.yaml").exists()  # LightningCLI's SaveConfigCallback ran (rank 0)
 
 
 def test_unmodified_horovod_script_with_as_horovod(tmp_path: Path) -> None:

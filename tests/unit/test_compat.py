@@ -248,7 +248,10 @@ def test_lightning_accelerator_connector_choose_strategy(no_launcher: None) -> N
     # lightning/porting.py wraps _choose_strategy(self); the Trainer calls it for strategy="auto"
     assert _params(AcceleratorConnector._choose_strategy) == ["self"]
     assert AcceleratorConnector._choose_strategy._hvd_trainer_auto_horovod is True
+    # ... and __init__, reading .strategy once it returns (a single-device strategy is named)
+    assert AcceleratorConnector.__init__._hvd_trainer_auto_horovod is True
     assert isinstance(_trainer().strategy, SingleDeviceStrategy)
+    assert isinstance(_trainer()._accelerator_connector.strategy, SingleDeviceStrategy)
 
 
 def test_lightning_parallel_strategy_layer_sync(no_launcher: None) -> None:
@@ -286,6 +289,29 @@ def test_lightning_all_gather_with_grads(world_of_one: hvd.World) -> None:
     assert gathered.shape == (1, 3, 2) and torch.equal(gathered[0], x.detach().t() * 2)
     gathered.sum().backward()
     assert x.grad is not None and x.grad.tolist() == [[2.0] * 3] * 2
+
+
+SECOND_WORLD_ALL_GATHER = """
+import torch, torch.distributed.nn.functional  # imported while the first world is current
+import hvd_trainer as hvd
+from hvd_trainer.strategy import HorovodStrategy
+hvd.shutdown()
+hvd.init()  # a second world (as after a re-form)
+x = torch.ones(2, requires_grad=True)
+HorovodStrategy().all_gather(x, sync_grads=True).sum().backward()
+print(x.grad.tolist())
+"""
+
+
+def test_lightning_all_gather_with_grads_in_a_second_world(no_launcher: None) -> None:
+    """torch.distributed.nn.functional.all_gather binds group.WORLD when first imported; the
+    strategy passes the current world's group, so a re-formed world's backward does not reach the
+    destroyed one ("not initialized in the world group map")."""
+    code = "import hvd_trainer as hvd; hvd.init()\n" + SECOND_WORLD_ALL_GATHER
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "[1.0, 1.0]"
 
 
 def test_lightning_module_trainer_when_detached(no_launcher: None) -> None:

@@ -93,9 +93,15 @@ def test_shim_on_pythonpath(tmp_path: Path) -> None:
             "assert 'torch' not in sys.modules\n"
             "import horovod.torch as hvd; print(hvd.__name__, getattr(hvd, 'REAL_TORCH', False))")
     site = str(tmp_path / "site")
-    assert _python(code, HOROVOD_SHIM_DIR, site).split() == ["hvd_trainer.torch", "False"]
+    alias = {"HVDRUN_AS_HOROVOD": "alias"}
+    assert _python(code, HOROVOD_SHIM_DIR, site, **alias).split() == ["hvd_trainer.torch", "False"]
     real = _fake_horovod(tmp_path)
-    assert _python(code, HOROVOD_SHIM_DIR, site, real).split() == ["horovod.torch", "True"]
+    assert _python(code, HOROVOD_SHIM_DIR, site, real, **alias).split() == ["horovod.torch", "True"]
+    # every hvdrun worker has the shim; without --as-horovod, `horovod` is not aliased
+    plain = "import sys; assert 'torch' not in sys.modules; import horovod"
+    proc = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([HOROVOD_SHIM_DIR, str(ROOT)])})
+    assert proc.returncode == 1 and "No module named 'horovod'" in proc.stderr
     forced = _python(code, HOROVOD_SHIM_DIR, site, real, HVDRUN_AS_HOROVOD="force")
     assert forced.split() == ["hvd_trainer.torch", "False"]
 
@@ -133,3 +139,38 @@ def test_alias_gives_horovods_reducescatter_gradient_unless_the_user_chose(user:
                           env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == expected
+
+
+LIGHTNING_ONLY = """
+import sys
+import pytorch_lightning as pl
+from pytorch_lightning.strategies import StrategyRegistry
+print("horovod" in StrategyRegistry, "hvd_trainer.strategy" in sys.modules, "horovod" in sys.modules)
+"""
+
+
+def test_shim_registers_the_strategy_when_lightning_is_imported() -> None:
+    """Every hvdrun worker has the shim first on its path: importing Lightning alone registers
+    ``"horovod"`` (no ``import hvd_trainer``), and ``horovod`` stays unaliased without the flag."""
+    assert _python(LIGHTNING_ONLY, HOROVOD_SHIM_DIR).split() == ["True", "True", "False"]
+    assert _python(LIGHTNING_ONLY).split() == ["False", "False", "False"]  # without the shim
+
+
+def test_shim_in_a_python_without_hvd_trainer_warns_and_lets_lightning_load(tmp_path: Path) -> None:
+    (tmp_path / "pytorch_lightning.py").write_text("LOADED = True\n")  # a stand-in Lightning
+    code = "import pytorch_lightning; print(pytorch_lightning.LOADED)"
+    start = f"import sys; sys.path[:0] = {[HOROVOD_SHIM_DIR, str(tmp_path)]!r}; import sitecustomize; "
+    proc = subprocess.run([sys.executable, "-I", "-c", start + code],  # -I: no hvd_trainer on the path
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
+    assert "could not register Trainer(strategy='horovod')" in proc.stderr and "HINT:" in proc.stderr
+
+
+def test_every_worker_gets_the_shim_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/user/path")
+    opts, _ = parse_options(["-np", "2", "python", "train.py"])
+    assert opts is not None
+    assert worker_env(opts)["PYTHONPATH"] == os.pathsep.join([HOROVOD_SHIM_DIR, "/user/path"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HOROVOD_SHIM_DIR, "/user/path"]))  # nested hvdrun
+    assert worker_env(opts)["PYTHONPATH"] == os.pathsep.join([HOROVOD_SHIM_DIR, "/user/path"])
