@@ -1,12 +1,18 @@
 """The recipes' ``strategy=`` argument from their ``trainer.*`` keys: the name Lightning knows,
 or a configured :class:`~hvd_trainer.strategy.HorovodStrategy` when a slow-link option is set
-(``trainer.sync_every``: DiLoCo local steps; ``trainer.compression``: the gradient wire format)."""
+(``trainer.sync_every``: DiLoCo local steps; ``trainer.compression``: the gradient wire format).
+
+The recipes' config schemas (``_gpt_config``, ``_digits_config``) import this module for
+:func:`check_slow_link_keys`, and ``hvd-train`` reads them without importing Lightning: so
+:class:`~hvd_trainer.strategy.HorovodStrategy` is imported only when :func:`build_strategy`
+builds one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hvd_trainer.strategy import HorovodStrategy
+if TYPE_CHECKING:
+    from hvd_trainer.strategy import HorovodStrategy
 
 __all__ = ["SLOW_LINK_KEYS_DOC", "build_strategy", "check_slow_link_keys"]
 
@@ -37,6 +43,8 @@ def build_strategy(cfg: Any) -> str | HorovodStrategy:
     zero_stage = getattr(cfg, "zero_stage", 0)  # a key of the recipes that have it (gpt)
     if cfg.strategy != "horovod" or (not cfg.sync_every and cfg.compression == "none" and not zero_stage):
         return cfg.strategy
+    from hvd_trainer.strategy import HorovodStrategy  # Lightning: only for a run
+
     return HorovodStrategy(
         sync_every=cfg.sync_every or None, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
         compression=cfg.compression, zero_stage=zero_stage,

@@ -3,7 +3,9 @@
 A recipe's schema is a tree of dataclasses whose fields carry a docstring on the line after
 them (the torchtitan convention); Python keeps no such docstrings at run time, so they are read
 from the class's source with :mod:`ast`. Recipes are listed from their files' module docstrings,
-without importing them (a Keras recipe would import TensorFlow).
+without importing them (a Keras recipe would import TensorFlow), and so is the module that
+defines a recipe's ``Config`` (:func:`schema_module`): ``hvd-train`` reads and checks a config
+without importing the recipe's frameworks.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KeyHelp", "field_docs", "iter_keys", "format_keys", "list_recipes"]
+__all__ = ["KeyHelp", "field_docs", "iter_keys", "format_keys", "list_recipes", "schema_module"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +106,41 @@ def list_recipes(package_paths: list[str]) -> list[tuple[str, str]]:
             continue
         found.setdefault(info.name, _module_summary(Path(info.module_finder.path) / f"{info.name}.py"))
     return sorted(found.items())
+
+
+def _config_origin(tree: ast.Module) -> str | None:
+    """Where module ``tree`` gets its ``Config``: ``""`` when it defines the class, the sibling
+    module's name for ``from .other import Config``, else ``None``."""
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Config":
+            return ""
+        is_sibling = isinstance(node, ast.ImportFrom) and node.level == 1 and node.module
+        if is_sibling and any(a.name == "Config" and a.asname in (None, "Config") for a in node.names):
+            return node.module
+    return None
+
+
+def schema_module(package_paths: list[str], name: str) -> str | None:
+    """The module of the recipe package (folders ``package_paths``) that defines recipe ``name``'s
+    ``Config``, read from the sources without importing them: ``name`` itself when its file has
+    ``class Config``, else the module its ``from .other import Config`` names, followed the same
+    way (``gpt_gpu`` -> ``gpt`` -> ``_gpt_config``).
+
+    Returns ``None`` when there is no such file, or a source neither defines nor imports ``Config``
+    that way (a caller then imports the recipe itself).
+    """
+    seen: set[str] = set()
+    while name not in seen:
+        seen.add(name)
+        files = [Path(p) / f"{name}.py" for p in package_paths]
+        path = next((f for f in files if f.is_file()), None)
+        try:
+            origin = _config_origin(ast.parse(path.read_text(encoding="utf-8"))) if path else None
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            return None
+        if origin is None:
+            return None
+        if origin == "":
+            return name
+        name = origin
+    return None  # the sources import Config from each other in a cycle

@@ -5,6 +5,10 @@ and ``run(cfg: Config) -> dict`` returning at least ``world_size`` and ``wall_s`
 metrics that mean something for it (:data:`RESULT_FIELDS`). Settings are merged in this order:
 the dataclass defaults, ``conf/<NAME>.yaml``, then the command-line dotlist. Global rank 0 prints
 one ``RESULT`` line (under torchrun/hvdrun, mpirun, srun or Lightning's self-launch alike).
+A recipe whose imports are heavy (torch, Lightning) imports ``Config`` from a light sibling module
+(``from ._NAME_config import Config``, as gpt and digits do): the config is read and checked
+there, before the recipe is imported. Help, the config and config errors are printed by global
+rank 0 alone; every rank exits with the same status.
 
     hvd-train --help                        the recipes
     hvd-train recipe=NAME --help            every key of NAME's config: type, value, default, docstring
@@ -27,9 +31,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from hvd_trainer.comm.base.launch_env import launcher_rank
-from hvd_trainer.comm.session import shutdown
-from hvd_trainer.launch.config_help import format_keys, list_recipes
+from hvd_trainer.launch.config_help import format_keys, list_recipes, schema_module
 
 __all__ = ["ConfigError", "load_config", "main", "format_result"]
 
@@ -49,6 +51,9 @@ def _conf_dir() -> Path:
 
 
 CONF_DIR = _conf_dir()
+LAUNCH_ENV_FILE = Path(__file__).resolve().parents[1] / "comm" / "base" / "launch_env.py"
+""":mod:`hvd_trainer.comm.base.launch_env`, the one reader of launcher variables (standard library
+only), loaded from its file where importing it by name would import ``hvd_trainer.comm`` (torch)."""
 RESULT_KEYS = ("world_size", "wall_s")
 """Fields every recipe's result must have."""
 RESULT_FIELDS = {
@@ -163,15 +168,20 @@ def _recipe_package() -> str:
     return found[0][0] if found else RECIPE_PACKAGES[-1]
 
 
+def _recipe_package_paths() -> tuple[str, list[str]]:
+    """The recipe package's name (:func:`_recipe_package`) and its folders."""
+    package = _recipe_package()
+    return package, list(importlib.import_module(package).__path__)
+
+
 def _import_recipe(name: str) -> ModuleType:
     """Import recipe ``name`` from the first of :data:`RECIPE_PACKAGES` that exists.
 
     Raises:
         ConfigError: there is no such recipe (the message lists the available ones).
     """
-    package = _recipe_package()
-    parent = importlib.import_module(package)
-    available = [n for n, _ in list_recipes(list(parent.__path__))]
+    package, paths = _recipe_package_paths()
+    available = [n for n, _ in list_recipes(paths)]
     if name.startswith("_"):  # a recipe's helper module, not a recipe
         raise ConfigError(f"no recipe {name!r}; available: {available}")
     try:
@@ -182,22 +192,101 @@ def _import_recipe(name: str) -> ModuleType:
         raise ConfigError(f"no recipe {name!r}; available: {available}") from None
 
 
-def _print_help(recipe: str | None, overrides: list[str]) -> None:
+def _recipe_schema(name: str) -> type:
+    """Recipe ``name``'s ``Config``, imported from the module that defines it
+    (:func:`~hvd_trainer.launch.config_help.schema_module`: ``_gpt_config`` for ``gpt``) without
+    importing the recipe, whose frameworks a config error or ``--print-config`` does not need.
+    Where the recipe defines ``Config`` itself, or its source does not say where it comes from,
+    the recipe is imported and its ``Config`` returned.
+
+    Raises:
+        ConfigError: there is no such recipe (the message lists the available ones).
+    """
+    package, paths = _recipe_package_paths()
+    module = None if name.startswith("_") else schema_module(paths, name)
+    if module is None:
+        return _import_recipe(name).Config
+    return importlib.import_module(f"{package}.{module}").Config
+
+
+def _load_recipe_config(name: str, overrides: list[str]) -> Any:
+    """Recipe ``name``'s config: its ``Config`` < ``conf/<name>.yaml`` < ``overrides``.
+
+    Raises:
+        ConfigError: see :func:`load_config` (with a ``HINT:`` to the recipe's ``--help``) and
+            :func:`_recipe_schema`.
+    """
+    schema = _recipe_schema(name)
+    try:
+        return load_config(schema, CONF_DIR / f"{name}.yaml", overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}\nHINT: hvd-train recipe={name} --help lists every key with its "
+                          "type, value, default and meaning.") from None
+
+
+def _help_text(recipe: str | None, overrides: list[str]) -> str:
     """``--help``: the usage and the recipes; with ``recipe=NAME`` that recipe's keys."""
+    _, paths = _recipe_package_paths()
+    rows = list_recipes(paths)
     if recipe is None:
-        package = importlib.import_module(_recipe_package())
-        rows = list_recipes(list(package.__path__))
         width = max((len(name) for name, _ in rows), default=0)
-        print(__doc__.strip() + "\n\nRecipes (hvd-train recipe=NAME --help lists its keys):")
-        print("\n".join(f"  {name:<{width}}  {summary}" for name, summary in rows))
-        return
-    module = _import_recipe(recipe)
+        return "\n".join([__doc__.strip() + "\n\nRecipes (hvd-train recipe=NAME --help lists its keys):",
+                          *(f"  {name:<{width}}  {summary}" for name, summary in rows)])
+    schema = _recipe_schema(recipe)
     yaml_path = CONF_DIR / f"{recipe}.yaml"
-    merged = load_config(module.Config, yaml_path, overrides)
-    summary = (module.__doc__ or "").strip().splitlines()
-    print(f"hvd-train recipe={recipe} [key=value ...]" + (f": {summary[0]}" if summary else ""))
-    print(f"Keys (schema {module.__name__}.Config < {yaml_path.name} < command line):")
-    print(format_keys(module.Config, merged, yaml_path.name))
+    merged = load_config(schema, yaml_path, overrides)
+    summary = dict(rows).get(recipe, "")
+    return "\n".join([
+        f"hvd-train recipe={recipe} [key=value ...]" + (f": {summary}" if summary else ""),
+        f"Keys (schema {schema.__module__}.{schema.__qualname__} < {yaml_path.name} < command line):",
+        format_keys(schema, merged, yaml_path.name),
+    ])
+
+
+def _launch_env() -> ModuleType:
+    """:mod:`hvd_trainer.comm.base.launch_env` as imported, else loaded alone from
+    :data:`LAUNCH_ENV_FILE` (once), so that deciding who prints imports no torch."""
+    for name in ("hvd_trainer.comm.base.launch_env", "_hvd_train_launch_env"):
+        if name in sys.modules:
+            return sys.modules[name]
+    spec = importlib.util.spec_from_file_location("_hvd_train_launch_env", LAUNCH_ENV_FILE)
+    assert spec is not None and spec.loader is not None, LAUNCH_ENV_FILE
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _global_rank() -> int:
+    """This process's global rank as its launcher reported it (``launcher_rank``: RANK alone misses
+    mpirun and srun); 0 when a rank variable is malformed, so that the error is printed."""
+    try:
+        return _launch_env().launcher_rank()
+    except ValueError:  # LaunchEnvError; a run reports it
+        return 0
+
+
+def _say(text: str, *, error: bool = False, end: str = "\n") -> None:
+    """Print ``text`` (to stderr when ``error``) on global rank 0 only."""
+    if _global_rank() == 0:
+        print(text, file=sys.stderr if error else sys.stdout, end=end, flush=True)
+
+
+def _run(name: str, cfg: Any) -> int:
+    """Import recipe ``name`` (and with it its frameworks), run it on ``cfg``, print ``RESULT``
+    on global rank 0; 0."""
+    from hvd_trainer.comm.session import shutdown  # torch: only once a run starts
+
+    result = _import_recipe(name).run(cfg)
+    if result is not None:
+        _say(format_result(result))
+    # Only after a successful run (after an error, peers may still sit in a collective and
+    # the destroy would hang): Lightning's own DDP leaves its gloo group alive, and one that
+    # is finalised with the interpreter sometimes aborts the process (exit 134) after a run
+    # that printed its RESULT.
+    shutdown()
+    gc.collect()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -205,7 +294,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ``--help`` / ``-h`` lists the recipes (with ``recipe=NAME``: every key of that recipe with
     its type, value, default and docstring); ``--print-config`` prints the merged config as
-    YAML and exits without training.
+    YAML and exits without training. Both, and a config error, read the recipe's ``Config``
+    without importing the recipe (:func:`_recipe_schema`) and print on global rank 0 only; the
+    other ranks return the same status silently.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     wants_help = any(a in ("-h", "--help") for a in argv)
@@ -214,27 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if wants_help:
             recipe = next((a.split("=", 1)[1] for a in argv if a.startswith("recipe=")), None)
-            _print_help(recipe, [a for a in argv if not a.startswith("recipe=")])
+            _say(_help_text(recipe, [a for a in argv if not a.startswith("recipe=")]))
             return 0
         name, overrides = _split_args(argv)
-        module = _import_recipe(name)
-        cfg = load_config(module.Config, CONF_DIR / f"{name}.yaml", overrides)
+        cfg = _load_recipe_config(name, overrides)
     except ConfigError as exc:
-        print(f"hvd-train: error: {exc}", file=sys.stderr)
+        _say(f"hvd-train: error: {exc}", error=True)
         return 2
     if print_config:
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        _say(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         return 0
-    result = module.run(cfg)
-    if result is not None and launcher_rank() == 0:  # RANK alone misses mpirun and srun
-        print(format_result(result), flush=True)
-    # Only after a successful run (after an error, peers may still sit in a collective and
-    # the destroy would hang): Lightning's own DDP leaves its gloo group alive, and one that
-    # is finalised with the interpreter sometimes aborts the process (exit 134) after a run
-    # that printed its RESULT.
-    shutdown()
-    gc.collect()
-    return 0
+    return _run(name, cfg)
 
 
 if __name__ == "__main__":

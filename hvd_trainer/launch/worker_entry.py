@@ -13,7 +13,12 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
 2. runs ``COMMAND`` as a child with its stdout/stderr on pipes and writes every line, whole, as
    ``[<rank>]<stdout>:<line>`` (``<stderr>`` for stderr; ``HVDRUN_PREFIX_TIMESTAMP=1`` puts a UTC
    time first), so two ranks' prints never merge into one line; Python children get
-   ``PYTHONUNBUFFERED=1`` so their lines appear as they are printed;
+   ``PYTHONUNBUFFERED=1`` so their lines appear as they are printed. Progress bars (Keras'
+   ``verbose=1``, tqdm: displays redrawn after ``\r``, Keras' with ``\b`` before it) are shown
+   for rank 0 only, as Horovod advised (``verbose=1 if hvd.rank() == 0 else 0``): redrawn in
+   place when hvdrun's output is a terminal, else one whole line at most every
+   ``HVDRUN_PROGRESS_INTERVAL`` seconds (default 5) and the bar's last line; the other ranks'
+   bars, final lines included, go only to their ``--output-filename`` logs (see :class:`LineSplitter`);
 3. with ``HVDRUN_OUTPUT_DIR`` set (``--output-filename DIR``), also appends the raw lines to
    ``DIR/rank.<rank>/stdout`` and ``DIR/rank.<rank>/stderr`` (Horovod's layout; a restarted
    attempt appends after a ``=== attempt <k> ===`` line);
@@ -35,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,7 +50,10 @@ import time
 from collections.abc import Mapping
 from typing import BinaryIO
 
-__all__ = ["horovod_env", "prefix", "main"]
+__all__ = ["horovod_env", "prefix", "LineSplitter", "main"]
+
+PROGRESS_INTERVAL_S = 5.0
+"""Default seconds between two progress lines of rank 0 when the output is not a terminal."""
 
 _RANK_SOURCES = (
     # rank, size, local rank, local size, cross rank, cross size (None: derived)
@@ -85,24 +94,120 @@ def prefix(rank: str, stream: str, timestamp: bool) -> bytes:
     return f"{when}[{rank}]<{stream}>:".encode()
 
 
+_ENDS = re.compile(rb"[\r\n]")
+
+
+class LineSplitter:
+    """Splits a child's output into whole lines and progress displays.
+
+    A display is text that the program redraws in place: it ends at a ``\r`` (tqdm writes
+    ``\r`` + bar; Keras ``\b`` * width + ``\r`` + bar; the ``\b`` are dropped). :meth:`feed`
+    takes raw bytes as they arrive and returns ``(kind, text)`` events, ``text`` without its
+    ending: ``("display", text)`` for each display, and ``("line", text)`` or ``("bar_end",
+    text)`` at each ``\n``, the latter when the line ends a progress bar (a ``\r`` was seen on it
+    before its last text, or at least two displays were). ``"abc\r\n"`` is a plain line.
+    """
+
+    def __init__(self) -> None:
+        self._text = bytearray()
+        self._display: bytes | None = None
+        self._displays = 0
+        self._saw_cr = False
+
+    def feed(self, data: bytes) -> list[tuple[str, bytes]]:
+        events: list[tuple[str, bytes]] = []
+        start = 0
+        for match in _ENDS.finditer(data):
+            i, byte = match.start(), data[match.start()]
+            self._text += data[start:i]
+            start = i + 1
+            text = self._text.replace(b"\b", b"").rstrip()
+            self._text.clear()
+            if byte == 13:
+                if text:
+                    self._display, self._displays = text, self._displays + 1
+                    events.append(("display", text))
+                self._saw_cr = True
+            elif text:
+                events.append(("bar_end" if self._saw_cr else "line", text))
+                self._reset()
+            else:
+                display = self._display or b""
+                events.append(("bar_end" if self._displays >= 2 else "line", display))
+                self._reset()
+        self._text += data[start:]
+        return events
+
+    def close(self) -> list[tuple[str, bytes]]:
+        """Events for text left without a ``\n`` at the end of the stream."""
+        return self.feed(b"\n") if self._text.replace(b"\b", b"").strip() or self._display else []
+
+    def _reset(self) -> None:
+        self._display, self._displays, self._saw_cr = None, 0, False
+
+
 class _Pump(threading.Thread):
-    """Copies one pipe of the child line by line to our stream (prefixed) and a log file."""
+    """Copies one pipe of the child to our stream (prefixed lines, see the module docstring) and
+    its raw bytes to a log file."""
 
     def __init__(self, source: BinaryIO, sink: BinaryIO, rank: str, stream: str,
-                 log: BinaryIO | None, timestamp: bool) -> None:
+                 log: BinaryIO | None, timestamp: bool, progress_interval: float) -> None:
         super().__init__(daemon=True, name=f"hvdrun-{stream}")
         self.source, self.sink, self.rank, self.stream = source, sink, rank, stream
         self.log, self.timestamp = log, timestamp
+        self.show_progress = rank == "0"
+        try:
+            self.live = os.isatty(sink.fileno())
+        except (OSError, ValueError, AttributeError):
+            self.live = False
+        self.interval = progress_interval
+        self._last_shown = float("-inf")
+        self._bar_open = False  # a display is on the terminal without its newline
 
     def run(self) -> None:
-        for line in iter(self.source.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            self.sink.write(prefix(self.rank, self.stream, self.timestamp) + line)
-            self.sink.flush()
+        splitter = LineSplitter()
+        fd = self.source.fileno()
+        while chunk := os.read(fd, 65536):
             if self.log is not None:
-                self.log.write(line)
+                self.log.write(chunk)
                 self.log.flush()
+            self._emit(splitter.feed(chunk))
+        self._emit(splitter.close())
+
+    def _emit(self, events: list[tuple[str, bytes]]) -> None:
+        out = bytearray()
+        for kind, text in events:
+            head = prefix(self.rank, self.stream, self.timestamp)
+            if kind == "display":
+                if not self.show_progress:
+                    continue
+                if self.live:
+                    out += b"\r" + head + text + b"\x1b[K"  # erase what a longer display left
+                    self._bar_open = True
+                elif time.monotonic() - self._last_shown >= self.interval:
+                    out += head + text + b"\n"
+                    self._last_shown = time.monotonic()
+                continue
+            if kind == "bar_end" and not self.show_progress:
+                continue
+            if self._bar_open:
+                out += b"\r" + head + text + b"\x1b[K\n"
+                self._bar_open = False
+            else:
+                out += head + text + b"\n"
+            if kind == "bar_end":
+                self._last_shown = float("-inf")  # the next bar's first display is shown
+        if out:
+            self.sink.write(bytes(out))
+            self.sink.flush()
+
+
+def _progress_interval(env: Mapping[str, str]) -> float:
+    """``HVDRUN_PROGRESS_INTERVAL`` (seconds, >= 0), else :data:`PROGRESS_INTERVAL_S`."""
+    try:
+        return max(0.0, float(env.get("HVDRUN_PROGRESS_INTERVAL", PROGRESS_INTERVAL_S)))
+    except ValueError:
+        return PROGRESS_INTERVAL_S
 
 
 def _die_with_parent() -> None:
@@ -170,6 +275,7 @@ def main(argv: list[str]) -> None:
     env.setdefault("PYTHONUNBUFFERED", "1")
     rank = env.get("HOROVOD_RANK", "?")
     timestamp = env.get("HVDRUN_PREFIX_TIMESTAMP") == "1"
+    interval = _progress_interval(env)
     logs = _open_logs(env["HVDRUN_OUTPUT_DIR"], rank) if env.get("HVDRUN_OUTPUT_DIR") else (None, None)
     budget, respawns = _respawn_budget(env), 0
     stopping: list[bool] = []
@@ -191,8 +297,10 @@ def main(argv: list[str]) -> None:
             sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
         current.append(child)
         _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
-        pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp),  # type: ignore[arg-type]
-                 _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp)]  # type: ignore[arg-type]
+        pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp,  # type: ignore[arg-type]
+                       interval),
+                 _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp,  # type: ignore[arg-type]
+                       interval)]
         for pump in pumps:
             pump.start()
         returncode = child.wait()

@@ -42,9 +42,13 @@ RAY_MODULE = "hvd_trainer.ray"
 LAZY_HOOK = "hvd_trainer._register"
 """The one module allowed to import hvd_trainer modules inside a function."""
 
-# Edges allowed to break a rule (importer, imported): none today. Add one only with a comment
-# saying why it cannot point down.
-ALLOWED_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
+# Edges allowed to break a rule (importer, imported). Add one only with a comment saying why it
+# cannot point down.
+ALLOWED_FUNCTION_IMPORTS: set[tuple[str, str]] = {
+    # hvd-train reads and checks the config (and prints its errors) before torch is imported; the
+    # comm session is needed only once the recipe runs (tests/unit/test_train_cli_fast.py).
+    ("hvd_trainer.launch.train_cli", "hvd_trainer.comm.session"),
+}
 ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()
 ALLOWED_LAYER_EDGES: set[tuple[str, str]] = set()
 
