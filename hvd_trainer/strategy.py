@@ -59,7 +59,7 @@ from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -179,10 +179,10 @@ class _HorovodStrategyLogic:
             ``trainer.strategy.finish_parameter_exchange()`` first. Default ``False``.
 
     Raises:
-        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not 0, 1 or 2;
-            ``zero_overlap_exchange`` not a bool, or ``True`` without ``zero_stage``
-            (or with ``sync_every``/``"auto"``; 2 with an error-feedback or fp16 compression,
-            several optimizers, or parameters unfrozen during the fit);
+        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not an int 0, 1
+            or 2 (a str or bool included); ``zero_overlap_exchange`` not a bool, or ``True``
+            without ``zero_stage`` (or with ``sync_every``/``"auto"``; 2 with an error-feedback
+            or fp16 compression, several optimizers, or parameters unfrozen during the fit);
             ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
             an int >= 0; (at the start of ``fit``) ``zero_stage`` with in-process recovery.
@@ -245,7 +245,7 @@ class _HorovodStrategyLogic:
         compression = None if compression == AUTO else compression
         sync_every = None if sync_every == AUTO else sync_every
         self._compression = Compression.resolve(compression, error=StrategyConfigError,
-                                                allow_error_feedback=True)
+                                                allow_error_feedback=True, allow_auto=True)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -259,8 +259,7 @@ class _HorovodStrategyLogic:
         self._elastic: ElasticFit | None = None
         self._local = _local_config(sync_every, outer_lr, outer_momentum, outer_nesterov, self._compression)
         self._outer: OuterSync | None = None
-        if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-            raise StrategyConfigError(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
+        zero_stage = check_zero_stage(zero_stage, StrategyConfigError)
         if zero_stage and (self._local is not None or any(self._auto.values())):
             raise StrategyConfigError(
                 f"zero_stage={zero_stage} with sync_every or an 'auto' option: local steps average "
@@ -986,7 +985,8 @@ def _all_gather_with_grads(tensor: Tensor) -> Tensor:
     # group= given at each call: torch's default (group.WORLD) is bound when its module is first
     # imported, i.e. to the world then current, which a re-formed world has destroyed.
     group = dist.group.WORLD
-    return torch.stack(differentiable_all_gather(tensor.contiguous(), group=group))  # contiguous: pytorch#73515
+    # contiguous: pytorch#73515
+    return torch.stack(differentiable_all_gather(tensor.contiguous(), group=group))
 
 
 def _check_group(group: Any | None) -> None:

@@ -13,7 +13,8 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     sharding               owned-parameter step, parameter exchange, state consolidation, clipping
     reducer                stage 2's reduce-scattering bucket reducer (a GradientReducer)
     collectives            a bucket's reduce-scatter; the exchange of updated parameters
-    plan                   which rank owns which parameter (balanced by bytes over the buckets)
+    plan  stage            which rank owns which parameter (balanced by bytes over the buckets);
+                           stage: the zero_stage argument check of every front end
   reduce/                  gradient reduction over fused buckets
     fusion                 the gradient reducer (hook-driven buckets)
     hierarchical/          inside each host, then across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE)

@@ -31,7 +31,7 @@ from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
-from hvd_trainer.comm.zero import ShardedGradientReducer
+from hvd_trainer.comm.zero import ShardedGradientReducer, check_zero_stage
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 from hvd_trainer.keras._zero import KerasZero, replicated
@@ -239,12 +239,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
         DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
             ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
-            ``num_groups``/``groups`` other than the default; ``zero_stage`` not 0, 1 or 2
-            (``True`` included), or ``zero_stage > 0`` on a backend other than torch, with
-            ``compression`` ``"int8"``/``"powersgd:R"``/``"auto"`` (or ``"fp16"`` in stage 2),
-            with ``backward_passes_per_step > 1`` in stage 2, with a ``LossScaleOptimizer`` or
-            the ``mixed_float16`` policy, with an inner optimizer that has ``use_ema=True`` or
-            ``global_clipnorm`` or is already built.
+            ``num_groups``/``groups`` other than the default; ``zero_stage`` not an int
+            0, 1 or 2 (``True`` and ``"2"`` included), or ``zero_stage > 0`` on a backend other
+            than torch, with ``compression`` ``"int8"``/``"powersgd:R"``/``"auto"`` (or
+            ``"fp16"`` in stage 2), with ``backward_passes_per_step > 1`` in stage 2, with a
+            ``LossScaleOptimizer`` or the ``mixed_float16`` policy, with an inner optimizer that
+            has ``use_ema=True`` or ``global_clipnorm`` or is already built.
     """
 
     def __init__(  # noqa: PLR0913 - Horovod's signature, positionally
@@ -288,8 +288,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
         )
         auto = isinstance(compression, str) and compression == AUTO
-        compressor = Compression.resolve(None if auto else compression,
-                                         error=DistributedOptimizerError, allow_error_feedback=True)
+        compressor = Compression.resolve(None if auto else compression, error=DistributedOptimizerError,
+                                         allow_error_feedback=True, allow_auto=True)
+        zero_stage = check_zero_stage(zero_stage, DistributedOptimizerError)
         _check_zero(zero_stage, optimizer, compressor, auto, args.backward_passes_per_step)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
@@ -863,14 +864,8 @@ def _check_unsupported(num_groups: Any, groups: Any) -> None:
         )
 
 
-def _check_zero(stage: Any, optimizer: Any, compressor: Compressor, auto: bool, passes: int) -> None:
-    """Refuse a ``zero_stage`` value or a combination ZeRO sharding does not support."""
-    if isinstance(stage, bool) or stage not in (0, 1, 2):
-        raise DistributedOptimizerError(
-            f"zero_stage={stage!r} must be 0 (no sharding), 1 (optimizer state sharded) or 2 "
-            "(optimizer state and averaged gradients sharded). HINT: ZeRO stage 3 (sharded "
-            "weights) is not implemented; use zero_stage=2."
-        )
+def _check_zero(stage: int, optimizer: Any, compressor: Compressor, auto: bool, passes: int) -> None:
+    """Refuse a combination ZeRO sharding (``stage``, already checked) does not support."""
     if stage == 0:
         return
     backend = keras.backend.backend()

@@ -10,6 +10,8 @@
 * A ``Trainer`` that would still train alone in each of the processes Horovod's launcher started
   (an explicit single-device strategy, e.g. ``strategy="single_device"``) says so on rank 0: every
   rank would otherwise fit its own model and write its own checkpoints, without a word.
+* ``Trainer(gpus=2)`` and the other arguments Lightning 2.0 removed raise
+  :class:`LightningPortingError` with the 2.x spelling (:mod:`hvd_trainer.lightning.porting_args`).
 * ``Trainer(accelerator="horovod")`` (Lightning 1.0-1.4) raises :class:`LightningPortingError`
   with the 2.x spelling, instead of Lightning's generic "invalid accelerator name".
 
@@ -29,7 +31,7 @@ from typing import Any
 
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from hvd_trainer.lightning import quiet
+from hvd_trainer.lightning import porting_args, quiet
 
 __all__ = ["LightningPortingError", "HorovodAcceleratorName", "horovod_launched", "install"]
 
@@ -116,6 +118,7 @@ def install(connector_cls: type, accelerator_registry: Any, single_device_cls: t
         single_device_cls: that package's ``SingleDeviceStrategy`` (named when it is chosen).
     """
     quiet.install()
+    porting_args.install_from_connector(connector_cls, LightningPortingError)
     choose = connector_cls._choose_strategy
     if not getattr(choose, _WRAPPED, False):
         connector_cls._choose_strategy = _auto_horovod(choose)

@@ -58,7 +58,7 @@ from hvd_trainer.comm.ops.optimizer_args import (
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
@@ -239,7 +239,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._op = args.op
         self._auto_compression = compression == AUTO
         self._compression = Compression.resolve(None if self._auto_compression else compression,
-                                                error=OptimizerConfigError, allow_error_feedback=True)
+                                                error=OptimizerConfigError, allow_error_feedback=True,
+                                                allow_auto=True)
+        zero_stage = check_zero_stage(zero_stage, OptimizerConfigError)  # before any hook is added
         if self._compression.error_feedback and self._op is ReduceOp.ADASUM:
             raise OptimizerConfigError(
                 f"compression={self._compression!r} with op=Adasum: Adasum combines weight changes "

@@ -35,7 +35,7 @@ import torch
 
 from hvd_trainer.comm import ReduceOp
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.comm.zero.reducer import stage2_config
 
 __all__ = ["ZeroStep", "make_sharding", "check_overlap_arg", "check_same_plan"]
@@ -46,12 +46,12 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
     """The :class:`ZeroSharding` of the ``DistributedOptimizer`` ``opt`` (``None`` for stage 0).
 
     Raises:
-        error: ``zero_stage`` not 0, 1 or 2 (``True`` included), or combined with an option
+        error: ``zero_stage`` not an int 0, 1 or 2 (:func:`~hvd_trainer.comm.zero.check_zero_stage`;
+            ``True`` and ``"2"`` included), or combined with an option
             ZeRO does not support (named in the message).
         UnshardableOptimizerError: the inner optimizer's step is not per parameter.
     """
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
-        raise error(f"zero_stage={zero_stage!r} must be 0, 1 or 2.")
+    zero_stage = check_zero_stage(zero_stage, error)
     check_overlap_arg(zero_stage, overlap_exchange, error)
     if zero_stage == 0:
         return None

@@ -295,7 +295,7 @@ def test_stage1_with_gradient_accumulation_equals_stage0(results) -> None:
 def test_refusals_name_the_option(results) -> None:
     size, ranks = results
     got = ranks[0]["refusals"]
-    want = {"stage3": "zero_stage=3", "bool": "zero_stage=True", "int8": "compression='int8'",
+    want = {"stage3": "zero_stage=3", "bool": "got the bool True", "int8": "compression='int8'",
             "powersgd": "compression='powersgd", "auto": "compression='auto'", "fp16": "compression='fp16'",
             "passes": "backward_passes_per_step=2", "lso": "LossScaleOptimizer", "ema": "use_ema",
             "global_clipnorm": "global_clipnorm", "late_local": "register_local_var"}

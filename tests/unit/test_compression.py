@@ -16,6 +16,7 @@ from hvd_trainer.comm.ops.compression import (
     Compressor,
     FP16Compressor,
     NoneCompressor,
+    compression_spellings,
 )
 from hvd_trainer.comm.world.world import World
 
@@ -126,6 +127,29 @@ def test_resolve_rejects_with_the_value_and_a_hint(value: Any, needle: str) -> N
     assert isinstance(info.value, ValueError)
 
 
+def test_resolve_hint_lists_what_this_caller_accepts() -> None:
+    # a plain allreduce: the cast spellings only (int8 would be refused next)
+    with pytest.raises(CompressionError) as info:
+        Compression.resolve("int4")
+    assert str(info.value) == ("compression='int4' is not a compressor. HINT: use one of 'none', 'fp16' or "
+                               "'bf16', or a Compressor such as hvd_trainer.Compression.fp16.")
+    # a gradient reducer without "auto" (LocalSGD's outer step, the fusion reducer)
+    with pytest.raises(CompressionError) as info:
+        Compression.resolve("int4", allow_error_feedback=True)
+    assert ("HINT: use one of 'none', 'fp16', 'bf16', 'int8', 'powersgd' or 'powersgd:R' (R >= 1, "
+            "e.g. 'powersgd:4'), or a Compressor") in str(info.value)
+    assert "'auto'" not in str(info.value)
+
+
+def test_spellings_are_one_list() -> None:
+    assert compression_spellings() == ("none", "fp16", "bf16")
+    assert compression_spellings(allow_error_feedback=True, allow_auto=True) == (
+        "none", "fp16", "bf16", "int8", "powersgd", "powersgd:R", "auto")
+    from hvd_trainer.comm.reduce.auto import AUTO
+
+    assert AUTO == "auto"  # the front ends' check and the listed spelling are one constant
+
+
 def test_resolve_raises_the_callers_error_class() -> None:
     class FrontEndError(ValueError):
         pass
@@ -150,6 +174,28 @@ def test_strategy_rejects_every_bad_form(value: Any, needle: str) -> None:
     with pytest.raises(StrategyConfigError, match="HINT") as info:
         HorovodStrategy(compression=value)
     assert needle in str(info.value)
+
+
+GRADIENT_SPELLINGS = compression_spellings(allow_error_feedback=True, allow_auto=True)
+"""What the strategy and both DistributedOptimizers accept: each is accepted and each is listed."""
+INT4_HINT = ("compression='int4' is not a compressor. HINT: use one of 'none', 'fp16', 'bf16', 'int8', "
+             "'powersgd', 'powersgd:R' (R >= 1, e.g. 'powersgd:4') or 'auto', or a Compressor such as "
+             "hvd_trainer.Compression.fp16.")
+
+
+@pytest.mark.parametrize("spelling", GRADIENT_SPELLINGS)
+def test_strategy_accepts_every_listed_spelling(spelling: str) -> None:
+    from hvd_trainer.strategy import HorovodStrategy
+
+    HorovodStrategy(compression=spelling.replace(":R", ":4"))
+
+
+def test_strategy_hint_lists_every_spelling() -> None:
+    from hvd_trainer.strategy import HorovodStrategy, StrategyConfigError
+
+    with pytest.raises(StrategyConfigError) as info:
+        HorovodStrategy(compression="int4")
+    assert str(info.value) == INT4_HINT
 
 
 # -- front ends: the torch DistributedOptimizer ----------------------------------------------------
@@ -180,6 +226,19 @@ def test_torch_optimizer_rejects_every_bad_form_at_construction(value: Any, need
     with pytest.raises(OptimizerConfigError, match="HINT") as info:
         _torch_opt(compression=value)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("spelling", GRADIENT_SPELLINGS)
+def test_torch_optimizer_accepts_every_listed_spelling(spelling: str) -> None:
+    _torch_opt(compression=spelling.replace(":R", ":4"))
+
+
+def test_torch_optimizer_hint_lists_every_spelling() -> None:
+    from hvd_trainer.torch.optimizer import OptimizerConfigError
+
+    with pytest.raises(OptimizerConfigError) as info:
+        _torch_opt(compression="int4")
+    assert str(info.value) == INT4_HINT
 
 
 def test_comm_allreduce_resolves_compression_like_every_front_end() -> None:

@@ -10,6 +10,7 @@ from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.flatten import (
     SUPPORTED_DTYPES,
     WIRE_DTYPES,
+    check_dtype,
     flat_collective,
     flat_collective_,
     flatten,
@@ -92,6 +93,26 @@ def test_unsupported_dtype_is_a_clear_error_before_any_collective() -> None:
     for dtype, wire in WIRE_DTYPES.items():
         assert dtype in SUPPORTED_DTYPES and wire in SUPPORTED_DTYPES and wire not in WIRE_DTYPES
         assert flatten([torch.zeros(3, dtype=dtype)], what="t")[0].flat.dtype == dtype
+
+
+@pytest.mark.parametrize(("dtype", "hint"), [
+    (torch.qint8, "HINT: torch.qint8 is a quantized dtype (integers with a scale and zero point, which a "
+                  "sum would not combine): send tensor.dequantize() (float32) and quantize the result "
+                  "again; to broadcast it as it is, send tensor.int_repr() (its integers) with "
+                  "tensor.q_scale() and tensor.q_zero_point()."),
+    (torch.quint8, "HINT: torch.quint8 is a quantized dtype"),
+    (torch.float8_e4m3fn, "HINT: convert the tensor first, tensor.float() (or .bfloat16()), and back after."),
+    (torch.complex32, "HINT: convert the tensor first, tensor.to(torch.complex64), and back after."),
+    (torch.int4, "HINT: convert the tensor first to a dtype above, e.g. tensor.to(torch.int32)"),
+])
+def test_unsupported_dtype_hint_says_what_to_send(dtype: torch.dtype, hint: str) -> None:
+    with pytest.raises(CommTypeError) as info:
+        check_dtype(dtype, "allreduce")
+    message = str(info.value)
+    assert message.startswith(f"allreduce: dtype {dtype} cannot travel (the transports carry [")
+    assert hint in message
+    if "float" not in str(dtype):
+        assert "float8" not in message  # qint8 is int8 values with a scale, not a float8
 
 
 def test_wire_round_trip_is_exact_at_the_range_ends() -> None:

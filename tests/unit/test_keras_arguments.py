@@ -47,6 +47,8 @@ SCRIPT = textwrap.dedent(
         out["optimizer_ok"][key] = [type(c).__name__, c.name]
     for key, value in [("str", "int4"), ("num", 16), ("own", OwnCast), ("powersgd_0", "powersgd:0")]:
         out["optimizer_bad"][key] = error(lambda v=value: hk.DistributedOptimizer(SGD(), compression=v))
+    out["optimizer_bad"]["zero_stage_str"] = error(lambda: hk.DistributedOptimizer(SGD(), zero_stage="2"))
+    out["optimizer_bad"]["zero_stage_3"] = error(lambda: hk.DistributedOptimizer(SGD(), zero_stage=3))
     out["optimizer_bad"]["bpps_true"] = error(
         lambda: hk.DistributedOptimizer(SGD(), backward_passes_per_step=True))
     out["optimizer_bad"]["sum_predivide"] = error(
@@ -108,7 +110,14 @@ def test_keras_optimizer_rejects_bad_arguments_at_construction(result: dict) -> 
     for key in bad:
         assert bad[key] is not None and bad[key][0] == "DistributedOptimizerError", (key, bad[key])
         assert "HINT" in bad[key][1], key
-    assert "compression='int4' is not a compressor" in bad["str"][1]
+    assert bad["str"][1] == (
+        "compression='int4' is not a compressor. HINT: use one of 'none', 'fp16', 'bf16', 'int8', "
+        "'powersgd', 'powersgd:R' (R >= 1, e.g. 'powersgd:4') or 'auto', or a Compressor such as "
+        "hvd_trainer.Compression.fp16.")
+    assert bad["zero_stage_str"][1] == ("zero_stage must be an int 0, 1 or 2, got the str '2'. "
+                                        "HINT: zero_stage=2 (an int).")
+    assert bad["zero_stage_3"][1].startswith("zero_stage=3 must be 0 (no sharding), 1 (optimizer state ")
+    assert "HINT: ZeRO stage 3 (sharded weights) is not implemented" in bad["zero_stage_3"][1]
     assert "compression='powersgd:0': expected 'powersgd' or 'powersgd:R'" in bad["powersgd_0"][1]
     assert "compression=16 is not a compressor" in bad["num"][1]
     assert "overrides compress()" in bad["own"][1]

@@ -59,7 +59,7 @@ COMM_ROWS = (
     ("zero.sharding",),
     ("zero.reducer",),
     ("zero.collectives",),
-    ("zero.plan",),
+    ("zero.plan", "zero.stage"),
     # reduce/
     ("reduce.fusion", "reduce.auto"),
     ("reduce.hierarchical.allreduce", "reduce.compressed.reductions", "reduce.localsgd.outer"),

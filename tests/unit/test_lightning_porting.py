@@ -68,6 +68,18 @@ def test_explicit_strategy_under_horovod_launcher_is_kept(horovod_vars: None) ->
     assert isinstance(_trainer(accelerator="cpu", strategy="single_device").strategy, SingleDeviceStrategy)
 
 
+def test_removed_trainer_arguments_are_met_on_import() -> None:
+    """``import hvd_trainer`` (or hvdrun's workers) installs porting_args into Lightning's Trainer."""
+    import pytorch_lightning as pl
+
+    import hvd_trainer.strategy  # noqa: F401  (the registration installs the porting habits)
+    from hvd_trainer.lightning.porting import LightningPortingError
+
+    assert pl.Trainer.__init__._hvd_trainer_removed_args is True
+    with pytest.raises(LightningPortingError, match=r"accelerator='gpu', devices=2"):
+        pl.Trainer(gpus=2)
+
+
 def test_accelerator_horovod_raises_with_hint(no_launcher: None) -> None:
     hint = r"HINT: Trainer\(strategy='horovod', accelerator='cpu'\)"
     with pytest.raises(LightningPortingError, match=hint):

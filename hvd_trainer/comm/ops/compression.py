@@ -38,10 +38,32 @@ from hvd_trainer.comm.base.errors import CommValueError
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
     "CompressionError", "ErrorFeedbackCompressor", "Int8Compressor", "PowerSGDCompressor",
+    "AUTO", "compression_spellings",
 ]
 
 _WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
 """Wire dtypes the allreduce path supports (``None``: no cast)."""
+
+AUTO = "auto"
+"""``compression="auto"`` (and ``sync_every="auto"``): the gradient front ends check for it before
+:meth:`Compression.resolve` and choose from the measured link (:mod:`hvd_trainer.comm.reduce.auto`)."""
+
+_CAST_SPELLINGS = ("none", "fp16", "bf16")
+_ERROR_FEEDBACK_SPELLINGS = ("int8", "powersgd", "powersgd:R")
+
+
+def compression_spellings(*, allow_error_feedback: bool = False, allow_auto: bool = False) -> tuple[str, ...]:
+    """The ``compression=`` strings a front end accepts, as its errors list them.
+
+    The one list of spellings: :meth:`Compression.resolve` accepts exactly these (``"powersgd:R"``
+    standing for ``"powersgd:4"`` etc.), and ``"auto"`` where the front end resolves it itself.
+
+    Args:
+        allow_error_feedback: add ``"int8"``, ``"powersgd"``, ``"powersgd:R"`` (gradient reducers).
+        allow_auto: add ``"auto"`` (the torch and Keras ``DistributedOptimizer``, ``HorovodStrategy``).
+    """
+    return (_CAST_SPELLINGS + (_ERROR_FEEDBACK_SPELLINGS if allow_error_feedback else ())
+            + ((AUTO,) if allow_auto else ()))
 
 
 class CompressionError(CommValueError):
@@ -179,7 +201,7 @@ class Compression:
 
     @staticmethod
     def resolve(value: Any, *, error: type[Exception] = CompressionError,
-                allow_error_feedback: bool = False) -> Compressor:
+                allow_error_feedback: bool = False, allow_auto: bool = False) -> Compressor:
         """The compressor for a ``compression=`` argument; the one resolver of every front end.
 
         Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``,
@@ -192,6 +214,8 @@ class Compression:
             error: the exception class to raise (a front end passes its own argument error).
             allow_error_feedback: accept ``int8``/``powersgd`` (only the gradient reducer can
                 honour them: they keep per-parameter state).
+            allow_auto: the caller accepts ``"auto"`` (it checks for :data:`AUTO` and chooses
+                from the measured link itself, before this call): errors list it.
 
         Raises:
             CompressionError (or ``error``): anything else; a compressor whose ``wire_dtype`` is
@@ -209,10 +233,8 @@ class Compression:
         if isinstance(value, type) and issubclass(value, Compressor):
             value = value()
         if not isinstance(value, Compressor):
-            raise error(
-                f"compression={value!r} is not a compressor. HINT: use one of "
-                f"{sorted(_BY_NAME)} or hvd_trainer.Compression.none / .fp16 / .bf16."
-            )
+            raise error(f"compression={value!r} is not a compressor. HINT: use one of "
+                        f"{_spelling_hint(allow_error_feedback, allow_auto)}.")
         _check_compressor(value, error)
         if value.error_feedback and not allow_error_feedback:
             raise error(
@@ -227,6 +249,14 @@ _BY_NAME: dict[str, Compressor] = {
     "none": Compression.none, "fp16": Compression.fp16, "bf16": Compression.bf16,
     "int8": Compression.int8,
 }
+"""The fixed spellings (``"powersgd[:R]"`` is parsed); :func:`compression_spellings` lists them all."""
+
+
+def _spelling_hint(allow_error_feedback: bool, allow_auto: bool) -> str:
+    """``'none', 'fp16', ... or 'auto', or a Compressor such as ...``: what an error lists."""
+    names = [repr(n) + (" (R >= 1, e.g. 'powersgd:4')" if n.endswith(":R") else "")
+             for n in compression_spellings(allow_error_feedback=allow_error_feedback, allow_auto=allow_auto)]
+    return f"{', '.join(names[:-1])} or {names[-1]}, or a Compressor such as hvd_trainer.Compression.fp16"
 
 
 def _powersgd_from_string(value: str, error: type[Exception]) -> Compressor:

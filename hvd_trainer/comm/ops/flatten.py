@@ -14,8 +14,9 @@ bool. Most travel as themselves; the few that gloo (or NCCL) has no collectives 
 wider wire dtype, exactly (:data:`WIRE_DTYPES`, :func:`to_wire` / :func:`from_wire`): int16 and
 uint16 as int32, uint32 as int64 (values converted, so sums of a few ranks cannot overflow the
 wire), uint64 as int64 (the same 64 bits; for Min/Max the top bit is flipped so signed order is
-unsigned order). Any other dtype (float8) is a :class:`~hvd_trainer.comm.base.errors.CommTypeError`
-before anything is sent. numpy arrays (the Keras bridge) travel as themselves when their dtype
+unsigned order). Any other dtype (float8, the quantized ``qint8`` ...) is a
+:class:`~hvd_trainer.comm.base.errors.CommTypeError` before anything is sent, whose hint says
+what to send instead. numpy arrays (the Keras bridge) travel as themselves when their dtype
 has a twin among the dtypes that travel as themselves, else as float32 (e.g.
 ``ml_dtypes.bfloat16``, ``int16``): see :func:`numpy_wire_dtype`.
 """
@@ -113,9 +114,27 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
     if dtype not in SUPPORTED_DTYPES:
         names = sorted(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES)
         raise CommTypeError(
-            f"{what}: dtype {dtype} cannot travel (the transports carry {names}). HINT: convert "
-            "the tensor first, e.g. tensor.float() for float8."
+            f"{what}: dtype {dtype} cannot travel (the transports carry {names}). HINT: "
+            f"{_conversion_hint(dtype)}"
         )
+
+
+_QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+"""torch's quantized dtypes: integer values plus a scale and zero point (not plain numbers)."""
+
+
+def _conversion_hint(dtype: torch.dtype) -> str:
+    """What to send instead of a tensor of the unsupported ``dtype``."""
+    if dtype in _QUANTIZED:
+        return (f"{dtype} is a quantized dtype (integers with a scale and zero point, which a sum "
+                "would not combine): send tensor.dequantize() (float32) and quantize the result "
+                "again; to broadcast it as it is, send tensor.int_repr() (its integers) with "
+                "tensor.q_scale() and tensor.q_zero_point().")
+    if dtype.is_complex:
+        return "convert the tensor first, tensor.to(torch.complex64), and back after."
+    if dtype.is_floating_point:  # float8 and float4 variants
+        return "convert the tensor first, tensor.float() (or .bfloat16()), and back after."
+    return "convert the tensor first to a dtype above, e.g. tensor.to(torch.int32), and back after."
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,14 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.compression import AUTO, Compression, Compressor
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate, probe_link
 from hvd_trainer.comm.world.world import World
 
 __all__ = ["AUTO", "AutoChoice", "choose", "decide"]
 
-AUTO = "auto"
 DEFAULT_BUDGET_SECONDS = 0.05
 MAX_AUTO_SYNC_EVERY = 128
 

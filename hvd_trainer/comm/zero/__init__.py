@@ -9,7 +9,7 @@ are reduce-scattered (:mod:`~hvd_trainer.comm.zero.reducer`), so after backward 
 only its own parameters' gradients.
 
 Rows (each imports only the rows below it): ``sharding`` → ``reducer`` → ``collectives`` →
-``plan``.
+``plan``, ``stage`` (the ``zero_stage`` argument check every front end shares).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from hvd_trainer.comm.zero.sharding import (
     check_per_parameter,
     state_bytes,
 )
+from hvd_trainer.comm.zero.stage import ZERO_STAGES, check_zero_stage
 
 __all__ = [
     "BucketShard", "ShardPlan", "plan_shards", "plan_parameters",
     "start_reducescatter", "exchange_parameters", "ShardedGradientReducer",
     "ZeroSharding", "UnshardableOptimizerError", "check_per_parameter", "state_bytes",
-    "PER_PARAMETER", "NOT_PER_PARAMETER",
+    "PER_PARAMETER", "NOT_PER_PARAMETER", "ZERO_STAGES", "check_zero_stage",
 ]
