@@ -54,6 +54,7 @@ from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import announce as announce_auto
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
@@ -252,6 +253,7 @@ class _HorovodStrategyLogic:
         self._num_nodes = 1
         self._world: World | None = None
         self._reducer: GradientReducer | None = None
+        self._released_wire_bytes = 0  # wire bytes of reducers and outer loops already released
         self._autotune_reported = False  # the layout search's outcome was printed (rank 0)
         self._managed_ids: set[int] = set()
         self._sync_depth = 0  # > 0 inside block_backward_sync
@@ -324,6 +326,16 @@ class _HorovodStrategyLogic:
     def reducer(self) -> GradientReducer | None:
         """The gradient reducer while fitting (``None`` otherwise)."""
         return self._reducer
+
+    @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank has sent for gradients and outer steps so far, over every ``fit`` of
+        this strategy (readable after ``fit`` returns): the reducers'
+        :attr:`~hvd_trainer.comm.GradientReducer.wire_bytes_sent` plus the local-steps outer
+        loop's :attr:`~hvd_trainer.comm.OuterSync.bytes_sent`."""
+        reducer = 0 if self._reducer is None else self._reducer.wire_bytes_sent
+        outer = 0 if self._outer is None else self._outer.bytes_sent
+        return self._released_wire_bytes + reducer + outer
 
     @property
     @override
@@ -466,6 +478,7 @@ class _HorovodStrategyLogic:
         ]
         if old is not None:
             old.remove()
+            self._released_wire_bytes += old.wire_bytes_sent
         frozen = [p for _, p in named if not p.requires_grad]
         for p in frozen:  # hooks can only be registered on tensors that require grad
             p.requires_grad_(True)
@@ -495,10 +508,7 @@ class _HorovodStrategyLogic:
             self._compression = choice.compression
         if self._auto["sync_every"] and choice.sync_every is not None:
             self._local = LocalSGDConfig(sync_every=choice.sync_every, compression=Compression.none)
-        asked = " and ".join(f"{k}=auto" for k, v in self._auto.items() if v)
-        chosen = f"compression={self._compression.name}" + (
-            f", sync_every={self._local.sync_every}" if self._local is not None else "")
-        rank_zero_info(f"hvd_trainer: {asked} chose {chosen}: {choice.reason}.")
+        announce_auto(world, choice, self._auto)
 
     @property
     def auto_choice(self) -> str:
@@ -727,7 +737,10 @@ class _HorovodStrategyLogic:
             vars(self.precision_plugin).pop("clip_grad_by_norm", None)
         if self._reducer is not None:
             self._reducer.remove()
+            self._released_wire_bytes += self._reducer.wire_bytes_sent
             self._reducer = None
+        if self._outer is not None:
+            self._released_wire_bytes += self._outer.bytes_sent
         self._outer = None
         self._managed_ids = set()
         module = self.lightning_module

@@ -29,6 +29,7 @@ from hvd_trainer.comm import (
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import announce as announce_auto
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.zero import ShardedGradientReducer, check_zero_stage
@@ -594,8 +595,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         chosen = choice.compression
         self._compression = chosen
         self._feedback = FeedbackState(chosen.name) if chosen.error_feedback else None
-        if self.world.rank == 0:
-            print(f"hvd_trainer: compression=auto chose {chosen.name}: {choice.reason}.", flush=True)
+        announce_auto(self.world, choice, {"compression": True})
 
     @property
     def compression(self) -> Compressor:

@@ -150,6 +150,12 @@ class LocalSGD(torch.optim.Optimizer):
         self._outer.after_inner_step()
         return loss
 
+    @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank has sent for outer steps so far (:attr:`OuterSync.bytes_sent`: a ring
+        allreduce sends ``2 (N-1)/N`` of the wire payload; int8's allgather ``N-1`` times it)."""
+        return self._outer.bytes_sent
+
     def sync(self) -> None:
         """Run the outer step now (every rank must call it), e.g. after the last inner step so
         that the ranks end with equal parameters."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -57,6 +56,7 @@ from hvd_trainer.comm.ops.optimizer_args import (
 )
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import announce as announce_auto
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.torch.adasum_step import adasum_step
@@ -66,7 +66,6 @@ from hvd_trainer.torch.zero_optimizer import check_same_plan, make_sharding
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
 
-_log = logging.getLogger(__name__)
 
 EXTRA_STATE_KEY = "hvd_trainer"
 """Key of hvd_trainer's own training state (error feedback) in an optimizer's ``state_dict``."""
@@ -520,7 +519,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _resolve_auto_compression(self, dense: list[tuple[str, torch.Tensor]]) -> None:
         """``compression="auto"``: choose from the measured link once (a collective; see
-        :mod:`hvd_trainer.comm.reduce.auto`), logged on rank 0."""
+        :mod:`hvd_trainer.comm.reduce.auto`), said on rank 0 (``announce``)."""
         if not self._auto_compression or not dense:
             return
         self._auto_compression = False
@@ -529,8 +528,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         choice = choose_auto(self._world, pset, dense[0][1].device, grad_bytes, local_steps=False)
         self._compression = choice.compression
         self._reducer_kwargs = self._check_reducer_kwargs()
-        if self._world.rank == 0:
-            _log.info("hvd_trainer: compression=auto chose %s: %s.", choice.compression.name, choice.reason)
+        announce_auto(self._world, choice, {"compression": True})
 
     @property
     def compression(self) -> Compressor:

@@ -64,7 +64,7 @@ def _train_local_sgd(inner: str, steps: int, kwargs: dict) -> dict:
             synced.append(_flat(model).clone())
     # plain lists: tensors through the result queue would need the worker alive to be read
     return {"final": _flat(model).tolist(), "synced": [s.tolist() for s in synced],
-            "outer_steps": opt.outer.outer_steps, "bytes_sent": opt.outer.bytes_sent}
+            "outer_steps": opt.outer.outer_steps, "bytes_sent": opt.wire_bytes_sent}
 
 
 def _single_process_sync(inner: str, steps: int) -> torch.Tensor:

@@ -77,6 +77,8 @@ def _worker(tmp: str) -> dict[str, Any]:
     model = Net("adam", init_seed=hvd_trainer.rank())
     t = _fit(model, 7, {"sync_every": 3})  # 7 steps: outer steps at 3, 6 and the end
     out["h3"] = weights(model)
+    out["h3_wire"] = t.strategy.wire_bytes_sent  # read after fit: kept over the teardown
+    out["numel"] = sum(p.numel() for p in model.parameters())
     out["outer_steps"] = None if t.strategy.outer is None else -1  # torn down after fit
     out["no_reducer"] = t.strategy.reducer is None
 
@@ -112,6 +114,8 @@ def test_local_steps_in_a_trainer(tmp_path: Any) -> None:
         assert r["h1_diff"] <= 1e-6
         assert r["no_reducer"]
         np.testing.assert_allclose(r["h3"], expected, atol=1e-6, rtol=0)
+        # 3 outer steps, each a ring allreduce of the fp32 parameters: 2 (N-1)/N of their bytes
+        assert r["h3_wire"] == 3 * 2 * (WORLD - 1) * 4 * r["numel"] // WORLD
         assert r["ckpt_outer_steps"] == 2
     assert np.array_equal(results[0]["h3"], results[1]["h3"])
     # the straight run's rank 0 and 1 agree, and the resumed run lands on the same weights
@@ -134,7 +138,8 @@ def _auto_worker() -> dict[str, Any]:
 
     model = Net("sgd", init_seed=hvd_trainer.rank())
     t = _fit(model, 2, {"compression": "auto", "sync_every": "auto"})
-    return {"choice": t.strategy.auto_choice, "weights": weights(model)}
+    return {"choice": t.strategy.auto_choice, "weights": weights(model), "wire": t.strategy.wire_bytes_sent,
+            "numel": sum(p.numel() for p in model.parameters())}
 
 
 @pytest.mark.timeout(200)
@@ -142,3 +147,6 @@ def test_auto_on_one_host_chooses_plain_allreduce() -> None:
     results = run_workers(_auto_worker, WORLD, env=TORCHRUN_ENV, timeout_seconds=180)
     assert [r["choice"] for r in results] == ["compression=none"] * WORLD
     assert np.array_equal(results[0]["weights"], results[1]["weights"])
+    for r in results:  # 2 steps of gradient buckets (with their used flags), 2 (N-1)/N each
+        least = 2 * 2 * (WORLD - 1) * 4 * r["numel"] / WORLD
+        assert least <= r["wire"] <= 1.1 * least, (r["wire"], least)

@@ -113,6 +113,9 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
         "bucket_state_bytes": max(
             sum(per_param[zero.named[i][0]] for i in b.params) for b in zero.plan.buckets
         ),
+        "wire_bytes": opt.wire_bytes_sent,
+        "buckets": [(b.scatter, list(b.seg_len)) for b in zero.plan.buckets],
+        "grad_bytes": sum(p.numel() * 4 for p in model.parameters()),
     }
 
 
@@ -125,7 +128,18 @@ def _check(results: list[dict], size: int, stage: int) -> None:
         assert abs(r["state_bytes"] - share) <= r["bucket_state_bytes"], (r["state_bytes"], share)
         if stage == 2:
             assert set(r["grad_bytes_after_sync"]) == {r["owned_grad_bytes"]}
+        if stage == 1:  # per step a ring allreduce: 2 (N-1)/N of the gradients' bytes (+ used flags)
+            least = STEPS * 2 * (size - 1) * r["grad_bytes"] / size
+            assert least <= r["wire_bytes"] <= 1.15 * least, (r["wire_bytes"], least)
         owners += r["owned"]
+    if stage == 2:  # per step and bucket: a scattered bucket's segments (gradients + used flags)
+        # each go to their owner from the N-1 others (gloo: point to point); a bucket too unbalanced
+        # to scatter is allreduced (2 (N-1)/N of it, from every rank)
+        per_step = sum((size - 1) * sum(lens) * 4 if scatter
+                       else size * (2 * (size - 1) * sum(lens) * 4 // size)
+                       for scatter, lens in results[0]["buckets"])
+        assert sum(r["wire_bytes"] for r in results) == STEPS * per_step
+        assert per_step >= (size - 1) * results[0]["grad_bytes"]
     assert sum(r["state_bytes"] for r in results) == results[0]["unsharded_state_bytes"]
     assert sorted(owners) == sorted(set(owners)) and len(owners) == 8  # each parameter once
 

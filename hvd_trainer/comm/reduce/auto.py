@@ -30,7 +30,7 @@ from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate, probe_link
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["AUTO", "AutoChoice", "choose", "decide"]
+__all__ = ["AUTO", "AutoChoice", "announce", "choose", "decide"]
 
 DEFAULT_BUDGET_SECONDS = 0.05
 MAX_AUTO_SYNC_EVERY = 128
@@ -43,6 +43,23 @@ class AutoChoice:
     compression: Compressor
     sync_every: int | None
     reason: str
+
+    def line(self, asked: dict[str, bool]) -> str:
+        """The announcement: ``hvd_trainer: compression=auto chose compression=bf16: <reason>.``
+
+        Args:
+            asked: ``{"compression": bool, "sync_every": bool}``, which settings were ``"auto"``
+                (only those are named, and only their choices).
+        """
+        names = [name for name in ("compression", "sync_every") if asked.get(name)]
+        chosen = []
+        if asked.get("compression"):
+            chosen.append(f"compression={self.compression.name}")
+        if asked.get("sync_every"):
+            chosen.append(f"sync_every={self.sync_every}" if self.sync_every is not None
+                          else "no local steps")
+        return (f"hvd_trainer: {' and '.join(f'{n}=auto' for n in names)} chose "
+                f"{', '.join(chosen)}: {self.reason}.")
 
 
 def decide(link: LinkEstimate | None, grad_bytes: int, *, local_steps: bool,
@@ -61,6 +78,15 @@ def decide(link: LinkEstimate | None, grad_bytes: int, *, local_steps: bool,
         h = min(MAX_AUTO_SYNC_EVERY, 2 ** math.ceil(math.log2(t / budget_seconds)))
         return AutoChoice(Compression.none, h, f"{measured}; local steps, an outer step every {h} steps")
     return AutoChoice(Compression.powersgd(rank=16), None, f"{measured}; PowerSGD rank 16")
+
+
+def announce(world: World, choice: AutoChoice, asked: dict[str, bool]) -> str:
+    """Print :meth:`AutoChoice.line` on global rank 0 (stdout, flushed), the same line from every
+    front end (torch ``DistributedOptimizer``, Lightning strategy, Keras); returns the line."""
+    line = choice.line(asked)
+    if world.rank == 0:
+        print(line, flush=True)
+    return line
 
 
 def choose(world: World, pset: ProcessSet, device: torch.device, grad_bytes: int, *, local_steps: bool,

@@ -550,7 +550,9 @@ class GradientReducer:
     def wire_bytes_sent(self) -> int:
         """Bytes this rank has put on the wire for gradient buckets so far: the transport's
         payload counted as a ring collective sends it (allreduce ``2 (N-1)/N`` of the wire
-        payload, allgather ``N-1`` times it); headers and the cross-rank checks not included."""
+        payload, allgather ``N-1`` times it; ZeRO-2's reduce-scatter: the segments sent to the other
+        ranks, see :attr:`hvd_trainer.comm.zero.collectives.ScatterWork.wire_bytes`); headers and
+        the cross-rank checks not included."""
         fb = 0 if self._feedback is None else self._feedback.bytes_sent
         return self._plain_bytes_sent + fb
 

@@ -136,6 +136,10 @@ class ScatterWork:
     combine: Callable[[], None] | None = None
     """Run after the transfers (the direct reduce-scatter's sum of the received pieces)."""
     finished: bool = False
+    wire_bytes: int = 0
+    """Bytes this rank sends for the bucket: the direct reduce-scatter's segments to the others,
+    a ring reduce-scatter's ``N-1`` padded chunks, or the allreduce fallback's ``2 (N-1)/N`` of
+    the buffer (as :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent` counts)."""
 
     def poll(self) -> bool:
         return self.op.done or self.op.work is None or bool(self.op.work.is_completed())
@@ -202,11 +206,14 @@ def start_reducescatter(
     group = pset.group_for(flat)
     wire_out = None
     start = shard.seg_start[me]
-    if shard.scatter and uses_p2p(flat) and pset.size() > 1:
+    size, item = pset.size(), wire.element_size()
+    if shard.scatter and uses_p2p(flat) and size > 1:
         work, combine = _direct_reduce_scatter(wire, out, shard, pset, group)
         wire_out = out
         pset.coordinator.launched(op, work)
-        return ScatterWork(op, pset, wire, wire_out, out, start, post_factor, compress, combine)
+        sent = sum(n for j, n in enumerate(shard.seg_len) if j != me) * item
+        return ScatterWork(op, pset, wire, wire_out, out, start, post_factor, compress, combine,
+                           wire_bytes=sent)
     if shard.scatter and _native_reduce_scatter[0]:
         wire_out = out if not compress else torch.empty(out.numel(), dtype=wire.dtype, device=wire.device)
         padded = wire_out if shard.chunk == out.numel() else torch.empty(
@@ -221,8 +228,11 @@ def start_reducescatter(
             wire_out = padded[: out.numel()]
     if wire_out is None:
         work = dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        sent = 2 * (size - 1) * wire.numel() * item // size
+    else:
+        sent = (size - 1) * shard.chunk * item
     pset.coordinator.launched(op, work)
-    return ScatterWork(op, pset, wire, wire_out, out, start, post_factor, compress)
+    return ScatterWork(op, pset, wire, wire_out, out, start, post_factor, compress, wire_bytes=sent)
 
 
 def _direct_reduce_scatter(

@@ -220,6 +220,7 @@ class ShardedGradientReducer(GradientReducer):
             bucket.flat, bucket.shard, pset=self.process_set, sig=bucket.sig,
             post_factor=self.postscale_factor, compression=self.compression,
         )
+        self._plain_bytes_sent += bucket.work.wire_bytes  # type: ignore[attr-defined]
         bucket.out = bucket.work.out  # type: ignore[attr-defined]  (the base resets .work)
         self._next_launch += 1
 
