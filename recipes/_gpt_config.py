@@ -67,9 +67,11 @@ class TrainerConfig:
             raise ValueError("trainer.val_every_n_steps, threads_per_process and gradient_clip_val "
                              "must be >= 0.")
         check_slow_link_keys(self)
-        if self.zero_stage not in (0, 1, 2) or (self.zero_stage and self.strategy != "horovod"):
-            raise ValueError(f"trainer.zero_stage={self.zero_stage!r} must be 0, 1 or 2, and 1 or 2 "
-                             f"needs trainer.strategy=horovod (got {self.strategy!r}).")
+        if isinstance(self.zero_stage, bool) or self.zero_stage not in (0, 1, 2):
+            raise ValueError(f"trainer.zero_stage={self.zero_stage!r} must be 0, 1 or 2.")
+        if self.zero_stage and self.strategy != "horovod":
+            raise ValueError(f"trainer.zero_stage={self.zero_stage} needs trainer.strategy=horovod "
+                             f"(got trainer.strategy={self.strategy}).")
         if self.zero_overlap_exchange and not self.zero_stage:
             raise ValueError("trainer.zero_overlap_exchange=true needs trainer.zero_stage=1 or 2.")
         if self.progress_bar not in ("auto", "tqdm", "lines", "none"):

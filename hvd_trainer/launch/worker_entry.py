@@ -18,7 +18,9 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
    for rank 0 only, as Horovod advised (``verbose=1 if hvd.rank() == 0 else 0``): redrawn in
    place when hvdrun's output is a terminal, else one whole line at most every
    ``HVDRUN_PROGRESS_INTERVAL`` seconds (default 5) and the bar's last line; the other ranks'
-   bars, final lines included, go only to their ``--output-filename`` logs (see :class:`LineSplitter`);
+   bars, final lines and Keras' ``Epoch 1/3`` line before each included, go only to their
+   ``--output-filename`` logs (see :class:`LineSplitter`); on a terminal every line starts at
+   column 0 and clears the rest of it, so another rank's line replaces a bar drawn there;
 3. with ``HVDRUN_OUTPUT_DIR`` set (``--output-filename DIR``), also appends the raw lines to
    ``DIR/rank.<rank>/stdout`` and ``DIR/rank.<rank>/stderr`` (Horovod's layout; a restarted
    attempt appends after a ``=== attempt <k> ===`` line);
@@ -95,6 +97,8 @@ def prefix(rank: str, stream: str, timestamp: bool) -> bytes:
 
 
 _ENDS = re.compile(rb"[\r\n]")
+_BAR_HEADER = re.compile(rb"Epoch \d+/\d+\Z")
+"""Keras' line before each epoch's bar (``verbose=1``): hidden with the bar on ranks other than 0."""
 
 
 class LineSplitter:
@@ -162,7 +166,7 @@ class _Pump(threading.Thread):
             self.live = False
         self.interval = progress_interval
         self._last_shown = float("-inf")
-        self._bar_open = False  # a display is on the terminal without its newline
+        self._held: bytes | None = None  # another rank's Keras "Epoch 1/3" line, until we see a bar
 
     def run(self) -> None:
         splitter = LineSplitter()
@@ -173,33 +177,58 @@ class _Pump(threading.Thread):
                 self.log.flush()
             self._emit(splitter.feed(chunk))
         self._emit(splitter.close())
+        self.flush_held()
 
     def _emit(self, events: list[tuple[str, bytes]]) -> None:
         out = bytearray()
         for kind, text in events:
             head = prefix(self.rank, self.stream, self.timestamp)
             if kind == "display":
-                if not self.show_progress:
-                    continue
-                if self.live:
-                    out += b"\r" + head + text + b"\x1b[K"  # erase what a longer display left
-                    self._bar_open = True
-                elif time.monotonic() - self._last_shown >= self.interval:
-                    out += head + text + b"\n"
-                    self._last_shown = time.monotonic()
-                continue
-            if kind == "bar_end" and not self.show_progress:
-                continue
-            if self._bar_open:
-                out += b"\r" + head + text + b"\x1b[K\n"
-                self._bar_open = False
+                out += self._display(head, text)
             else:
-                out += head + text + b"\n"
-            if kind == "bar_end":
-                self._last_shown = float("-inf")  # the next bar's first display is shown
+                out += self._whole(kind, head, text)
         if out:
             self.sink.write(bytes(out))
             self.sink.flush()
+
+    def _display(self, head: bytes, text: bytes) -> bytes:
+        if not self.show_progress:
+            self._held = None  # the header belonged to a hidden bar
+            return b""
+        if self.live:
+            return b"\r" + head + text + b"\x1b[K"  # erase what a longer display left
+        if time.monotonic() - self._last_shown >= self.interval:
+            self._last_shown = time.monotonic()
+            return head + text + b"\n"
+        return b""
+
+    def _whole(self, kind: str, head: bytes, text: bytes) -> bytes:
+        if kind == "bar_end" and not self.show_progress:
+            self._held = None
+            return b""
+        out = b""
+        if self._held is not None:
+            out, self._held = self._line(head, self._held), None
+        if kind == "line" and not self.show_progress and _BAR_HEADER.match(text):
+            self._held = text  # shown unless a (hidden) bar follows it
+            return out
+        if kind == "bar_end":
+            self._last_shown = float("-inf")  # the next bar's first display is shown
+        return out + self._line(head, text)
+
+    def _line(self, head: bytes, text: bytes) -> bytes:
+        """One whole line; on a terminal it starts at column 0 and clears the rest of the line,
+        so it replaces a bar another rank has drawn there (the bar is redrawn below it)."""
+        if self.live:
+            return b"\r" + head + text + b"\x1b[K\n"
+        return head + text + b"\n"
+
+    def flush_held(self) -> None:
+        """Write a held header that no bar followed (at the end of the stream)."""
+        if self._held is not None:
+            self.sink.write(self._line(prefix(self.rank, self.stream, self.timestamp), self._held))
+            self.sink.flush()
+            self._held = None
 
 
 def _progress_interval(env: Mapping[str, str]) -> float:

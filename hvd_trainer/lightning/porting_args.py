@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -133,16 +134,23 @@ REMOVED_TRAINER_ARGS: dict[str, RewriteFn] = {
 Lightning for separate packages, with no one-line spelling."""
 
 
-def porting_message(removed: Kwargs, kwargs: Kwargs, pkg: str = "pytorch_lightning") -> str:
+def porting_message(removed: Kwargs, kwargs: Kwargs, pkg: str = "pytorch_lightning",
+                    environ: Mapping[str, str] | None = None) -> str:
     """The error for a ``Trainer(**kwargs)`` call that passed the ``removed`` arguments.
 
     ``strategy='horovod'`` is proposed with a device argument unless ``kwargs`` names another
     strategy (``accelerator='horovod'``, Lightning 1.0-1.4's Horovod, becomes that strategy).
+    In a process Horovod's launcher started (``HOROVOD_RANK`` and ``HOROVOD_SIZE`` in
+    ``environ``, default ``os.environ``) no ``devices=`` is proposed: each process uses one.
     """
+    env = os.environ if environ is None else environ
+    launched = "HOROVOD_RANK" in env and "HOROVOD_SIZE" in env
     rewrites = [REMOVED_TRAINER_ARGS[name](value, kwargs, pkg) for name, value in removed.items()]
     args: dict[str, str] = {}
     for rewrite in rewrites:
         args.update(rewrite.args)
+    if launched and any(r.device for r in rewrites):
+        args.pop("devices", None)
     callbacks = [c for r in rewrites for c in r.callbacks]
     if callbacks:
         args["callbacks"] = f"[{', '.join(callbacks)}]"
@@ -155,7 +163,10 @@ def porting_message(removed: Kwargs, kwargs: Kwargs, pkg: str = "pytorch_lightni
     else:
         call = f"Trainer() without {', '.join(removed)}"
     hint = "; ".join(dict.fromkeys([call, *(step for r in rewrites for step in r.steps)]))
-    if args.get("strategy") == "'horovod'" and "devices" in args and args.get("accelerator") != "'cpu'":
+    one_gpu_each = args.get("strategy") == "'horovod'" and args.get("accelerator") not in (None, "'cpu'")
+    if one_gpu_each and launched:
+        hint += " (each process hvdrun/horovodrun starts trains on one GPU, cuda:<local rank>)"
+    elif one_gpu_each and "devices" in args:
         hint += (" (under hvdrun/horovodrun, leave devices= out: each process trains on one GPU, "
                  "cuda:<local rank>)")
     return f"Trainer({given}) is Lightning 1.x's spelling, removed in Lightning 2.0. HINT: {hint}."

@@ -803,7 +803,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def wire_bytes_sent(self) -> int:
         """Bytes this rank has sent for dense gradient buckets so far (see
-        :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent`; sparse gradients not counted)."""
+        :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent`; ZeRO-2's reduce-scatter
+        included; sparse gradients and ZeRO's parameter exchange after the step not counted)."""
         return 0 if self._reducer is None else self._reducer.wire_bytes_sent
 
     @property

@@ -61,10 +61,14 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
     if opt._groups:
         raise error(f"zero_stage={zero_stage} with groups: the shard plan follows the fused "
                     "buckets. HINT: drop groups=/num_groups= with ZeRO.")
-    if getattr(opt, "_auto_compression", False) or opt._compression.error_feedback:
+    if getattr(opt, "_auto_compression", False):
+        raise error(f"zero_stage={zero_stage} with compression='auto': auto may choose PowerSGD, "
+                    "whose error feedback keeps per-rank residuals of whole gradients, which ZeRO "
+                    "does not hold. HINT: use compression='none' or 'bf16' with ZeRO.")
+    if opt._compression.error_feedback:
         raise error(f"zero_stage={zero_stage} with compression={opt._compression.name}: error "
-                    "feedback keeps per-rank residuals of whole gradients, and 'auto' may choose "
-                    "it. HINT: use compression='none' or 'bf16' with ZeRO.")
+                    "feedback keeps per-rank residuals of whole gradients, which ZeRO does not "
+                    "hold. HINT: use compression='none' or 'bf16' with ZeRO.")
     if zero_stage == 2 and getattr(opt._compression, "needs_global_scale", False):
         raise error(f"zero_stage=2 with compression={opt._compression.name}: the fp16 global "
                     "scale is not applied to reduce-scatter. HINT: use Compression.bf16.")

@@ -75,6 +75,16 @@ def test_removed_arguments_raise_the_porting_error_with_the_2x_call(kwargs: dict
     assert str(info.value) == message
 
 
+def test_under_hvdrun_no_devices_are_proposed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOROVOD_RANK", "0")
+    monkeypatch.setenv("HOROVOD_SIZE", "2")
+    with pytest.raises(LightningPortingError) as info:
+        pl.Trainer(logger=False, gpus=2)
+    assert str(info.value) == (
+        "Trainer(gpus=2) " + REMOVED + "Trainer(accelerator='gpu', strategy='horovod') "
+        "(each process hvdrun/horovodrun starts trains on one GPU, cuda:<local rank>).")
+
+
 def test_gpus_is_no_longer_pythons_type_error() -> None:
     with pytest.raises(LightningPortingError) as info:
         pl.Trainer(gpus=2)

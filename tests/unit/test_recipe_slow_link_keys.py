@@ -37,6 +37,13 @@ def test_invalid_keys_raise() -> None:
         gpt.TrainerConfig(strategy="ddp", sync_every=4)
 
 
+def test_zero_stage_errors_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match=r"^trainer.zero_stage=5 must be 0, 1 or 2.$"):
+        gpt.TrainerConfig(zero_stage=5)
+    with pytest.raises(ValueError, match=r"needs trainer.strategy=horovod \(got trainer.strategy=ddp\)"):
+        gpt.TrainerConfig(zero_stage=1, strategy="ddp")
+
+
 def test_the_command_line_reaches_the_keys() -> None:
     yaml = Path(__file__).resolve().parents[2] / "conf" / "gpt.yaml"
     cfg = load_config(gpt.Config, yaml, ["trainer.sync_every=32", "trainer.compression=bf16"])

@@ -55,9 +55,11 @@ import sys
 from keras.utils import Progbar
 print("before", flush=True)
 for epoch in range(2):
+    print(f"Epoch {epoch + 1}/2", flush=True)  # what Keras' fit prints before each bar
     bar = Progbar(300, interval=0)
     for i in range(300):
         bar.update(i + 1, values=[("loss", 1.0 / (i + 1))])
+print("Epoch 7/7", flush=True)  # not followed by a bar: an ordinary line
 print("after", flush=True)
 """
 
@@ -87,11 +89,13 @@ def test_keras_bar_reads_like_one_process(tmp_path: Path) -> None:
     finals = [line for line in lines if line.startswith("[0]<stdout>:300/300 ")]
     assert len(finals) == 2, lines  # each bar's last line
     # 598 redraws, throttled to one line per 5 s (the first of each bar at once)
-    assert 4 <= len(lines) <= 10, lines
+    assert 7 <= len(lines) <= 13, lines
     assert lines[0] == "[0]<stdout>:before" and lines[-1] == "[0]<stdout>:after"
-    # rank 1: its bars go only to its log file; its prints are shown
+    assert lines[1] == "[0]<stdout>:Epoch 1/2" and "[0]<stdout>:Epoch 2/2" in lines
+    # rank 1: its bars (and Keras' epoch line before each) go only to its log file; its prints
+    # are shown
     out1 = _entry(KERAS_BAR, 1, tmp_path)
-    assert out1.splitlines() == ["[1]<stdout>:before", "[1]<stdout>:after"]
+    assert out1.splitlines() == ["[1]<stdout>:before", "[1]<stdout>:Epoch 7/7", "[1]<stdout>:after"]
     log = (tmp_path / "rank.1" / "stdout").read_bytes()
     assert log.count(b"\r") >= 598 and b"300/300" in log
 
@@ -127,4 +131,5 @@ def test_terminal_gets_rank0_bar_redrawn_in_place(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == 0
     text = data.decode(errors="replace")
     assert text.count("\r[0]<stderr>:") > 100  # each redraw forwarded, in place
-    assert "[0]<stdout>:done" in text
+    # a whole line starts at column 0 and clears the rest: it replaces any bar drawn there
+    assert "\r[0]<stdout>:done\x1b[K\r\n" in text  # (the terminal turns \n into \r\n)

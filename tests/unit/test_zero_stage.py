@@ -73,3 +73,22 @@ def test_torch_optimizer_uses_the_shared_check(value: Any, message: str) -> None
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                                  world=world, zero_stage=value)
     assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize(("compression", "message"), [
+    ("auto", "zero_stage=2 with compression='auto': auto may choose PowerSGD"),
+    ("int8", "zero_stage=2 with compression=int8: error feedback keeps per-rank residuals"),
+])
+def test_torch_optimizer_refuses_error_feedback_with_zero_naming_what_was_asked(compression: str,
+                                                                                message: str) -> None:
+    import hvd_trainer as hvd
+    from hvd_trainer.torch.optimizer import OptimizerConfigError
+
+    world = World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                  device=torch.device("cpu"), backend="gloo")
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(OptimizerConfigError) as info:
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                 world=world, zero_stage=2, compression=compression)
+    assert str(info.value).startswith(message), str(info.value)
+    assert "HINT: use compression='none' or 'bf16' with ZeRO." in str(info.value)
