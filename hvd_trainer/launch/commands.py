@@ -19,6 +19,7 @@ from hvd_trainer.launch.agent_identity import AgentIdentity
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
 from hvd_trainer.launch.ssh import carried_env
+from hvd_trainer.launch.worker_entry import TERMINAL_ENV
 
 __all__ = ["WORKER_ENTRY", "HOROVOD_SHIM_DIR", "worker_env", "resolve_command", "worker_command",
            "torchrun_args", "mpirun_command", "pick_port", "find_mpirun", "restarts"]
@@ -49,6 +50,9 @@ def worker_env(opts: HvdrunOptions) -> dict[str, str]:
     if opts.prefix_timestamp:
         env["HVDRUN_PREFIX_TIMESTAMP"] = "1"
     env.update(_shim_env(opts.as_horovod))
+    terminal = _terminal_streams(opts)
+    if terminal:
+        env[TERMINAL_ENV] = terminal
     if opts.verbose:
         # third-party notices the workers otherwise drop (hvd_trainer.lightning.quiet.VERBOSE_ENV)
         env["HVD_TRAINER_VERBOSE"] = "1"
@@ -71,6 +75,22 @@ def _recovery_env(opts: HvdrunOptions) -> dict[str, str]:
     return {"HVDRUN_RECOVERY": "in-process", "HVDRUN_RESPAWNS": str(restarts(opts)),
             "HVDRUN_MIN_NP": str(opts.min_np or opts.num_proc),
             "HVDRUN_MAX_NP": str(max(opts.max_np or opts.num_proc, opts.num_proc))}
+
+
+def _terminal_streams(opts: HvdrunOptions) -> str:
+    """``"stdout,stderr"`` (those of hvdrun's streams that are a terminal) for a torchrun launch
+    on this host alone, else ``""``: lines from other hosts or from mpirun's forwarding are joined
+    whole by another reader, so there progress bars come as throttled whole lines."""
+    if opts.use_mpi or opts.multi_host:
+        return ""
+    names = []
+    for name, stream in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+        try:
+            if stream.isatty():
+                names.append(name)
+        except (AttributeError, ValueError):  # replaced or closed
+            continue
+    return ",".join(names)
 
 
 def _shim_env(as_horovod: str | None) -> dict[str, str]:

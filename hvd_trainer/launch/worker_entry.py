@@ -16,7 +16,7 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
    ``PYTHONUNBUFFERED=1`` so their lines appear as they are printed. Progress bars (Keras'
    ``verbose=1``, tqdm: displays redrawn after ``\r``, Keras' with ``\b`` before it) are shown
    for rank 0 only, as Horovod advised (``verbose=1 if hvd.rank() == 0 else 0``): redrawn in
-   place when hvdrun's output is a terminal, else one whole line at most every
+   place when hvdrun's output is a terminal (``HVDRUN_TERMINAL``), else one whole line at most every
    ``HVDRUN_PROGRESS_INTERVAL`` seconds (default 5) and the bar's last line; the other ranks'
    bars, final lines and Keras' ``Epoch 1/3`` line before each included, go only to their
    ``--output-filename`` logs (see :class:`LineSplitter`); on a terminal every line starts at
@@ -54,6 +54,10 @@ from typing import BinaryIO
 
 __all__ = ["horovod_env", "prefix", "LineSplitter", "main"]
 
+TERMINAL_ENV = "HVDRUN_TERMINAL"
+"""Which of hvdrun's own streams are a terminal (``stdout,stderr``), set by hvdrun for workers on
+its own host only: there, rank 0's bars are redrawn in place. Not a test of this process's
+stream, which Open MPI makes a pseudo-terminal whatever hvdrun's output is."""
 PROGRESS_INTERVAL_S = 5.0
 """Default seconds between two progress lines of rank 0 when the output is not a terminal."""
 
@@ -155,15 +159,12 @@ class _Pump(threading.Thread):
     its raw bytes to a log file."""
 
     def __init__(self, source: BinaryIO, sink: BinaryIO, rank: str, stream: str,
-                 log: BinaryIO | None, timestamp: bool, progress_interval: float) -> None:
+                 log: BinaryIO | None, timestamp: bool, progress_interval: float, live: bool) -> None:
         super().__init__(daemon=True, name=f"hvdrun-{stream}")
         self.source, self.sink, self.rank, self.stream = source, sink, rank, stream
         self.log, self.timestamp = log, timestamp
         self.show_progress = rank == "0"
-        try:
-            self.live = os.isatty(sink.fileno())
-        except (OSError, ValueError, AttributeError):
-            self.live = False
+        self.live = live
         self.interval = progress_interval
         self._last_shown = float("-inf")
         self._held: bytes | None = None  # another rank's Keras "Epoch 1/3" line, until we see a bar
@@ -305,6 +306,7 @@ def main(argv: list[str]) -> None:
     rank = env.get("HOROVOD_RANK", "?")
     timestamp = env.get("HVDRUN_PREFIX_TIMESTAMP") == "1"
     interval = _progress_interval(env)
+    live = env.get(TERMINAL_ENV, "").split(",")
     logs = _open_logs(env["HVDRUN_OUTPUT_DIR"], rank) if env.get("HVDRUN_OUTPUT_DIR") else (None, None)
     budget, respawns = _respawn_budget(env), 0
     stopping: list[bool] = []
@@ -327,9 +329,9 @@ def main(argv: list[str]) -> None:
         current.append(child)
         _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
         pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp,  # type: ignore[arg-type]
-                       interval),
+                       interval, "stdout" in live),
                  _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp,  # type: ignore[arg-type]
-                       interval)]
+                       interval, "stderr" in live)]
         for pump in pumps:
             pump.start()
         returncode = child.wait()

@@ -112,12 +112,22 @@ def test_tqdm_bar_on_stderr(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
-def test_terminal_gets_rank0_bar_redrawn_in_place(tmp_path: Path) -> None:
+def test_a_terminal_of_the_workers_own_is_not_hvdruns(tmp_path: Path) -> None:
+    """Open MPI gives each process a pseudo-terminal whatever hvdrun's output is: without
+    HVDRUN_TERMINAL the lines stay whole and free of control characters."""
     controller, terminal = os.openpty()
-    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "HVDRUN_TERMINAL"}
+    env.update({"RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)})
     proc = subprocess.Popen([sys.executable, WORKER_ENTRY, sys.executable, "-c", TQDM_BAR], env=env,
                             stdout=terminal, stderr=terminal)
     os.close(terminal)
+    text = _read_all(controller)
+    assert proc.wait(timeout=60) == 0
+    assert "\x1b[K" not in text and "[0]<stdout>:done\r\n" in text
+    assert text.count("[0]<stderr>:") <= 4  # throttled whole lines, not every redraw
+
+
+def _read_all(controller: int) -> str:
     data = bytearray()
     while True:
         try:
@@ -128,8 +138,34 @@ def test_terminal_gets_rank0_bar_redrawn_in_place(tmp_path: Path) -> None:
             break
         data += chunk
     os.close(controller)
+    return data.decode(errors="replace")
+
+
+def test_hvdrun_says_which_of_its_streams_are_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hvd_trainer.launch.commands import worker_env
+    from hvd_trainer.launch.options import parse_options
+
+    class Tty:
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Tty())
+    opts, _ = parse_options(["-np", "2", "python", "train.py"])
+    assert opts is not None and worker_env(opts)["HVDRUN_TERMINAL"] == "stdout"
+    for flags in (["--mpi"], ["-H", "h1:1,h2:1"]):  # another reader joins the lines there
+        opts, _ = parse_options(["-np", "2", *flags, "python", "train.py"])
+        assert opts is not None and "HVDRUN_TERMINAL" not in worker_env(opts)
+
+
+def test_terminal_gets_rank0_bar_redrawn_in_place(tmp_path: Path) -> None:
+    controller, terminal = os.openpty()
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT),
+           "HVDRUN_TERMINAL": "stdout,stderr"}  # hvdrun's own output is a terminal
+    proc = subprocess.Popen([sys.executable, WORKER_ENTRY, sys.executable, "-c", TQDM_BAR], env=env,
+                            stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    text = _read_all(controller)
     assert proc.wait(timeout=60) == 0
-    text = data.decode(errors="replace")
     assert text.count("\r[0]<stderr>:") > 100  # each redraw forwarded, in place
     # a whole line starts at column 0 and clears the rest: it replaces any bar drawn there
     assert "\r[0]<stdout>:done\x1b[K\r\n" in text  # (the terminal turns \n into \r\n)
