@@ -527,6 +527,8 @@ class _HorovodStrategyLogic:
                 f"the module configures {len(self.optimizers)}. HINT: use one optimizer (param "
                 "groups may differ), or sync_every=None for synchronous data parallel."
             )
+        if self._outer is not None:  # replaced without a teardown (a re-formed world)
+            self._released_wire_bytes += self._outer.bytes_sent
         self._outer = OuterSync(list(module.parameters()), self._local, world=self._require_world())
 
     @property
