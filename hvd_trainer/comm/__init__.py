@@ -25,6 +25,7 @@ the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
     objects                broadcast_object, allgather_object
     collectives            the blocking forms: the async forms + wait(); join
     autograd               differentiable allreduce / allgather / broadcast, on the async forms
+    by_name                named *_async calls matched by name (Horovod's negotiation): the public async forms
     reductions_async  movement_async   the async forms
     handle  reduce  adasum Handle / poll / synchronize; the one allreduce path; Adasum
     process_set_registry   add / remove / register process sets
@@ -59,6 +60,19 @@ from hvd_trainer.comm.base.errors import (
     RankFailedError,
     StallError,
 )
+from hvd_trainer.comm.ops.by_name import (  # the public async forms: named calls match by name
+    allgather_async,
+    allreduce_async,
+    allreduce_async_,
+    alltoall_async,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather_async,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter_async,
+    reducescatter_async,
+)
 from hvd_trainer.comm.ops.checks import DuplicateNameError
 from hvd_trainer.comm.ops.collectives import (
     allgather,
@@ -77,13 +91,6 @@ from hvd_trainer.comm.ops.collectives import (
 )
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.handle import Handle, poll, synchronize
-from hvd_trainer.comm.ops.movement_async import (
-    allgather_async,
-    alltoall_async,
-    broadcast_async,
-    broadcast_async_,
-    grouped_allgather_async,
-)
 from hvd_trainer.comm.ops.objects import allgather_object, broadcast_object
 from hvd_trainer.comm.ops.ops import (
     Adasum,
@@ -102,14 +109,6 @@ from hvd_trainer.comm.ops.process_set_registry import (
     add_process_set,
     register_process_sets,
     remove_process_set,
-)
-from hvd_trainer.comm.ops.reductions_async import (
-    allreduce_async,
-    allreduce_async_,
-    grouped_allreduce_async,
-    grouped_allreduce_async_,
-    grouped_reducescatter_async,
-    reducescatter_async,
 )
 from hvd_trainer.comm.ops.timeline import Timeline, start_timeline, stop_timeline
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.store import default_store
-from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.process_set import ProcessSet, by_name_group
 from hvd_trainer.comm.ops.timeline import Timeline, rank_path
 from hvd_trainer.comm.world.heartbeat import PeerWatch
 from hvd_trainer.comm.world.liveness import publish
@@ -79,7 +79,8 @@ class CommRuntime:
             # before anything is exchanged: a stranger in the rendezvous stops the job here
             check_membership(self.store, world.rank, world.size, self.namespace)
         self.peer_watch = self._start_watch(world, store_endpoint)
-        self.global_set = ProcessSet._for_world(world, 0)
+        side = by_name_group(list(range(world.size)), self.store, self.config)
+        self.global_set = ProcessSet._for_world(world, 0, side_group=side)
         self.sets[0] = self.global_set
         if self.store is not None and world.size > 1:
             self.store.set(_LOCAL_SIZE_KEY.format(rank=world.rank), str(world.local_size))

@@ -17,11 +17,11 @@ from hvd_trainer.comm import (
     ReduceOp,
     World,
     allgather,
+    allgather_async,
     reject_adasum,
     to_reduce_op,
 )
 from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.ops.movement_async import allgather_async
 from hvd_trainer.comm.ops.process_set import resolve_set
 
 __all__ = ["sparse_allreduce", "sparse_allreduce_async"]
@@ -87,7 +87,8 @@ def sparse_allreduce_async(
     Args:
         tensor: sparse COO tensor of the same dense shape, dtype and ``sparse_dim`` on every
             member; its ``nnz`` may differ.
-        name: label for errors and the timeline (``<name>.indices`` / ``<name>.values``).
+        name: label for errors and the timeline (``<name>.indices`` / ``<name>.values``); a
+            named call is matched across ranks by name (:mod:`hvd_trainer.comm.ops.by_name`).
         op: ``Average`` (default: values divided by the set size) or ``Sum``.
         process_set: the ranks to reduce over (``None``: the whole job).
 

@@ -68,7 +68,7 @@ COMM_ROWS = (
     # ops/
     ("ops.objects",),
     ("ops.collectives",),
-    ("ops.autograd",),
+    ("ops.autograd", "ops.by_name"),
     ("ops.reductions_async", "ops.movement_async"),
     ("ops.handle", "ops.reduce", "ops.adasum"),
     ("ops.process_set_registry",),

@@ -210,7 +210,8 @@ class Coordinator:
         self._cache: set[tuple[Signature | None, Signature]] = set()
         self.outstanding: dict[int, Op] = {}
         self._in_flight: dict[str, int] = {}
-        """``"<kind>.<name>"`` of each named collective in flight on this rank -> its ``seq``."""
+        """``"<kind>.<name>"`` of each named collective in flight on this rank -> its ``seq``
+        (-1: claimed by name, :meth:`claim_name`, and not numbered yet)."""
         self._checked_seqs: list[int] = []
         self.board = JoinBoard(store, prefix, rank, ranks)
         self.multi = len(self.ranks) > 1 and store is not None
@@ -238,13 +239,8 @@ class Coordinator:
         if self.broken is not None and self.multi:
             self._refuse_out_of_step(sig)
         flight = _flight_key(sig)
-        if flight is not None and flight in self._in_flight:
-            raise DuplicateNameError(
-                f"{sig.label()}: a collective named {sig.name!r} ({flight}, collective "
-                f"#{self._in_flight[flight]}) is still in flight on rank {self.rank}. HINT: "
-                "synchronize() the first handle before starting another with the same name, or "
-                "give each concurrent collective its own name."
-            )
+        if flight is not None:
+            self._refuse_duplicate(sig, flight)
         now_us = self.timeline.now_us() if self.timeline else 0.0
         op = Op(self.seq, sig, nbytes, transports, now_us, time.monotonic())
         if self.timeline:  # start_timeline() may swap timelines while ops are in flight
@@ -261,6 +257,38 @@ class Coordinator:
             self._in_flight[flight] = op.seq
             op.extra["flight"] = flight
         return op
+
+    def claim_name(self, sig: Signature) -> str:
+        """Mark the named collective ``sig`` in flight on this rank before it has a ``seq`` (a
+        collective matched by name, :mod:`~hvd_trainer.comm.ops.by_name`) and return its flight
+        key for :meth:`release_name`.
+
+        Raises:
+            DuplicateNameError: one of the same kind and name is still in flight on this rank.
+            CommValueError: ``sig`` has no name.
+        """
+        flight = _flight_key(sig)
+        if flight is None:
+            raise CommValueError(f"{sig.label()}: only a named collective can be claimed by name.")
+        self._refuse_duplicate(sig, flight)
+        self._in_flight[flight] = -1
+        return flight
+
+    def release_name(self, flight: str) -> None:
+        """Free a name taken by :meth:`claim_name` (the collective was waited for)."""
+        if self._in_flight.get(flight) == -1:
+            del self._in_flight[flight]
+
+    def _refuse_duplicate(self, sig: Signature, flight: str) -> None:
+        if flight not in self._in_flight:
+            return
+        seq = self._in_flight[flight]
+        which = "matched by name, not run yet" if seq == -1 else f"collective #{seq}"
+        raise DuplicateNameError(
+            f"{sig.label()}: a collective named {sig.name!r} ({flight}, {which}) is still in flight "
+            f"on rank {self.rank}. HINT: synchronize() the first handle before starting another "
+            "with the same name, or give each concurrent collective its own name."
+        )
 
     @contextlib.contextmanager
     def local_checks(self, kind: str, name: str | None) -> Iterator[None]:

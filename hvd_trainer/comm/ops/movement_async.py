@@ -6,7 +6,9 @@ Each returns a :class:`~hvd_trainer.comm.ops.handle.Handle` for
 :func:`~hvd_trainer.comm.ops.handle.poll` / :func:`~hvd_trainer.comm.ops.handle.synchronize`.
 The payload transfer runs in the background; allgather and alltoall first exchange row counts,
 which the call waits for (a few bytes). Each collective is checked across ranks with the same
-signature as its blocking form, so one rank may use the async form while another blocks.
+signature as its blocking form, so one rank may use the async form while another blocks (these
+functions match by call order; the public ``hvd_trainer.comm.*_async`` match a *named* call by
+name, :mod:`hvd_trainer.comm.ops.by_name`, and pair only with the same named async call).
 Not differentiable (use the blocking forms for autograd), as in Horovod. The blocking forms in
 :mod:`hvd_trainer.comm.ops.collectives` are these plus ``wait()``, so both run the same code.
 

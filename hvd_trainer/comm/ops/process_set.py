@@ -30,7 +30,7 @@ from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.checks import Coordinator, Signature
 from hvd_trainer.comm.world.world import World, get_world, is_initialized
 
-__all__ = ["ProcessSet", "resolve_set", "global_process_set"]
+__all__ = ["ProcessSet", "resolve_set", "global_process_set", "by_name_group"]
 
 
 class ProcessSet:
@@ -89,32 +89,32 @@ class ProcessSet:
         ))
         group = dist.new_group(list(members))
         cpu_group = group if w.backend == "gloo" else dist.new_group(list(members), backend="gloo")
-        self._setup(w, members, group, cpu_group, runtime.allocate_set_id())
+        side = by_name_group(list(members), runtime.store, runtime.config)
+        self._setup(w, members, group, cpu_group, runtime.allocate_set_id(), side_group=side)
         runtime.sets[self.set_id] = self
 
     @classmethod
-    def _for_world(cls, world: World, set_id: int) -> ProcessSet:
+    def _for_world(cls, world: World, set_id: int, side_group: dist.ProcessGroup | None = None) -> ProcessSet:
         obj = cls.__new__(cls)
-        obj._setup(world, tuple(range(world.size)), world.group, world.cpu_group, set_id)
+        obj._setup(world, tuple(range(world.size)), world.group, world.cpu_group, set_id,
+                   side_group=side_group)
         return obj
 
-    def _setup(self, world: World, members: tuple[int, ...], group, cpu_group, set_id: int) -> None:
+    def _setup(self, world: World, members: tuple[int, ...], group, cpu_group, set_id: int, *,
+               side_group: dist.ProcessGroup | None = None) -> None:
         self.global_rank = world.rank
         self.device = world.device
         self.ranks = list(members)  # a list, as Horovod's (== [0, 1] holds)
         self.set_id = set_id
         self._group = group
         self._cpu_group = cpu_group
-        runtime = world.runtime
-        self.coordinator = Coordinator(
-            store=runtime.store if runtime else None,
-            prefix=f"hvd/ps{set_id}",
-            rank=world.rank,
-            ranks=members,
-            config=runtime.config if runtime else CommConfig(check_signatures=False),
-            timeline=runtime.timeline if runtime else None,
-            peer_watch=getattr(runtime, "peer_watch", None),
-        )
+        self.side_group = side_group
+        """A gloo group of the same members for collectives matched by name (created with the
+        set, collectively; ``None`` when matching by name is off or the set has one member)."""
+        self.name_matcher: Any = None
+        """The set's :class:`~hvd_trainer.comm.ops.by_name.NameMatcher` once one is needed."""
+        self._runtime = world.runtime
+        self.coordinator = _coordinator(world.runtime, world.rank, members, f"hvd/ps{set_id}")
 
     @property
     def process_set_id(self) -> int | None:
@@ -149,11 +149,34 @@ class ProcessSet:
         """Whether the set was created and then removed (:func:`remove_process_set`)."""
         return self.set_id is None and self.global_rank is not None
 
+    def side_set(self) -> ProcessSet:
+        """The same members on :attr:`side_group`, with their own sequence numbers and checks:
+        where the collectives matched by name run, off the set's ordered stream.
+
+        Raises:
+            CommValueError: the set has no side group.
+        """
+        if self.side_group is None:
+            raise CommValueError(f"{self!r} has no group for collectives matched by name.")
+        side = ProcessSet.__new__(ProcessSet)
+        side.global_rank, side.device, side.set_id = self.global_rank, self.device, self.set_id
+        side.ranks = list(self.ranks)
+        side._group = side._cpu_group = self.side_group
+        side.side_group, side.name_matcher, side._runtime = None, None, self._runtime
+        side.coordinator = _coordinator(self._runtime, self.global_rank, self.ranks,
+                                        f"hvd/ps{self.set_id}/by_name")
+        return side
+
     def release_groups(self) -> None:
-        """Drop this set's process-group handles (called by ``shutdown``; the set is unusable
-        afterwards, as after Horovod's shutdown)."""
+        """Stop matching by name and drop this set's process-group handles (called by
+        ``shutdown``; the set is unusable afterwards, as after Horovod's shutdown)."""
+        matcher = getattr(self, "name_matcher", None)
+        if matcher is not None:
+            matcher.close()
+            self.name_matcher = None
         self._group = None
         self._cpu_group = None
+        self.side_group = None
 
     def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
         """The process group that carries ``tensor`` (CPU tensors use the gloo group)."""
@@ -202,6 +225,29 @@ class _GlobalProcessSet(ProcessSet):
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 """The whole job (Horovod's ``hvd.global_process_set``); the same as ``process_set=None``."""
+
+
+def _coordinator(runtime: Any, rank: int, members: Sequence[int], prefix: str) -> Coordinator:
+    """The cross-rank checks of a set of ``members`` keyed under ``prefix`` in the runtime's store
+    (no checks for a hand-made world without a runtime)."""
+    return Coordinator(
+        store=runtime.store if runtime else None,
+        prefix=prefix,
+        rank=rank,
+        ranks=members,
+        config=runtime.config if runtime else CommConfig(check_signatures=False),
+        timeline=runtime.timeline if runtime else None,
+        peer_watch=getattr(runtime, "peer_watch", None),
+    )
+
+
+def by_name_group(members: list[int], store: Any, config: CommConfig) -> dist.ProcessGroup | None:
+    """The side group of a new set of ``members`` (collective: every rank of the job calls it
+    for every set, in the same order, as ``new_group``); ``None`` for one member, no store, or
+    ``config.match_async_names`` off. Non-members get torch's non-member placeholder."""
+    if len(members) < 2 or store is None or not config.match_async_names:
+        return None
+    return dist.new_group(members, backend="gloo")
 
 
 def _validate(ranks: Sequence[int] | range, size: int | None) -> tuple[int, ...]:

@@ -120,12 +120,16 @@ def remove_process_set(process_set: ProcessSet, *, world: World | None = None) -
     for pending in sorted(coord.outstanding.values(), key=lambda o: o.seq):
         coord.wait(pending)
     w.runtime.sets.pop(process_set.set_id, None)
+    if process_set.name_matcher is not None:  # its collectives that never matched fail now
+        process_set.name_matcher.close()
+        process_set.name_matcher = None
     if process_set.included():
-        groups = {id(g): g for g in (process_set._group, process_set._cpu_group) if g is not None}
+        groups = {id(g): g for g in (process_set._group, process_set._cpu_group, process_set.side_group)
+                  if g is not None}
         for group in groups.values():
             dist.destroy_process_group(group)
     process_set.set_id = None
-    process_set._group = process_set._cpu_group = None
+    process_set._group = process_set._cpu_group = process_set.side_group = None
     return True
 
 
