@@ -21,7 +21,7 @@ Arrays travel in their own dtype when it is one of comm's ``SUPPORTED_DTYPES``, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,7 @@ def allreduce_arrays(
     compression: Compressor = Compression.none,
     buffers: FlatBuffers | None = None,
     process_set: Any = None,
+    on_sent: Callable[[int], None] | None = None,
 ) -> list[np.ndarray]:
     """Reduce every array over ranks: one fused allreduce per dtype, arrays in rank-equal order.
 
@@ -90,11 +91,17 @@ def allreduce_arrays(
         buffers: reuse these flat buffers (the result then aliases them; see FlatBuffers).
         process_set: reduce over this :class:`~hvd_trainer.comm.ProcessSet` only (this rank
             must be a member); ``None``: the whole world.
+        on_sent: called with the bytes each fused allreduce puts on the wire
+            (:meth:`~hvd_trainer.comm.ops.compression.Compressor.allreduce_wire_bytes`).
 
     Returns:
         New arrays, same shapes and dtypes as ``arrays``.
     """
+    size = world.size if process_set is None else process_set.size()
+
     def reduce(flat: torch.Tensor) -> None:
+        if on_sent is not None:
+            on_sent(Compression.resolve(compression).allreduce_wire_bytes([flat], size))
         allreduce_(flat, op=op, name="keras.gradients", prescale_factor=prescale_factor,
                    postscale_factor=postscale_factor, compression=compression,
                    process_set=process_set, world=world)

@@ -323,6 +323,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._process_set = process_set
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
+        self._wire_bytes = 0  # gradients' wire bytes outside the current hook reducer
         self._zero_stage = zero_stage
         self._zero: KerasZero | None = None  # by build(), when this rank shards (size > 1)
         self._buffers = _bridge.FlatBuffers()
@@ -377,7 +378,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self._local.add(var):
             return
         if self._reducer is not None:  # torch: the hook reducer must skip it from now on
-            self._reducer.remove()
+            self._release_reducer()
             self._build_torch_reducer(built_trainable_variables(self))
 
     @property
@@ -449,6 +450,25 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self.__dict__.get("_zero_stage"):
             names = [n for n in names if n != "inner_optimizer"]
         return names
+
+    @property
+    def wire_bytes_sent(self) -> int:
+        """Bytes this rank has put on the wire for gradients so far, on every path (the hook
+        reducer on torch, the TensorFlow bridge, accumulated windows, error feedback), counted
+        as :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent` counts them; kept across
+        a rebuilt reducer (a local variable registered, a re-formed world)."""
+        reducer = 0 if self._reducer is None else self._reducer.wire_bytes_sent
+        return self._wire_bytes + reducer
+
+    def _release_reducer(self) -> None:
+        """Remove the hook reducer, keeping its wire bytes."""
+        assert self._reducer is not None
+        self._wire_bytes += self._reducer.wire_bytes_sent
+        self._reducer.remove()
+        self._reducer = None
+
+    def _count_sent(self, nbytes: int) -> None:
+        self._wire_bytes += nbytes
 
     @property
     def zero_stage(self) -> int:
@@ -535,8 +555,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         if self._reducer is not None:
             self._feedback = self._feedback_state()
-            self._reducer.remove()
-            self._reducer = None
+            self._release_reducer()
         if self._reduces():
             self._build_torch_reducer(built_trainable_variables(self))
 
@@ -678,6 +697,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
             shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
+            self._wire_bytes += self._compression.allreduce_wire_bytes([*shared, acc.used],
+                                                                       self._reduce_size())
             grouped_allreduce_([*shared, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
                                compression=self._compression, process_set=self._process_set,
@@ -700,11 +721,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         local = self._local_mask(tvs)
         shared = [i for i, is_local in enumerate(local) if not is_local]
         op, pre, post = self._scales(passes=self._passes)
+        before = self._feedback.bytes_sent
         reduced, used = reduce_with_feedback(
             [(_state_name(i, tvs[i]), acc.sums[i]) for i in shared], compressor=self._compression,
             state=self._feedback, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
             process_set=self._process_set, name="keras.accumulated_gradients",
             used=[float(acc.used[i]) for i in shared])
+        self._wire_bytes += self._feedback.bytes_sent - before
         for i, r, u in zip(shared, reduced, used, strict=True):
             acc.sums[i].copy_(r)
             acc.used[i] = u
@@ -778,6 +801,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
             compression=self._compression, buffers=self._buffers, process_set=self._process_set,
+            on_sent=self._count_sent,
         )
 
     def _reduce_numpy_accumulated(self, *arrays):
@@ -785,10 +809,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_numpy_with_feedback(self, names: list[str], passes: int, *arrays):
         op, pre, post = self._scales(passes)
-        return _bridge.allreduce_arrays_with_feedback(
+        before = self._feedback.bytes_sent
+        out = _bridge.allreduce_arrays_with_feedback(
             arrays, names, compressor=self._compression, state=self._feedback, world=self.world,
             op=op, prescale_factor=pre, postscale_factor=post, process_set=self._process_set,
         )
+        self._wire_bytes += self._feedback.bytes_sent - before
+        return out
 
     def clear_accumulated_gradients(self) -> None:
         """Empty the gradient-accumulation window (``backward_passes_per_step > 1``): the local

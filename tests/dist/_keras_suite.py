@@ -255,7 +255,8 @@ def variants(rank: int) -> dict:
     import hvd_trainer.keras as hk
 
     x, y = _data(seed=rank)
-    out = {}
+    wire: dict[str, int] = {}
+    out: dict = {"wire_bytes": wire}
     fp16 = {"compression": hk.Compression.fp16}
     for name, kwargs in [("plain", {}), ("fp16", fp16), ("predivide", {"gradient_predivide_factor": 2.0}),
                          ("acc_plain", {"backward_passes_per_step": 2}),
@@ -264,6 +265,7 @@ def variants(rank: int) -> dict:
         m.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(0.05), **kwargs), loss="mse")
         m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         out[name] = _weights(m)
+        wire[name] = m.optimizer.wire_bytes_sent
     return out
 
 

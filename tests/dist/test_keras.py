@@ -123,8 +123,10 @@ def test_tf_lazily_built_optimizer_and_xla(results):
 
 
 def test_compression_and_predivide_variants(results):
-    _, _, (r0, r1) = results
+    backend, _, (r0, r1) = results
     v0, v1 = r0["variants"], r1["variants"]
+    wire = v0.pop("wire_bytes")
+    assert wire == v1.pop("wire_bytes")
     for name in v0:
         assert _close(v0[name], v1[name])  # identical across ranks
     assert _close(v0["predivide"], v0["plain"], tol=1e-6)  # same maths, other rounding
@@ -132,6 +134,14 @@ def test_compression_and_predivide_variants(results):
         assert _close(v0[fp16], v0[plain], tol=1e-2)  # fp16 wire: ~3 significant digits
         assert not _close(v0[fp16], v0[plain], tol=0.0)  # the compressor was really used
     assert not _close(v0["acc_plain"], v0["plain"], tol=1e-3)  # accumulation changed the run
+    # wire bytes of 2 ranks, ring-counted: a reduction sends 2 (N-1)/N of its payload, the 43
+    # gradient floats (on torch, with one "used" flag per variable: 4 more), in the wire dtype
+    floats = 43 + (4 if backend == "torch" else 0)
+    assert wire["plain"] == wire["predivide"] == suite.STEPS * floats * 4
+    assert wire["fp16"] == suite.STEPS * floats * 2
+    # accumulation: one reduction per window of 2 steps
+    assert wire["acc_plain"] == suite.STEPS // 2 * floats * 4
+    assert wire["acc_fp16"] == suite.STEPS // 2 * floats * 2
 
 
 def test_accumulation_equals_one_process_on_all_micro_batches(results):

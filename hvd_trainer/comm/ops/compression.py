@@ -29,6 +29,7 @@ collectives) turns its ``compression=`` argument into a compressor with the one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -93,6 +94,14 @@ class Compressor:
         """Whether ``tensor`` is cast (floating and wider than the wire dtype)."""
         wire = self.wire_dtype
         return wire is not None and tensor.is_floating_point() and tensor.dtype != wire
+
+    def allreduce_wire_bytes(self, tensors: Sequence[torch.Tensor], set_size: int) -> int:
+        """Bytes one rank puts on the wire to allreduce ``tensors`` (each in its wire dtype:
+        cast where :meth:`applies_to`) over ``set_size`` ranks, counted as a ring allreduce
+        sends them: ``2 (N-1)/N`` of the payload; headers not included."""
+        payload = sum(t.numel() * (torch.empty((), dtype=self.wire_dtype).element_size()
+                                   if self.applies_to(t) else t.element_size()) for t in tensors)
+        return 2 * (set_size - 1) * payload // set_size
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         """Return ``(wire_tensor, ctx)``; ``ctx`` is the original dtype."""

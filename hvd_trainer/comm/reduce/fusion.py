@@ -533,9 +533,8 @@ class GradientReducer:
                 post_factor=self.postscale_factor)
             self._next_launch += 1
             return
-        wire = self.compression.wire_dtype if self.compression.applies_to(bucket.flat) else bucket.flat.dtype
         n = self.process_set.size()
-        self._plain_bytes_sent += 2 * (n - 1) * bucket.flat.numel() * _itemsize(wire) // n
+        self._plain_bytes_sent += self.compression.allreduce_wire_bytes([bucket.flat], n)
         bucket.work = start_allreduce(
             bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
             prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
@@ -636,10 +635,6 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _check_unique(named: Sequence[tuple[str, torch.Tensor]]) -> None:
