@@ -3,8 +3,8 @@
 
 Horovod's own duplicate-name tests start a named collective on rank 0, pass a ``barrier()``, and
 only then start it on the other ranks; ranks may also start differently named collectives in
-different orders. With matching by call order (``HVD_TRAINER_MATCH_ASYNC_NAMES=0``) the same
-program raises a mismatch, which the last test shows.
+different orders. Matching by name is opt-in (``HVD_TRAINER_MATCH_ASYNC_NAMES=1``); with the
+default, matching by call order, the same program raises a mismatch, which the last test shows.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import warnings
 import torch
 
 from tests.multiproc import run_workers
+
+BY_NAME = {"HVD_TRAINER_MATCH_ASYNC_NAMES": "1"}
 
 
 def _horovod_duplicate_names() -> dict:
@@ -48,7 +50,7 @@ def _horovod_duplicate_names() -> dict:
 
 
 def test_horovods_duplicate_name_tests_pass_and_the_collectives_complete() -> None:
-    for res in run_workers(_horovod_duplicate_names, 2, timeout_seconds=120):
+    for res in run_workers(_horovod_duplicate_names, 2, env=BY_NAME, timeout_seconds=120):
         for kind, (errors, _) in res.items():
             assert errors == ["DuplicateNameError"], (kind, errors)
         assert res["allreduce"][1] == [[3.0] * 3] * 4
@@ -83,7 +85,7 @@ def _orders() -> dict:
 
 
 def test_names_match_whatever_the_order_on_each_rank() -> None:
-    results = run_workers(_orders, 3, timeout_seconds=150)
+    results = run_workers(_orders, 3, env=BY_NAME, timeout_seconds=150)
     for r, res in enumerate(results):
         n = res["n"]
         total = sum(range(n))
@@ -122,7 +124,7 @@ def _mismatch_and_stall() -> dict:
 
 
 def test_mismatch_raises_on_every_rank_and_a_missing_rank_is_named() -> None:
-    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3", **BY_NAME}
     res = run_workers(_mismatch_and_stall, 2, env=env, timeout_seconds=90)
     for one in res:
         assert "'shape_differs'" in one["mismatch"] and "shape" in one["mismatch"], one["mismatch"]
@@ -149,7 +151,6 @@ def _rank0_first() -> dict:
         return {"error": str(exc)}
 
 
-def test_matching_by_call_order_when_switched_off() -> None:
-    env = {"HVD_TRAINER_MATCH_ASYNC_NAMES": "0"}
-    for res in run_workers(_rank0_first, 2, env=env, timeout_seconds=90):
+def test_matching_by_call_order_by_default() -> None:
+    for res in run_workers(_rank0_first, 2, timeout_seconds=90):
         assert res["error"] is not None and "barrier" in res["error"], res

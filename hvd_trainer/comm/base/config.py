@@ -93,7 +93,7 @@ def hierarchical_allreduce_env(environ: Mapping[str, str] | None = None) -> bool
 REDUCESCATTER_GRAD_ENV = "HVD_TRAINER_REDUCESCATTER_GRAD"
 
 MATCH_ASYNC_NAMES_ENV = "HVD_TRAINER_MATCH_ASYNC_NAMES"
-"""``0`` turns off matching named ``*_async`` collectives by name (:attr:`CommConfig.match_async_names`)."""
+"""``1`` turns on matching named ``*_async`` collectives by name (:attr:`CommConfig.match_async_names`)."""
 
 
 def reducescatter_grad_horovod(environ: Mapping[str, str] | None = None) -> bool:
@@ -132,11 +132,12 @@ class CommConfig:
     """Warn (naming the missing ranks and the collective) after waiting this long. 0 disables."""
     stall_shutdown_seconds: float = 0.0
     """Raise :class:`StallError` after waiting this long; 0 never raises (Horovod's default)."""
-    match_async_names: bool = True
+    match_async_names: bool = False
     """Match a *named* ``*_async`` collective of the public API across ranks by its name, as
     Horovod's negotiation did, instead of by call order (:mod:`~hvd_trainer.comm.ops.by_name`):
-    ranks may start differently named ones in different orders. ``HVD_TRAINER_MATCH_ASYNC_NAMES=0``
-    turns it off (every collective then matches by call order)."""
+    ranks may then start differently named ones in different orders. Off by default (a named
+    async collective matched by name does not pair with a rank inside ``join()``);
+    ``HVD_TRAINER_MATCH_ASYNC_NAMES=1`` turns it on."""
     timeline_path: str | None = None
     """Write a Chrome-trace JSON of every collective here (rank 0 only)."""
     peer_timeout_seconds: float = DEFAULT_PEER_TIMEOUT_SECONDS
@@ -162,8 +163,8 @@ class CommConfig:
             "peer_timeout_seconds": _env_float(env, "HOROVOD_GLOO_TIMEOUT_SECONDS",
                                                DEFAULT_PEER_TIMEOUT_SECONDS),
         }
-        if env.get(MATCH_ASYNC_NAMES_ENV, "").strip() in ("0", "false", "False", "no"):
-            values["match_async_names"] = False
+        if env.get(MATCH_ASYNC_NAMES_ENV, "").strip().lower() in ("1", "true", "yes"):
+            values["match_async_names"] = True
         if env.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
             values["stall_warning_seconds"] = 0.0
             values["stall_shutdown_seconds"] = 0.0

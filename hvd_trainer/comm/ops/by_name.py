@@ -29,8 +29,11 @@ Mechanism, per process set (a :class:`NameMatcher`):
 
 The side group carries CUDA tensors through gloo (correct, not fast: name your per-step
 collectives only when the order really differs, or leave them unnamed).
-``HVD_TRAINER_MATCH_ASYNC_NAMES=0`` (:attr:`~hvd_trainer.comm.base.config.CommConfig.match_async_names`)
-turns matching by name off: every collective then matches by call order.
+
+Opt-in: ``HVD_TRAINER_MATCH_ASYNC_NAMES=1``
+(:attr:`~hvd_trainer.comm.base.config.CommConfig.match_async_names`); by default every
+collective matches by call order. Not supported with ``join()``: a rank inside ``join()`` never
+starts the named collective, so its peers wait for it (a stall warning names it).
 """
 
 from __future__ import annotations
