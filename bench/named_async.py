@@ -4,7 +4,7 @@ Run (2 gloo processes on this machine): ``PYTHONPATH=. python bench/named_async.
 
 In one run, in the same two processes, each round re-initialises the job twice, once with
 ``HVD_TRAINER_MATCH_ASYNC_NAMES=1`` (named ``*_async`` calls matched by name,
-:mod:`hvd_trainer.comm.ops.by_name`) and once with ``0`` (call order, the default), alternating
+:mod:`hvd_trainer.comm.ops.by_name`, the default) and once with ``0`` (call order), alternating
 which goes first. Per mode:
 
 * ``fused_step``: a training step with ``hvd.DistributedOptimizer`` (an MLP 784-1024-1024-10,

@@ -3,8 +3,9 @@
 
 Horovod's own duplicate-name tests start a named collective on rank 0, pass a ``barrier()``, and
 only then start it on the other ranks; ranks may also start differently named collectives in
-different orders. Matching by name is opt-in (``HVD_TRAINER_MATCH_ASYNC_NAMES=1``); with the
-default, matching by call order, the same program raises a mismatch, which the last test shows.
+different orders; a rank inside ``join()`` adds zeros to the others' named allreduces.
+Matching by name is the default; with ``HVD_TRAINER_MATCH_ASYNC_NAMES=0`` (call order) the same
+program raises a mismatch, which the last test shows.
 """
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ from __future__ import annotations
 import time
 import warnings
 
+import pytest
 import torch
 
 from tests.multiproc import run_workers
 
-BY_NAME = {"HVD_TRAINER_MATCH_ASYNC_NAMES": "1"}
+BY_NAME: dict[str, str] = {}
+"""The default: matched by name."""
+BY_CALL_ORDER = {"HVD_TRAINER_MATCH_ASYNC_NAMES": "0"}
 
 
 def _horovod_duplicate_names() -> dict:
@@ -151,6 +155,65 @@ def _rank0_first() -> dict:
         return {"error": str(exc)}
 
 
-def test_matching_by_call_order_by_default() -> None:
-    for res in run_workers(_rank0_first, 2, timeout_seconds=90):
+def test_matching_by_call_order_when_turned_off() -> None:
+    for res in run_workers(_rank0_first, 2, env=BY_CALL_ORDER, timeout_seconds=90):
         assert res["error"] is not None and "barrier" in res["error"], res
+
+
+def _join_with_named() -> dict:
+    """Horovod's test_horovod_join_allreduce (two named async allreduces while a rank is
+    joined, with and without the same names used before), on 3 ranks, then an allgather by name
+    while a rank is joined (an error on its callers only), then names used again after."""
+    import hvd_trainer as hvd
+
+    r, n = hvd.rank(), hvd.size()
+    out: dict = {"rounds": [], "gather_error": None}
+    for first_join, caching in [(0, False), (1, True), (2, True), (0, True)]:
+        a, b = torch.full((5,), float(r + 1)), torch.full((17, 2), float(10 * (r + 1)))
+        cached = None
+        if caching:  # every rank uses the names once before someone joins
+            ha = hvd.allreduce_async(a, name="tensor_a", op=hvd.Sum)
+            hb = hvd.allreduce_async(b, name="tensor_b", op=hvd.Sum)
+            cached = [hvd.synchronize(ha)[0].item(), hvd.synchronize(hb)[0, 0].item()]
+        if r == first_join:
+            last = hvd.join()
+            got = None
+        else:
+            # started in different orders on the active ranks
+            order = ["tensor_b", "tensor_a"] if r % 2 else ["tensor_a", "tensor_b"]
+            hs = {k: hvd.allreduce_async({"tensor_a": a, "tensor_b": b}[k], name=k) for k in order}
+            got = [hvd.synchronize(hs["tensor_a"])[0].item(), hvd.synchronize(hs["tensor_b"])[0, 0].item()]
+            last = hvd.join()
+        out["rounds"].append({"first_join": first_join, "cached": cached, "got": got, "last": last})
+    if r == 1:
+        hvd.join()
+    else:
+        try:
+            hvd.synchronize(hvd.allgather_async(torch.ones(1), name="gathered"))
+        except hvd.JoinedRankError as exc:
+            out["gather_error"] = str(exc)
+        hvd.join()
+    again = hvd.allreduce_async(torch.tensor([float(r)]), name="tensor_a", op=hvd.Sum)
+    out["after"] = hvd.synchronize(again).tolist()
+    out["n"] = n
+    return out
+
+
+def test_a_joined_rank_adds_zeros_to_named_allreduces() -> None:
+    for r, res in enumerate(run_workers(_join_with_named, 3, timeout_seconds=150)):
+        n = res["n"]
+        for one in res["rounds"]:
+            j = one["first_join"]
+            if one["cached"] is not None:
+                assert one["cached"] == [n * (n + 1) / 2, 10 * n * (n + 1) / 2], one
+            if r == j:
+                assert one["got"] is None
+            else:  # the average over all n ranks, the joined rank adding zeros
+                active = [q + 1 for q in range(n) if q != j]
+                assert one["got"] == pytest.approx([sum(active) / n, 10 * sum(active) / n], rel=1e-6), one
+            assert one["last"] in [q for q in range(n) if q != j], one
+        if r == 1:
+            assert res["gather_error"] is None
+        else:
+            assert "allgather 'gathered'" in res["gather_error"] and "join()" in res["gather_error"], res
+        assert res["after"] == [float(sum(range(n)))]

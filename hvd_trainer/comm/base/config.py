@@ -93,7 +93,7 @@ def hierarchical_allreduce_env(environ: Mapping[str, str] | None = None) -> bool
 REDUCESCATTER_GRAD_ENV = "HVD_TRAINER_REDUCESCATTER_GRAD"
 
 MATCH_ASYNC_NAMES_ENV = "HVD_TRAINER_MATCH_ASYNC_NAMES"
-"""``1`` turns on matching named ``*_async`` collectives by name (:attr:`CommConfig.match_async_names`)."""
+"""``0`` turns off matching named ``*_async`` collectives by name (:attr:`CommConfig.match_async_names`)."""
 
 
 def reducescatter_grad_horovod(environ: Mapping[str, str] | None = None) -> bool:
@@ -132,12 +132,13 @@ class CommConfig:
     """Warn (naming the missing ranks and the collective) after waiting this long. 0 disables."""
     stall_shutdown_seconds: float = 0.0
     """Raise :class:`StallError` after waiting this long; 0 never raises (Horovod's default)."""
-    match_async_names: bool = False
+    match_async_names: bool = True
     """Match a *named* ``*_async`` collective of the public API across ranks by its name, as
     Horovod's negotiation did, instead of by call order (:mod:`~hvd_trainer.comm.ops.by_name`):
-    ranks may then start differently named ones in different orders. Off by default (a named
-    async collective matched by name does not pair with a rank inside ``join()``);
-    ``HVD_TRAINER_MATCH_ASYNC_NAMES=1`` turns it on."""
+    ranks may then start differently named ones in different orders. Unnamed collectives,
+    blocking ones and the gradient reducer's buckets always match by call order.
+    ``HVD_TRAINER_MATCH_ASYNC_NAMES=0`` matches named async ones by call order too (no side
+    group, no matcher thread)."""
     timeline_path: str | None = None
     """Write a Chrome-trace JSON of every collective here (rank 0 only)."""
     peer_timeout_seconds: float = DEFAULT_PEER_TIMEOUT_SECONDS
@@ -163,8 +164,12 @@ class CommConfig:
             "peer_timeout_seconds": _env_float(env, "HOROVOD_GLOO_TIMEOUT_SECONDS",
                                                DEFAULT_PEER_TIMEOUT_SECONDS),
         }
-        if env.get(MATCH_ASYNC_NAMES_ENV, "").strip().lower() in ("1", "true", "yes"):
-            values["match_async_names"] = True
+        match_names = env.get(MATCH_ASYNC_NAMES_ENV, "").strip().lower()
+        if match_names in ("0", "false", "no"):
+            values["match_async_names"] = False
+        elif match_names not in ("", "1", "true", "yes"):
+            raise ValueError(f"{MATCH_ASYNC_NAMES_ENV}={match_names!r}: expected 1 or 0. HINT: unset it "
+                             "to match named async collectives by name (the default).")
         if env.get("HOROVOD_STALL_CHECK_DISABLE", "") not in ("", "0"):
             values["stall_warning_seconds"] = 0.0
             values["stall_shutdown_seconds"] = 0.0

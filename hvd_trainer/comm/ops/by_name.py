@@ -30,34 +30,45 @@ Mechanism, per process set (a :class:`NameMatcher`):
 The side group carries CUDA tensors through gloo (correct, not fast: name your per-step
 collectives only when the order really differs, or leave them unnamed).
 
-Opt-in: ``HVD_TRAINER_MATCH_ASYNC_NAMES=1``
-(:attr:`~hvd_trainer.comm.base.config.CommConfig.match_async_names`); by default every
-collective matches by call order. Not supported with ``join()``: a rank inside ``join()`` never
-starts the named collective, so its peers wait for it (a stall warning names it).
+With ``join()`` (Horovod's semantics): a rank inside ``join()`` never starts a named collective,
+so it counts as present for every name. Its ``join()`` also serves the side set's join board
+(:mod:`~hvd_trainer.comm.world.join_board`) from a second thread. The thread of a rank waiting for
+a name polls that board once a collective has waited
+:data:`~hvd_trainer.comm.ops.checks.JOIN_CHECK_AFTER_SECONDS`; when the only members missing
+have joined, it queues the collective (once: an atomic ``add`` elects the rank that writes the
+entry). The side set's coordinator then runs it as on the
+ordered stream: a joined rank adds zeros to an allreduce and every other kind raises
+:class:`~hvd_trainer.comm.base.errors.JoinedRankError` on its callers. Each name's use count
+starts again after every ``join()`` (the counts are per join round, the same on every rank).
+
+On by default (:attr:`~hvd_trainer.comm.base.config.CommConfig.match_async_names`);
+``HVD_TRAINER_MATCH_ASYNC_NAMES=0`` matches every collective by call order.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from hvd_trainer.comm.base.errors import HorovodInternalError, RankFailedError, StallError
 from hvd_trainer.comm.ops import movement_async as _movement
 from hvd_trainer.comm.ops import reductions_async as _reductions
 from hvd_trainer.comm.ops.arguments import require_tensor
-from hvd_trainer.comm.ops.checks import Signature
+from hvd_trainer.comm.ops.checks import JOIN_CHECK_AFTER_SECONDS, Signature
 from hvd_trainer.comm.ops.handle import Handle
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.ops.reduce import run_identity_allreduce
 from hvd_trainer.comm.world.liveness import describe_gone, find_gone
 
 __all__ = [
-    "NameMatcher", "route",
+    "NameMatcher", "route", "matcher_for",
     "allreduce_async", "allreduce_async_", "grouped_allreduce_async", "grouped_allreduce_async_",
     "reducescatter_async", "grouped_reducescatter_async", "allgather_async", "grouped_allgather_async",
     "broadcast_async", "broadcast_async_", "alltoall_async",
@@ -121,6 +132,9 @@ class NameMatcher:
         self._ranks = tuple(pset.ranks)
         self._bits = len(self._ranks) <= 62
         self._uses: dict[str, int] = {}
+        self._round = 0
+        """The side set's join round the use counts in ``_uses`` belong to."""
+        self._join_checked = 0.0
         self._waiting: dict[str, _Pending] = {}
         """Started here, not yet read from the queue (touched under ``_cv``)."""
         self._fresh: list[_Pending] = []
@@ -144,9 +158,13 @@ class NameMatcher:
             raise HorovodInternalError(f"{kind} {name!r}: this process set was shut down or removed.")
         sig = Signature(kind, name)
         flight = self._pset.coordinator.claim_name(sig)
+        board = self._side.coordinator.board
+        if board.round != self._round:  # every member left a join(): counts start again
+            self._round = board.round
+            self._uses.clear()
         use = self._uses.get(flight, 0)
         self._uses[flight] = use + 1
-        pending = _Pending(f"{flight}#{use}", sig.label(), launch, flight)
+        pending = _Pending(f"{flight}#{self._round}.{use}", sig.label(), launch, flight)
         with self._cv:
             self._waiting[pending.key] = pending
             self._fresh.append(pending)
@@ -182,6 +200,58 @@ class NameMatcher:
             self._pset.coordinator.release_name(pending.flight)
         if pending.error is not None:
             raise pending.error
+
+    def drain(self) -> None:
+        """Block until every named collective this rank started has run (results and errors
+        stay with their handles for ``synchronize``); called by ``join()`` first."""
+        with self._cv:
+            waiting = list(self._waiting.values())
+        for pending in waiting:
+            while not pending.done.wait(_WAIT_SLICE_SECONDS):
+                if self._closed:
+                    return
+
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[None]:
+        """Serve the side set's join board from a second thread while the body serves the
+        set's own board (``join()``): a joined rank adds zeros to the named allreduces the
+        active ranks run meanwhile. Every member enters this before the set's own board, so
+        the side board is complete once the body returns; the body's stall inspection speaks
+        for both (an error in the body stops the second thread).
+
+        Raises:
+            Whatever serving the side board raised (a failed peer, a closed transport).
+        """
+        self.drain()
+        side = self._side.coordinator
+        stop = threading.Event()
+        failure: list[BaseException] = []
+
+        def on_idle(_seconds: float) -> None:
+            if stop.is_set():
+                raise _JoinAbandoned
+
+        def serve() -> None:
+            try:
+                _, side.seq = side.board.serve(
+                    side.seq, lambda tr: run_identity_allreduce(tr, self._side), on_idle)
+                side.forget_history()
+            except _JoinAbandoned:
+                pass
+            except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+                failure.append(exc)
+
+        thread = threading.Thread(target=serve, name=f"hvd-join-ps{self._pset.set_id}", daemon=True)
+        thread.start()
+        try:
+            yield
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            thread.join()
+        if failure:
+            raise failure[0]
 
     def close(self) -> None:
         """Stop the thread; collectives not started by every member fail at ``synchronize``."""
@@ -269,6 +339,8 @@ class NameMatcher:
                     return
                 fresh, self._fresh = self._fresh, []
                 expecting = bool(self._waiting)
+            if expecting:
+                self._queue_for_joined()
             if self._advance(fresh, expecting, running):
                 delay = _POLL_FIRST_SECONDS
             elif running:  # nothing else to do: wait for the oldest (its checks inspect stalls)
@@ -281,6 +353,32 @@ class NameMatcher:
                 if idle:
                     self._wake.wait(delay)
                     delay = min(2 * delay, _POLL_MAX_SECONDS)
+
+    def _queue_for_joined(self) -> None:
+        """Queue the collectives whose only missing members are inside ``join()`` (looked for
+        at most every JOIN_CHECK_AFTER_SECONDS, once one has waited that long). Several
+        members may find the same one: an atomic ``add`` elects the one that queues it."""
+        now = time.monotonic()
+        if now - self._join_checked < JOIN_CHECK_AFTER_SECONDS:
+            return
+        with self._cv:
+            waited = [p for p in self._waiting.values() if now - p.started >= JOIN_CHECK_AFTER_SECONDS]
+        if not waited:
+            return
+        self._join_checked = now
+        board = self._side.coordinator.board
+        try:
+            if not board.started():
+                return
+            joined = board.joined_ranks()
+            for pending in waited:
+                missing = self._missing(pending.key)
+                if missing and set(missing) <= joined \
+                        and self._store.add(f"{self._prefix}/elect/{pending.key}", 1) == 1:
+                    slot = self._store.add(f"{self._prefix}/length", 1)
+                    self._store.set(f"{self._prefix}/queue/{slot}", pending.key)
+        except RuntimeError:
+            return  # a lost store: waiters find the failed peer themselves
 
     def _advance(self, fresh: list[_Pending], expecting: bool,
                  running: collections.deque[tuple[_Pending, Handle | None]]) -> bool:
@@ -322,6 +420,10 @@ class NameMatcher:
         return ready
 
 
+class _JoinAbandoned(Exception):
+    """Stops the side board's serving thread when ``join()`` itself failed."""
+
+
 class _Part:
     """A :class:`Handle` part for a collective matched by name."""
 
@@ -337,7 +439,7 @@ class _Part:
         self._matcher.wait(self._pending)
 
 
-def _matcher(pset: ProcessSet) -> NameMatcher | None:
+def matcher_for(pset: ProcessSet) -> NameMatcher | None:
     """The set's matcher (made on first use); ``None`` where names match by call order."""
     if pset.name_matcher is None:
         runtime = pset._runtime
@@ -358,7 +460,7 @@ def route(kind: str, name: str | None, process_set: ProcessSet | None, world: An
     if name is None:
         return launch(process_set)
     pset = resolve_set(process_set, world, kind)
-    matcher = _matcher(pset)
+    matcher = matcher_for(pset)
     if matcher is None:
         return launch(process_set)
     return matcher.submit(kind, name, launch)

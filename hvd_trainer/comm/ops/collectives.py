@@ -16,6 +16,7 @@ Results are new tensors unless the name ends in ``_``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ import torch
 
 from hvd_trainer.comm.base.errors import CommTypeError, StallError
 from hvd_trainer.comm.base.fatal import exit_hard_at_exit
+from hvd_trainer.comm.ops import by_name
 from hvd_trainer.comm.ops.arguments import require_tensor
 from hvd_trainer.comm.ops.autograd import (
     allgather_with_grad,
@@ -313,7 +315,9 @@ def join(device: int | str | torch.device = -1, *, process_set: ProcessSet | Non
     device). It is accepted and checked for type only; here each stand-in allreduce uses the
     device the active ranks announced (CPU tensors over gloo, CUDA ones on this rank's GPU).
 
-    Until every member has joined, this rank takes part in the others' allreduces with zeros
+    Named ``*_async`` collectives this rank started run to completion first (their results stay
+    with their handles). Until every member has joined, this rank takes part in the others'
+    allreduces, named async ones included, with zeros
     (identity elements for Min/Max/Product); ``Average`` still divides by the full set size.
     Other collectives by the active ranks raise :class:`JoinedRankError` on the ranks that call
     them (as in Horovod); the joined rank skips them and keeps waiting.
@@ -347,7 +351,9 @@ def join(device: int | str | torch.device = -1, *, process_set: ProcessSet | Non
             warned[0] = True
             warnings.warn(text, RuntimeWarning, stacklevel=3)
 
-    last, seq = coord.board.serve(coord.seq, lambda tr: run_identity_allreduce(tr, pset), on_idle)
+    matcher = by_name.matcher_for(pset)
+    with matcher.joined() if matcher is not None else contextlib.nullcontext():
+        last, seq = coord.board.serve(coord.seq, lambda tr: run_identity_allreduce(tr, pset), on_idle)
     coord.seq = seq
     coord.forget_history()
     return last
