@@ -137,6 +137,24 @@ def test_lightning_cli_program_with_horovod_strategy_from_the_command_line(tmp_p
     assert (tmp_path / "config.yaml").exists()  # LightningCLI's SaveConfigCallback ran (rank 0)
 
 
+def test_lightning_cli_program_under_torchrun_with_the_strategy_class_path(tmp_path: Path) -> None:
+    """The same program under plain torchrun (no hvdrun to register ``"horovod"``): the class
+    path form of ``--trainer.strategy`` imports the strategy itself."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / "lightning_cli.py"), "fit",
+           '--trainer.strategy={"class_path": "hvd_trainer.strategy.HorovodStrategy"}',
+           "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.logger=false",
+           "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+           f"--trainer.default_root_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(EXAMPLE_OUT=str(tmp_path)),
+                          capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"lightning_cli.{rank}.json").read_text()) for rank in (0, 1))
+    for r in (r0, r1):
+        assert r["strategy"] == "HorovodStrategy" and r["world_size"] == 2, r
+    assert r0["weights"] == r1["weights"]  # one model (the initial weights were rank-dependent)
+
+
 def test_unmodified_horovod_script_with_as_horovod(tmp_path: Path) -> None:
     """Horovod's pytorch_mnist.py with no line changed (``import horovod``, ``horovod.torch``,
     ``horovod.torch.mpi_ops``, ``horovod.common.exceptions``) under ``hvdrun --as-horovod``."""
