@@ -117,6 +117,21 @@ class CommRuntime:
             self._homogeneous = len(values) == 1
         return self._homogeneous
 
+    def entered(self) -> dict[str, int]:
+        """How many collectives this rank entered on each of its process sets (and their sides
+        for collectives matched by name), by the set coordinator's store prefix; recorded at
+        shutdown (:func:`~hvd_trainer.comm.world.liveness.mark_exited`)."""
+        out: dict[str, int] = {}
+        for pset in [*self.sets.values(), getattr(self, "global_set", None)]:
+            coord = getattr(pset, "coordinator", None)
+            if coord is None:
+                continue
+            out[coord.prefix] = coord.seq
+            matcher = pset.name_matcher
+            if matcher is not None:
+                out[matcher.side.coordinator.prefix] = matcher.side.coordinator.seq
+        return out
+
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Route every process set's events to ``timeline`` (``None``: record nothing)."""
         self.timeline = timeline

@@ -145,6 +145,11 @@ class NameMatcher:
         self._next = 1
         self._thread: threading.Thread | None = None
 
+    @property
+    def side(self) -> ProcessSet:
+        """The set's members on the side group, where matched collectives run."""
+        return self._side
+
     # -- main thread ----------------------------------------------------------------------
     def submit(self, kind: str, name: str, launch: Callable[[ProcessSet], Handle]) -> Handle:
         """Start the collective ``kind`` named ``name``; ``launch(side_set)`` starts it for real

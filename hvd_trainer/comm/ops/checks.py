@@ -69,6 +69,7 @@ from hvd_trainer.comm.world.liveness import (
     describe_gone,
     find_dead_peers,
     find_gone,
+    reached,
     stopped_for_peers,
     wait_until_ended,
 )
@@ -599,7 +600,10 @@ class Coordinator:
             return
         op.extra["next_probe"] = now + 0.5
         try:
-            gone = find_gone(self.store, missing)
+            # a peer that shut down after entering this collective finished its part of it
+            # (its data may still be on a slow link): the transport decides, not its exit
+            gone = [p for p in find_gone(self.store, missing)
+                    if not reached(self.store, p.rank, self.prefix, op.seq)]
             relayed = stopped_for_peers(self.store, gone)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return
