@@ -12,6 +12,12 @@ finds failed workers:
 * otherwise, with restarts left: one line ``hvdrun: rank R (...) failed with ...; restarting
   all workers (attempt k of n)``.
 
+An agent whose workers failed for good (no restart left) also leaves a mark in the
+rendezvous store (:data:`FAILED_AGENT_KEY`). torchrun's agent whose workers all finished waits in
+an exit barrier for every other agent (up to 300 s); a failed agent never arrives there, so the
+wrapped barrier first polls, every :data:`BARRIER_POLL_SECONDS`, for either every agent's
+"finished" count or that mark, and with the mark leaves at once, naming the failed host.
+
 :meth:`AgentWatch.summary` is the closing line about the restarts used.
 """
 
@@ -20,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,7 +36,14 @@ from typing import Any, TextIO
 from hvd_trainer.launch.failures import describe_exit, root_failure, script_pid
 from hvd_trainer.launch.partition_watch import forget_partition_records
 
-__all__ = ["AgentWatch", "read_user_errors", "watch_supported"]
+__all__ = ["AgentWatch", "read_user_errors", "watch_supported", "FAILED_AGENT_KEY", "FINISHED_AGENTS_KEY"]
+
+FAILED_AGENT_KEY = "hvdrun/agent_failed"
+"""Set (to the host's name) by an agent whose workers failed and will not be restarted; in the
+rendezvous round's own store, so a later round starts clean."""
+FINISHED_AGENTS_KEY = "hvdrun/agents_finished"
+"""Counted up by each agent whose workers all finished."""
+BARRIER_POLL_SECONDS = 0.2
 
 
 def read_user_errors(job_dir: Path) -> list[dict[str, Any]]:
@@ -48,6 +63,12 @@ def _own_errors(records: list[dict[str, Any]], failures: dict[int, Any]) -> list
     tell which came first.)"""
     killed = [f for f in failures.values() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
     return [] if killed else records
+
+
+def _mark_failed(agent: Any) -> None:
+    """Leave :data:`FAILED_AGENT_KEY` in the agent's rendezvous store (never raises)."""
+    with contextlib.suppress(Exception):
+        agent._store.set(FAILED_AGENT_KEY, socket.gethostname())
 
 
 def _forget(job_dir: Path) -> None:
@@ -95,9 +116,11 @@ class AgentWatch:
         if records:
             self.user_error = records[0]
             agent._remaining_restarts = 0  # torch's agent then stops the workers and reports
+            _mark_failed(agent)
             return
         _forget(self.job_dir)  # a record written because a peer died must not stop the next attempt
         if agent._remaining_restarts <= 0 or not failures:
+            _mark_failed(agent)
             return
         forget_partition_records(self.job_dir)  # this agent is not stuck: it restarts the workers
         self.restarts_used += 1
@@ -106,6 +129,29 @@ class AgentWatch:
         print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {pid}) failed with "
               f"{describe_exit(first.exitcode)}; restarting all workers "
               f"(attempt {self.restarts_used} of {self.max_restarts})", file=self.out, flush=True)
+
+    def await_agents(self, agent: Any) -> bool:
+        """Before torch's exit barrier: count this agent finished, then wait until every agent
+        finished (``True``: torch's barrier then passes at once) or one left the failed mark
+        (``False``: the barrier is skipped, a line names the host). Bounded by the agent's
+        barrier timeout; a lost store skips the barrier too (torch's would fail at once)."""
+        try:
+            store, agents = agent._store, int(agent._worker_group.group_world_size)
+            store.add(FINISHED_AGENTS_KEY, 1)
+            deadline = time.monotonic() + float(agent._exit_barrier_timeout)
+            while time.monotonic() < deadline:
+                if store.check([FAILED_AGENT_KEY]):
+                    host = bytes(store.get(FAILED_AGENT_KEY)).decode(errors="replace")
+                    print(f"hvdrun: the workers on host {host} failed; this host's workers finished, "
+                          "so hvdrun stops now instead of waiting for that host's agent.",
+                          file=self.out, flush=True)
+                    return False
+                if int(store.add(FINISHED_AGENTS_KEY, 0)) >= agents:
+                    return True
+                time.sleep(BARRIER_POLL_SECONDS)  # two keys on a remote store: polled
+        except Exception:  # noqa: BLE001 - the store's host is gone: nobody to wait for
+            return False
+        return True
 
     def summary(self) -> str:
         """``hvdrun: 1 of 3 restarts used.``"""
@@ -131,8 +177,19 @@ class AgentWatch:
                 watch.on_failure(agent, result.failures)
             return result
 
+        original_barrier = getattr(agent_cls, "_exit_barrier", None)
+
+        def exit_barrier(agent: Any) -> Any:
+            if watch.await_agents(agent):
+                return original_barrier(agent)
+            return None
+
         agent_cls._monitor_workers = monitor
+        if original_barrier is not None:
+            agent_cls._exit_barrier = exit_barrier
         try:
             yield
         finally:
             agent_cls._monitor_workers = original
+            if original_barrier is not None:
+                agent_cls._exit_barrier = original_barrier

@@ -36,3 +36,15 @@ def test_the_last_rank_still_receiving_does_not_blame_the_one_that_finished() ->
         lag = float(done[1][2]) - float(done[0][2])
         assert lag > 1.2, f"rank 1 finished only {lag:.2f} s after rank 0\n{explain(runs)}"
         assert c.pids() == {"h1": [], "h2": []}, "processes left behind"
+
+
+def test_a_finished_host_does_not_wait_for_the_agent_of_a_failed_one() -> None:
+    """Rank 0 (h1) finishes; rank 1 (h2) then exits 3. h1's hvdrun must end within seconds
+    of h2's, naming h2, not after torchrun's 300 s exit barrier."""
+    with cluster(2) as c:
+        runs = same_line(c, "fail_after_peer.py", np_per_host=1, timeout=90)
+        h1, h2 = runs
+        assert h2.returncode != 0 and h1.returncode == 0, explain(runs)
+        assert "hvdrun: the workers on host h2 failed" in h1.output, explain(runs)
+        assert abs(h1.seconds - h2.seconds) < 10.0, explain(runs)
+        assert c.pids() == {"h1": [], "h2": []}, "processes left behind"
