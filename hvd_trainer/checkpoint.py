@@ -17,6 +17,7 @@ Lightning's atomic ``CheckpointIO`` is :class:`hvd_trainer.lightning.checkpoint_
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 
 from hvd_trainer.comm.world.world import get_world, is_initialized
 
-__all__ = ["atomic_save", "save_checkpoint", "load_checkpoint"]
+__all__ = ["atomic_save", "save_checkpoint", "load_checkpoint", "discard"]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -68,6 +69,15 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
         raise
     _fsync_dir(target.parent)
     return target
+
+
+def discard(path: str | os.PathLike[str]) -> None:
+    """Remove ``path`` and every ``.<name>.*.tmp`` that an interrupted :func:`atomic_save` of it
+    left next to it (a process killed mid-write). Call it only once nothing writes ``path``."""
+    target = Path(path)
+    target.unlink(missing_ok=True)
+    for stray in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        stray.unlink(missing_ok=True)
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, rank: int | None = None) -> bool:

@@ -62,6 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hvd_trainer.checkpoint import discard
 from hvd_trainer.comm import (
     HostsUpdatedInterrupt,
     World,
@@ -230,11 +231,12 @@ def _stop_for_restart(exc: BaseException, world: World) -> None:
 
 
 def _cleanup(directory: Path, world: World) -> None:
-    """Remove the automatic directory's commit and the directory (and ``hvd_trainer_elastic/``
+    """Remove the automatic directory's commit (with any temporary file of a write that was
+    killed) and the directory (and ``hvd_trainer_elastic/``
     when no other job's directory is in it): nothing is left in the temp folder."""
     barrier(world=world)  # every rank finished: the commit is no longer needed
     if world.local_rank == 0:
-        (directory / STATE_FILENAME).unlink(missing_ok=True)
+        discard(directory / STATE_FILENAME)  # and a write a kill interrupted
         for folder in (directory, directory.parent):
             with contextlib.suppress(OSError):  # not empty: another job's files are still there
                 folder.rmdir()

@@ -109,7 +109,7 @@ from pytorch_lightning.trainer.states import RunningStage, TrainerFn, TrainerSta
 from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hvd_trainer.comm as comm
-from hvd_trainer.checkpoint import load_checkpoint
+from hvd_trainer.checkpoint import discard, load_checkpoint
 from hvd_trainer.comm.base.launch_env import recovery_env, torchelastic_env
 from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot_to_cpu
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
@@ -432,7 +432,7 @@ class ElasticFit:
         world = self.world
         comm.barrier(world=world)
         if world.local_rank == 0:
-            self.path.unlink(missing_ok=True)
+            discard(self.path)  # and a write a kill interrupted
             with contextlib.suppress(OSError):  # not empty: another fit's commit is still there
                 self.path.parent.rmdir()
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hvd_trainer.checkpoint import atomic_save, load_checkpoint, save_checkpoint
+from hvd_trainer.checkpoint import atomic_save, discard, load_checkpoint, save_checkpoint
 from hvd_trainer.lightning.checkpoint_io import AtomicCheckpointIO
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +82,12 @@ def test_sigkill_during_write_leaves_previous_checkpoint_readable(tmp_path: Path
     assert back["step"] == 1 and torch.equal(back["w"], torch.arange(1000.0))
     stray = [p.name for p in tmp_path.iterdir() if p.name != "last.pt"]
     assert len(stray) == 1 and stray[0].startswith(".last.pt.") and stray[0].endswith(".tmp"), stray
+    # the end of an elastic job discards its commit: the killed write's temp file goes too, and
+    # nothing else does
+    (tmp_path / "other.pt").write_bytes(b"x")
+    (tmp_path / ".other.pt.abc.tmp").write_bytes(b"x")
+    discard(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.pt.abc.tmp", "other.pt"]
 
 
 def test_lightning_checkpoint_io_is_atomic(tmp_path: Path) -> None:
