@@ -100,11 +100,14 @@ class AgentWatch:
         out: where announcements go (hvdrun's stderr).
         exit_barrier_seconds: the agent's wait for the other agents once its workers finished
             (torch's ``_exit_barrier_timeout``; ``None``: leave torchrun's 300 s).
+        respawn_budget: with in-process recovery, how often each lost worker may be started
+            again alone (``HVDRUN_RESPAWNS``; 0: the job restarts all workers instead).
     """
 
     def __init__(self, job_dir: Path, max_restarts: int, out: TextIO | None = None,
-                 exit_barrier_seconds: float | None = None) -> None:
+                 exit_barrier_seconds: float | None = None, respawn_budget: int = 0) -> None:
         self.job_dir, self.max_restarts = job_dir, max_restarts
+        self.respawn_budget = respawn_budget
         self.exit_barrier_seconds = exit_barrier_seconds
         self.out = out or sys.stderr
         self.restarts_used = 0
@@ -153,9 +156,24 @@ class AgentWatch:
             return False
         return True
 
-    def summary(self) -> str:
-        """``hvdrun: 1 of 3 restarts used.``"""
-        return f"hvdrun: {self.restarts_used} of {self.max_restarts} restarts used."
+    def summary(self) -> str | None:
+        """The closing line: ``hvdrun: 1 of 3 restarts used.``, or with in-process recovery
+        ``hvdrun: 2 lost workers started again in process (rank 1: 2; at most 3 per rank).``;
+        ``None`` when neither applies."""
+        if self.respawn_budget > 0:
+            counts: dict[str, int] = {}
+            for path in self.job_dir.glob("respawns.*"):
+                rank = path.name.split(".", 1)[1]
+                with contextlib.suppress(OSError, ValueError):
+                    if rank.isdigit():
+                        counts[rank] = int(path.read_text())
+            total = sum(counts.values())
+            ranks = ", ".join(f"rank {r}: {n}" for r, n in sorted(counts.items(), key=lambda kv: int(kv[0])))
+            return (f"hvdrun: {total} lost worker{'' if total == 1 else 's'} started again in process "
+                    f"({ranks + '; ' if ranks else ''}at most {self.respawn_budget} per rank).")
+        if self.max_restarts > 0:
+            return f"hvdrun: {self.restarts_used} of {self.max_restarts} restarts used."
+        return None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

@@ -183,14 +183,16 @@ def job_directory() -> Iterator[Path]:
 
 def run_torchrun(
     args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False,
-    max_restarts: int = 0, exit_barrier_seconds: float | None = None,
+    max_restarts: int = 0, exit_barrier_seconds: float | None = None, respawn_budget: int = 0,
 ) -> int:
     """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success).
 
     The workers get ``HVDRUN_JOB_DIR`` (a fresh temporary directory, removed at the end) for
     their user-error records; restarts are announced and counted (:class:`AgentWatch`), and
-    with restarts allowed the last lines say how many were used. ``exit_barrier_seconds``: how
-    long a finished agent waits for the other hosts' agents (``None``: torchrun's 300 s).
+    with restarts allowed (or in-process recovery) the last lines say how many were used.
+    ``exit_barrier_seconds``: how long a finished agent waits for the other hosts' agents
+    (``None``: torchrun's 300 s). ``respawn_budget``: ``HVDRUN_RESPAWNS`` with in-process
+    recovery (0 without).
     """
     import logging
 
@@ -204,7 +206,8 @@ def run_torchrun(
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     with job_directory() as job_dir:
         os.environ[JOB_DIR_ENV] = str(job_dir)
-        watch = AgentWatch(job_dir, max_restarts, exit_barrier_seconds=exit_barrier_seconds)
+        watch = AgentWatch(job_dir, max_restarts, exit_barrier_seconds=exit_barrier_seconds,
+                           respawn_budget=respawn_budget)
         try:
             with PartitionWatch(job_dir):
                 return _run_watched(args, watch, start_timeout_seconds)
@@ -223,8 +226,7 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
     except ChildFailedError as exc:
         if watch.user_error is not None:
             return _report_user_error(watch.user_error, exc.failures, watch)
-        if watch.max_restarts > 0:
-            print(watch.summary(), file=sys.stderr, flush=True)
+        _print_summary(watch)
         partition = partition_line(read_records(watch.job_dir))
         if partition is not None:  # the ranks' exit codes only say "a peer failed"
             print(partition, file=sys.stderr, flush=True)
@@ -244,9 +246,14 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
         print(f"hvdrun: error: the job could not start or finish: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
         return 1
-    if watch.max_restarts > 0:
-        print(watch.summary(), file=sys.stderr, flush=True)
+    _print_summary(watch)
     return 0
+
+
+def _print_summary(watch: AgentWatch) -> None:
+    line = watch.summary()
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def run_mpirun(cmd: list[str]) -> int:

@@ -269,6 +269,18 @@ def _write_pid(job_dir: str | None, rank: str, pid: int) -> None:
         os.replace(path + ".tmp", path)
 
 
+def _write_count(job_dir: str | None, rank: str, respawns: int) -> None:
+    """``<job_dir>/respawns.<rank>``: how often this rank was started again alone (hvdrun's
+    closing line counts them); replaced atomically."""
+    if not job_dir:
+        return
+    path = os.path.join(job_dir, f"respawns.{rank}")
+    with contextlib.suppress(OSError):
+        with open(path + ".tmp", "w") as fh:
+            fh.write(str(respawns))
+        os.replace(path + ".tmp", path)
+
+
 def _exit_like(returncode: int) -> None:
     if returncode < 0:
         with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled anyway
@@ -340,6 +352,7 @@ def main(argv: list[str]) -> None:
         if not (_killed(returncode, bool(stopping)) and respawns < budget):
             _exit_like(returncode)
         respawns += 1
+        _write_count(env.get("HVDRUN_JOB_DIR"), rank, respawns)
         name = signal.Signals(-returncode).name
         sys.stderr.buffer.write(
             prefix(rank, "stderr", timestamp) + f"hvdrun: rank {rank} (pid {child.pid}) was killed by "

@@ -59,6 +59,7 @@ def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path)
     assert "2 -> 1 ranks" in res.output and "1 -> 2 ranks (" not in res.output, res.explain()
     assert "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
     assert "restarts used" not in res.output or "0 of" in res.output, res.explain()
+    assert "hvdrun: 1 lost worker started again in process (rank 1: 1; at most" in res.output, res.explain()
     assert alive([int(p) for _, p, *_ in starts]) == [], res.explain()
 
     got = torch.load(out)
