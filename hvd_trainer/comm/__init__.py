@@ -113,7 +113,15 @@ from hvd_trainer.comm.ops.process_set_registry import (
 from hvd_trainer.comm.ops.timeline import Timeline, start_timeline, stop_timeline
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.session import finish_job, in_process_recovery, init, recover, reform_due, shutdown
+from hvd_trainer.comm.session import (
+    finish_job,
+    first_survivor,
+    in_process_recovery,
+    init,
+    recover,
+    reform_due,
+    shutdown,
+)
 from hvd_trainer.comm.world.build_info import (
     ccl_built,
     cuda_built,
@@ -146,6 +154,7 @@ __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op", "reject_adasum",
     "World", "LaunchEnv", "detect_launch_env", "init", "shutdown", "is_initialized",
     "get_world", "free_port", "CommConfig", "recover", "reform_due", "in_process_recovery", "finish_job",
+    "first_survivor",
     "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "Handle", "poll", "synchronize",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",

@@ -273,6 +273,15 @@ def recover() -> World:
     return world
 
 
+def first_survivor() -> bool:
+    """After :func:`recover`: whether this rank is the lowest-ranked one of the members that
+    were in the world before it (the rank that reports the re-form; rank 0 may have just
+    joined). ``False`` without in-process recovery."""
+    if not in_process_recovery():
+        return False
+    return _Recovery.current.quorum.first_survivor()  # type: ignore[union-attr]
+
+
 def finish_job() -> None:
     """With in-process recovery: the training function returned, so a restarted worker still
     waiting to join ends quietly (status 0) instead of waiting. A no-op otherwise."""

@@ -69,6 +69,7 @@ from hvd_trainer.comm import (
     allgather_object,
     barrier,
     finish_job,
+    first_survivor,
     get_world,
     in_process_recovery,
     init,
@@ -153,7 +154,7 @@ def _recover_in_process(state: State, exc: BaseException) -> World:
         state.restore()  # back to this rank's last commit; the newest one is then broadcast
     world = _sync_or_reform(state, world)
     state.on_reset()
-    if world.rank == 0:
+    if first_survivor():  # rank 0 may be the worker that just joined
         why = "a worker joined" if joiner else f"{type(exc).__name__}"
         _log.warning("elastic: world re-formed in process (%s): %d -> %d ranks in %.2f s, resuming "
                      "from commit %d", why, old.size, world.size, time.monotonic() - start,

@@ -557,7 +557,7 @@ class InProcessFitLauncher:
         trainer.should_stop = False
         why = ("a worker joined" if isinstance(exc, comm.HostsUpdatedInterrupt)
                else f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
-        if world.rank == 0:
+        if comm.first_survivor():  # rank 0 may be the worker that just joined
             log.warning("hvd_trainer elastic: world re-formed in process (%s): %d -> %d ranks in %.2f s; "
                         "fit continues from the newest commit", why, old, world.size,
                         time.monotonic() - started)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tests.e2e.hvdrun_helpers import SCRIPTS, alive, fail_time, hvdrun
+from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun
 
 WORKER = str(SCRIPTS / "inprocess_worker.py")
 USER_ERROR = str(SCRIPTS / "elastic_user_error.py")
@@ -42,6 +42,19 @@ def replay(history: list[tuple[int, list[list[int]]]], n: int = N) -> dict[str, 
             p.grad = total / len(per_rank)
         optimizer.step()
     return model.state_dict()
+
+
+def test_rank_0_lost_and_restarted_the_survivor_reports_both_re_forms(tmp_path: Path) -> None:
+    """Rank 0 is the one killed: the survivor (slot 1) is rank 0 alone, then rank 1 of the world
+    the restarted slot 0 joins; it reports both re-forms (the joiner, rank 0 again, does not)."""
+    out = tmp_path / "out.pt"
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(out), "6", "0.1", "64"], timeout=180,
+                 env=clean_env(KILL_SLOT="0"))
+    assert res.returncode == 0, res.explain()
+    assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
+    assert "hvdrun: 1 lost worker started again in process (rank 0: 1; at most" in res.output, res.explain()
+    got = torch.load(out)
+    assert got["step"] == len(got["history"]) and {len(r) for _, r in got["history"]} == {1, 2}, res.explain()
 
 
 def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path) -> None:

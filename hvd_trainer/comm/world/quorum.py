@@ -131,6 +131,8 @@ class Quorum:
         self._prefix = f"hvd/quorum/{run_id}"
         self.me = Member(slot, host or socket.gethostname(), os.getpid() if pid is None else pid)
         self.current: Membership | None = None
+        self._before: Membership | None = None
+        """The membership this worker left at its last :meth:`reform` (``None`` before one)."""
         self._checks = 0
         self._reform_at: int | None = None
         self._lost: set[int] = set()
@@ -170,7 +172,18 @@ class Quorum:
         if self.current is None:
             raise RuntimeError("reform() before join()")
         self._lost = {self.current.members[r].slot for r in lost_ranks if 0 <= r < self.current.size}
+        self._before = self.current
         return self._enter(self.current.epoch + 1, self.current, may_close=True)
+
+    def first_survivor(self) -> bool:
+        """After :meth:`reform`: whether this worker has the lowest rank among the members that
+        were also in the membership it left (the one that reports the re-form: rank 0 may be a
+        worker that just joined). ``False`` before any reform."""
+        if self._before is None or self.current is None:
+            return False
+        before = {m.slot for m in self._before.members}
+        survivors = [m.slot for m in self.current.members if m.slot in before]
+        return bool(survivors) and survivors[0] == self.slot
 
     def _enter(self, epoch: int, previous: Membership | None, *, may_close: bool,
                joiner: bool = False) -> Membership:

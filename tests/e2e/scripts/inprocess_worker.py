@@ -1,10 +1,10 @@
 """In-process recovery worker (torch API): commits every step; rank 1 SIGKILLs itself once.
 
 Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S [SAMPLES]]
-In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself when ``state.step ==
-KILL_STEP`` (-1: never). Every committed step records the world size and each rank's sample
-indices, so the test can replay the same steps in one process. Rank 0 saves the final weights,
-that history and the steps' completion times to OUT_FILE.
+In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot ``KILL_SLOT`` (environment, default 1)
+SIGKILLs itself when ``state.step == KILL_STEP`` (-1: never). Every committed step records the
+world size and each rank's sample indices, so the test can replay the same steps in one process.
+Rank 0 saves the final weights, that history and the steps' completion times to OUT_FILE.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ out_file, kill_step = sys.argv[1], int(sys.argv[2])
 step_sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
+kill_slot = int(os.environ.get("KILL_SLOT", "1"))
 hvd.init()  # as in Horovod's elastic examples (a restarted worker joins here)
 torch.manual_seed(0)
 N, BATCH, EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 128, 4, 2
@@ -44,7 +45,7 @@ def train(state: elastic.TorchState) -> None:
     for epoch in range(state.epoch, EPOCHS):
         sampler.set_epoch(epoch)
         for i, (x, y, idx) in enumerate(loader):
-            if respawn == 0 and slot == 1 and state.step == kill_step:
+            if respawn == 0 and slot == kill_slot and state.step == kill_step:
                 print(f"FAIL_AT {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(step_sleep)
