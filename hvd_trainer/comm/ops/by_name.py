@@ -79,6 +79,8 @@ _POLL_MAX_SECONDS = 0.005
 """The queue is polled from 0.2 ms, doubling to 5 ms while nothing new arrives (only while
 this rank has a collective waiting for its turn)."""
 _WAIT_SLICE_SECONDS = 0.05
+_ABANDON_JOIN_SECONDS = 5.0
+"""How long a failed ``join()`` waits for its side-board thread before leaving it (a daemon)."""
 _PROBE_EVERY_SECONDS = 0.5
 
 
@@ -251,10 +253,10 @@ class NameMatcher:
         try:
             yield
         except BaseException:
-            stop.set()
+            stop.set()  # the thread may be inside a collective with a failed peer: do not wait long
+            thread.join(timeout=_ABANDON_JOIN_SECONDS)
             raise
-        finally:
-            thread.join()
+        thread.join()
         if failure:
             raise failure[0]
 
