@@ -53,7 +53,7 @@ from hvd_trainer.comm.base.launch_env import torchelastic_env
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice
 from hvd_trainer.comm.reduce.auto import announce as announce_auto
 from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
@@ -259,7 +259,12 @@ class _HorovodStrategyLogic:
         self._sync_depth = 0  # > 0 inside block_backward_sync
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
-        self._local = _local_config(sync_every, outer_lr, outer_momentum, outer_nesterov, self._compression)
+        self._outer_args = {"outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                            "nesterov": outer_nesterov}
+        """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
+        if self._auto["sync_every"]:
+            _local_config(1, **self._outer_args, compression=self._compression)  # checked now, not at fit
+        self._local = _local_config(sync_every, **self._outer_args, compression=self._compression)
         self._outer: OuterSync | None = None
         zero_stage = check_zero_stage(zero_stage, StrategyConfigError)
         if zero_stage and (self._local is not None or any(self._auto.values())):
@@ -504,11 +509,16 @@ class _HorovodStrategyLogic:
         grad_bytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
         choice = choose_auto(world, resolve_set(None, world, "auto"), self.root_device, grad_bytes,
                              local_steps=self._auto["sync_every"])
+        self._apply_auto(choice)
+        announce_auto(world, choice, self._auto)
+
+    def _apply_auto(self, choice: AutoChoice) -> None:
+        """Take what ``"auto"`` chose; local steps keep the user's outer optimizer and outer
+        compression."""
         if self._auto["compression"]:
             self._compression = choice.compression
         if self._auto["sync_every"] and choice.sync_every is not None:
-            self._local = LocalSGDConfig(sync_every=choice.sync_every, compression=Compression.none)
-        announce_auto(world, choice, self._auto)
+            self._local = _local_config(choice.sync_every, **self._outer_args, compression=self._compression)
 
     @property
     def auto_choice(self) -> str:
@@ -962,6 +972,8 @@ def _unwrap(optimizer: Any) -> Any:
 
 def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
                   compression: Compressor) -> LocalSGDConfig | None:
+    """The local-steps config (``None`` without ``sync_every``); the outer gradient travels in
+    ``compression``. Raises StrategyConfigError for a bad combination."""
     if sync_every is None:
         return None
     try:

@@ -110,3 +110,20 @@ def test_every_front_end_announces_auto_with_the_same_line() -> None:
     assert [s.split()[0] for s in sections] == ["torch", "keras", "lightning"], proc.stdout
     for section in sections:
         assert section.count(line) == 1, (section, proc.stderr[-2000:])
+
+
+def test_local_steps_chosen_by_auto_keep_the_users_outer_optimizer() -> None:
+    """``sync_every="auto"`` picks H from the link; the outer lr, momentum, Nesterov and the
+    outer gradient's compression stay what the user passed (they were dropped before)."""
+    from hvd_trainer.strategy import HorovodStrategy
+
+    slow = decide(LinkEstimate(bytes_per_s=2.5e6, latency_s=1e-3), 40 * 2**20, local_steps=True)
+    assert slow.sync_every is not None
+    for compression, outer_wire in (("auto", Compression.none), ("bf16", Compression.bf16)):
+        strategy = HorovodStrategy(sync_every="auto", compression=compression, outer_lr=0.5,
+                                   outer_momentum=0.0, outer_nesterov=False)
+        strategy._apply_auto(slow)  # what fit does with the measured link's choice
+        local = strategy._local
+        assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov) == \
+            (slow.sync_every, 0.5, 0.0, False)
+        assert local.compression is outer_wire
