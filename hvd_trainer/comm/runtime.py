@@ -117,19 +117,19 @@ class CommRuntime:
             self._homogeneous = len(values) == 1
         return self._homogeneous
 
-    def entered(self) -> dict[str, int]:
-        """How many collectives this rank entered on each of its process sets (and their sides
-        for collectives matched by name), by the set coordinator's store prefix; recorded at
-        shutdown (:func:`~hvd_trainer.comm.world.liveness.mark_exited`)."""
-        out: dict[str, int] = {}
+    def last_done(self) -> dict[str, tuple[int, str]]:
+        """The last collective this rank completed on each of its process sets (and their sides
+        for collectives matched by name), by the set coordinator's store prefix: ``(seq, encoded
+        signature)``; recorded at shutdown (:func:`~hvd_trainer.comm.world.liveness.mark_exited`)."""
+        out: dict[str, tuple[int, str]] = {}
         for pset in [*self.sets.values(), getattr(self, "global_set", None)]:
-            coord = getattr(pset, "coordinator", None)
-            if coord is None:
-                continue
-            out[coord.prefix] = coord.seq
-            matcher = pset.name_matcher
+            coords = [getattr(pset, "coordinator", None)]
+            matcher = getattr(pset, "name_matcher", None)
             if matcher is not None:
-                out[matcher.side.coordinator.prefix] = matcher.side.coordinator.seq
+                coords.append(matcher.side.coordinator)
+            for coord in coords:
+                if coord is not None and coord.last_done is not None:
+                    out[coord.prefix] = coord.last_done
         return out
 
     def set_timeline(self, timeline: Timeline | None) -> None:

@@ -339,8 +339,8 @@ def shutdown() -> None:
     world = get_world() if is_initialized() else None
     if world is not None and world.runtime is not None:
         if world.size > 1 and world.runtime.store is not None:
-            # peers still waiting can name us, unless we entered the collective they wait in
-            mark_exited(world.runtime.store, world.rank, entered=world.runtime.entered())
+            # peers still waiting can name us, unless we completed the collective they wait in
+            mark_exited(world.runtime.store, world.rank, last_done=world.runtime.last_done())
         world.runtime.close()  # releases every process set's groups
     if world is not None:
         # World is frozen for users; releasing its group handles is the one mutation.

@@ -69,7 +69,7 @@ from hvd_trainer.comm.world.liveness import (
     describe_gone,
     find_dead_peers,
     find_gone,
-    reached,
+    finished,
     stopped_for_peers,
     wait_until_ended,
 )
@@ -218,6 +218,9 @@ class Coordinator:
         self.multi = len(self.ranks) > 1 and store is not None
         self.check_seconds_total = 0.0
         self.checks_run = 0
+        self.last_done: tuple[int, str] | None = None
+        """``(seq, encoded signature)`` of the highest-numbered collective that completed on this
+        rank (recorded at shutdown, so a peer still in it does not count this rank as failed)."""
         self.broken: tuple[int, str] | None = None
         """``(seq, label)`` of a collective that was already in the transport on this rank when
         a mismatch was found: the transport's pairing is out of step from there on."""
@@ -383,6 +386,8 @@ class Coordinator:
         finally:
             self._land(op)  # a failed collective frees its name too
         op.done = True
+        if self.last_done is None or op.seq > self.last_done[0]:
+            self.last_done = (op.seq, op.sig.encode())
         self.outstanding.pop(op.seq, None)
         if op.extra.get("unpublish"):
             self._unpublish(op.seq)
@@ -600,10 +605,10 @@ class Coordinator:
             return
         op.extra["next_probe"] = now + 0.5
         try:
-            # a peer that shut down after entering this collective finished its part of it
-            # (its data may still be on a slow link): the transport decides, not its exit
+            # a peer that shut down right after completing its part of this very collective (its
+            # data may still be on a slow link) is not failed: the transport decides
             gone = [p for p in find_gone(self.store, missing)
-                    if not reached(self.store, p.rank, self.prefix, op.seq)]
+                    if not finished(self.store, p.rank, self.prefix, op.seq, op.sig.encode())]
             relayed = stopped_for_peers(self.store, gone)
         except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
             return

@@ -8,9 +8,9 @@ probes the peers on its own host for liveness, so the error can say *which* rank
 host that left its mark. A peer on another host that died without one is listed as a candidate.
 A rank that left only because it lost a peer itself says so in its mark, so that its neighbours
 do not blame it: the error then points past it, at the other hosts. A rank that shuts down
-normally also records, before its mark, how many collectives it entered on each process set
-(:func:`reached`): over a slow link it may finish its part of the last collective and exit while a
-peer is still receiving, and that peer must not count it as failed.
+normally also records, before its mark, the last collective it completed on each process set
+(:func:`finished`): over a slow link it may finish its part of the last collective and exit
+while a peer is still receiving, and that peer must not count it as failed.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from hvd_trainer.comm.base.fatal import (
 from hvd_trainer.comm.base.store import try_get
 
 __all__ = [
-    "Peer", "publish", "mark_exited", "reached", "find_dead_peers", "find_gone", "stopped_for_peers",
+    "Peer", "publish", "mark_exited", "finished", "find_dead_peers", "find_gone", "stopped_for_peers",
     "wait_until_ended", "describe_failure", "describe_gone", "raise_if_peer_failed",
 ]
 
 _KEY = "hvd/proc/{rank}"
 _EXITED = "hvd/exited/{rank}"
-_REACHED = "hvd/reached/{rank}"
+_LAST_DONE = "hvd/last_done/{rank}"
 _FOR_A_PEER = "|peer"
 
 
@@ -55,33 +55,35 @@ def publish(store: Any, rank: int) -> None:
     """Record this process's host and pid under its rank, clearing an earlier "exited" mark."""
     store.set(_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
     store.delete_key(_EXITED.format(rank=rank))
-    store.delete_key(_REACHED.format(rank=rank))
+    store.delete_key(_LAST_DONE.format(rank=rank))
 
 
 def mark_exited(store: Any, rank: int, for_a_peer: bool | None = None,
-                entered: Mapping[str, int] | None = None) -> None:
+                last_done: Mapping[str, tuple[int, str]] | None = None) -> None:
     """Leave the "exited" mark of ``rank`` (at shutdown); never raises (the store may be gone).
 
     ``for_a_peer``: the rank leaves because another rank failed (default: whether this process
     raised such an error, :func:`~hvd_trainer.comm.base.fatal.stopped_for_a_peer`).
-    ``entered``: per process set (its coordinator's store prefix), how many collectives this
-    rank entered (written before the mark, read by :func:`reached`).
+    ``last_done``: per process set (its coordinator's store prefix), the sequence number and
+    encoded signature of the last collective this rank completed (written before the mark,
+    read by :func:`finished`).
     """
     if for_a_peer is None:
         for_a_peer = stopped_for_a_peer()
     with contextlib.suppress(Exception):  # the process hosting the store may have exited first
-        if entered and not for_a_peer:
-            store.set(_REACHED.format(rank=rank), json.dumps(dict(entered)))
+        if last_done and not for_a_peer:
+            store.set(_LAST_DONE.format(rank=rank), json.dumps({k: list(v) for k, v in last_done.items()}))
         store.set(_EXITED.format(rank=rank), f"{os.getpid()}{_FOR_A_PEER if for_a_peer else ''}")
 
 
-def reached(store: Any, rank: int, prefix: str, seq: int) -> bool:
-    """Whether ``rank`` entered collective ``seq`` of the set with store prefix ``prefix``
-    before it shut down (``False`` when it left no record, e.g. after a failure)."""
+def finished(store: Any, rank: int, prefix: str, seq: int, signature: str) -> bool:
+    """Whether the last collective ``rank`` completed before it shut down, on the set with store
+    prefix ``prefix``, was collective ``seq`` with this ``signature`` (``False`` when it left
+    no record, e.g. after a failure)."""
     with contextlib.suppress(Exception):
-        value = try_get(store, _REACHED.format(rank=rank))
+        value = try_get(store, _LAST_DONE.format(rank=rank))
         if value is not None:
-            return int(json.loads(value).get(prefix, -1)) > seq
+            return json.loads(value).get(prefix) == [seq, signature]
     return False
 
 
