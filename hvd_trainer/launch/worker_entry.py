@@ -257,28 +257,28 @@ def _open_logs(directory: str, rank: str) -> tuple[BinaryIO, BinaryIO]:
     return logs  # type: ignore[return-value]
 
 
-def _write_pid(job_dir: str | None, rank: str, pid: int) -> None:
-    """``<job_dir>/pid.<rank>``: the command's pid, for hvdrun's lines about this rank (torchrun
-    knows only this entry's pid); replaced atomically, so a reader never sees half a number."""
+def _write_job_file(job_dir: str | None, name: str, text: str) -> None:
+    """``<job_dir>/<name>`` replaced atomically (a reader never sees half of it); nothing
+    without a job directory."""
     if not job_dir:
         return
-    path = os.path.join(job_dir, f"pid.{rank}")
+    path = os.path.join(job_dir, name)
     with contextlib.suppress(OSError):
         with open(path + ".tmp", "w") as fh:
-            fh.write(str(pid))
+            fh.write(text)
         os.replace(path + ".tmp", path)
+
+
+def _write_pid(job_dir: str | None, rank: str, pid: int) -> None:
+    """``<job_dir>/pid.<rank>``: the command's pid, for hvdrun's lines about this rank (torchrun
+    knows only this entry's pid)."""
+    _write_job_file(job_dir, f"pid.{rank}", str(pid))
 
 
 def _write_count(job_dir: str | None, rank: str, respawns: int) -> None:
     """``<job_dir>/respawns.<rank>``: how often this rank was started again alone (hvdrun's
-    closing line counts them); replaced atomically."""
-    if not job_dir:
-        return
-    path = os.path.join(job_dir, f"respawns.{rank}")
-    with contextlib.suppress(OSError):
-        with open(path + ".tmp", "w") as fh:
-            fh.write(str(respawns))
-        os.replace(path + ".tmp", path)
+    closing line counts them)."""
+    _write_job_file(job_dir, f"respawns.{rank}", str(respawns))
 
 
 def _exit_like(returncode: int) -> None:
