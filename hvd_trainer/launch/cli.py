@@ -178,7 +178,7 @@ def _launch(opts: HvdrunOptions) -> int:
         return run_torchrun(cmd[3:], env, start_timeout_seconds=opts.start_timeout_seconds,
                             verbose=opts.verbose, max_restarts=0 if in_process else restarts(opts),
                             exit_barrier_seconds=IN_PROCESS_EXIT_BARRIER_SECONDS if in_process else None,
-                            respawn_budget=restarts(opts) if in_process else 0)
+                            respawn_budget=restarts(opts) if in_process else 0, spares=opts.elastic)
 
     if ssh:
         return run_with_remote_agents(opts, None if agent is None else agent.index, run_local)

@@ -24,9 +24,12 @@ from typing import Any
 from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.world.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
+from hvd_trainer.launch.errors import RendezvousRefusedError
 from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures, root_failure, script_pid
+from hvd_trainer.launch.guarded_rdzv import use_guarded_rendezvous
 from hvd_trainer.launch.loopback import use_loopback_store
 from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
+from hvd_trainer.launch.secret import SECRET_ENV
 
 __all__ = ["run_torchrun", "run_mpirun", "describe_exit", "job_directory", "IN_PROCESS_EXIT_BARRIER_SECONDS"]
 
@@ -137,11 +140,11 @@ def _set_omp_threads(args: list[str], verbose: bool) -> None:
                   "change this)", file=sys.stderr, flush=True)
 
 
-def _run_agent(args: list[str], watch: AgentWatch) -> None:
+def _run_agent(args: list[str], watch: AgentWatch, secret: str | None, spares: bool) -> None:
     from torch.distributed.run import parse_args, run
 
     parsed = parse_args(args)
-    use_loopback_store(parsed)
+    use_loopback_store(parsed) or use_guarded_rendezvous(parsed, secret, spares=spares)
     if parsed.log_dir is None and os.environ.get(JOB_DIR_ENV):
         # torchrun's per-attempt folders (error files) go in the job directory, removed at the
         # end, instead of a <tmp>/torchelastic_* folder left behind by every job
@@ -184,6 +187,7 @@ def job_directory() -> Iterator[Path]:
 def run_torchrun(
     args: list[str], env: dict[str, str], *, start_timeout_seconds: float, verbose: bool = False,
     max_restarts: int = 0, exit_barrier_seconds: float | None = None, respawn_budget: int = 0,
+    spares: bool = False,
 ) -> int:
     """Run torchrun with ``args`` in this process; return hvdrun's exit status (0 = success).
 
@@ -192,7 +196,9 @@ def run_torchrun(
     with restarts allowed (or in-process recovery) the last lines say how many were used.
     ``exit_barrier_seconds``: how long a finished agent waits for the other hosts' agents
     (``None``: torchrun's 300 s). ``respawn_budget``: ``HVDRUN_RESPAWNS`` with in-process
-    recovery (0 without).
+    recovery (0 without). The agents meet in :mod:`~hvd_trainer.launch.guarded_rdzv`'s
+    rendezvous, keyed with the job's secret from ``env``; ``spares``: an agent that finds the job
+    full waits as a spare (elastic) instead of being refused.
     """
     import logging
 
@@ -210,19 +216,20 @@ def run_torchrun(
                            respawn_budget=respawn_budget)
         try:
             with PartitionWatch(job_dir):
-                return _run_watched(args, watch, start_timeout_seconds)
+                return _run_watched(args, watch, start_timeout_seconds, env.get(SECRET_ENV), spares)
         finally:
             os.environ.pop(JOB_DIR_ENV, None)
 
 
-def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: float) -> int:
+def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: float,
+                 secret: str | None, spares: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
 
     start = time.monotonic()
     try:
-        _run_agent(args, watch)
+        _run_agent(args, watch, secret, spares)
     except ChildFailedError as exc:
         if watch.user_error is not None:
             return _report_user_error(watch.user_error, exc.failures, watch)
@@ -236,6 +243,9 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
+    except RendezvousRefusedError as exc:
+        print(f"hvdrun: refused: {exc}", file=sys.stderr, flush=True)
+        return 1
     except RendezvousTimeoutError:
         print(f"hvdrun: error: not every host joined the rendezvous within {start_timeout_seconds:g} s "
               f"(waited {time.monotonic() - start:.1f} s). HINT: run the same hvdrun command on every "

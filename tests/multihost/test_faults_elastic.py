@@ -4,7 +4,8 @@
   killed, h1 and h3 continue from the last commit, and the final weights are bit-identical to an
   uninterrupted 4-rank run's.
 * world size changes (2 hosts, ``--min-np 2 --max-np 4``): h1 continues alone from the last
-  commit; h2's hvdrun is started again and is taken in at the next rendezvous.
+  commit; a copy of the line with another secret on h2 is refused without restarting h1's
+  workers; h2's hvdrun is started again and is taken in at the next rendezvous.
 
 Both print the seconds from the kill to the resumed start (``FAULT-TIME ...``, pytest ``-s``).
 """
@@ -127,7 +128,11 @@ def test_training_continues_on_the_remaining_host_and_a_host_that_comes_back_is_
               f"killed, from step {alone_step} (last commit seen before the kill: step {last})")
         assert alone_step == last, job.tail()  # nothing committed was lost
         assert job.wait_for("h1", "STEP", timeout=60)
+        knocked_at = time.monotonic()  # a stranger's copy of the line must not re-form h1's world
+        stranger = h2.run(line, env={**os.environ, "HOROVOD_SECRET_KEY": "a-strangers-secret"}, timeout=90)
+        assert stranger.returncode != 0 and "hvdrun: refused:" in stranger.stderr, stranger.stderr[-2000:]
         back_at = time.monotonic()
+        assert _resumed(job, "h1", knocked_at, world=2) is None, job.tail()  # h1 was not restarted
         back = start_job(c, [h2], line)  # the host comes back
         assert _wait(lambda: _resumed(job, "h1", back_at, world=4) is not None, 150), job.tail() + back.tail()
         grown_at, grown_step = _resumed(job, "h1", back_at, world=4)

@@ -2,7 +2,8 @@
 fault tests in tests/multihost.
 
 Every rank prints ``step <n> on <host>`` every 10 steps; each step's allreduce of ones must sum
-to the world size (so a stranger or a wrong world would show).
+to the world size (so a stranger or a wrong world would show). With ``FAULT_LOOP_STOP_FILE``,
+the ranks also stop together at the first tenth step after that file appears on any host.
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ hvd.init()
 host = socket.gethostname()
 print(f"ready rank {hvd.rank()} of {hvd.size()} on {host}", flush=True)
 ones = torch.ones(256)
+stop_file = os.environ.get("FAULT_LOOP_STOP_FILE")
 for step in range(int(os.environ.get("FAULT_LOOP_STEPS", "100000"))):
     total = hvd.allreduce(ones, op=hvd.Sum, name="ones")
     assert float(total[0]) == hvd.size(), float(total[0])
     if step % 10 == 0:
         print(f"step {step} on {host}", flush=True)
+        if stop_file is not None:
+            seen = torch.tensor([float(os.path.exists(stop_file))])
+            if float(hvd.allreduce(seen, op=hvd.Max, name="stop")[0]) > 0:
+                break
     time.sleep(0.02)
 print(f"finished rank {hvd.rank()} on {host}", flush=True)
