@@ -31,6 +31,7 @@ import hmac
 import itertools
 import pickle
 import secrets
+import socket
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -55,6 +56,7 @@ __all__ = ["BACKEND", "admission_tag", "use_guarded_rendezvous", "SignedC10dBack
 BACKEND = "hvdrun-c10d"
 NONCE_KEY = "hvdrun/door/nonce"
 TAG_KEY = "hvdrun/door/tag"
+LOOPBACK = "127.0.0.1"
 MAC_BYTES = 32  # SHA-256
 _REGISTERED = itertools.count()
 
@@ -115,18 +117,35 @@ class SignedC10dBackend(C10dRendezvousBackend):
         return self._verified(stored), new_token, written
 
 
-def _store(params: RendezvousParameters, hosting: bool) -> tuple[TCPStore, bool]:
-    """The rendezvous ``TCPStore`` and whether this agent hosts it. An agent meant to host
-    whose port is taken (another agent of the same line on this host) connects as a client,
-    and the door decides."""
+def _serve(host: str, port: int, timeout: timedelta) -> tuple[TCPStore, socket.socket | None]:
+    """A store server on ``port``: bound to loopback only when the endpoint is the loopback
+    address (a single-host job with restarts), else on every interface as torch does."""
+    if host != LOOPBACK:
+        return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timeout), None
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, port))
+        sock.listen(128)
+        return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timeout,
+                        master_listen_fd=sock.fileno()), sock
+    except (OSError, RuntimeError, ValueError):
+        sock.close()
+        raise
+
+
+def _store(params: RendezvousParameters, hosting: bool) -> tuple[TCPStore, bool, socket.socket | None]:
+    """The rendezvous ``TCPStore``, whether this agent serves it, and the listening socket to
+    keep open with it. An agent meant to host whose port is taken (another agent of the same
+    line on this host) connects as a client, and the door decides."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     if hosting:
         try:
-            return TCPStore(host, port, is_master=True, multi_tenant=True, timeout=timeout), True
-        except (RuntimeError, ValueError):
+            store, sock = _serve(host, port, timeout)
+            return store, True, sock
+        except (OSError, RuntimeError, ValueError):
             pass  # the port is in use: whoever holds it answers the door below
-    return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout), False
+    return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout), False, None
 
 
 def _knock(store: Store, *, secret: str | None, run_id: str, endpoint: str) -> None:
@@ -175,7 +194,7 @@ def _create_handler(params: RendezvousParameters, *, secret: str | None,
                     spares: bool) -> RendezvousHandler:
     host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     wanted = params.get_as_bool("is_host")
-    store, hosting = _store(params, _matches_machine_hostname(host) if wanted is None else wanted)
+    store, hosting, sock = _store(params, _matches_machine_hostname(host) if wanted is None else wanted)
     if hosting:
         nonce = secrets.token_hex(16)
         # written only where none is: a store this process already serves (torch's multi-tenant
@@ -192,7 +211,9 @@ def _create_handler(params: RendezvousParameters, *, secret: str | None,
     backend = SignedC10dBackend(job_store, params.run_id, key=key, name=params.backend)
     if not hosting and not spares:
         _refuse_if_full(backend, params, params.endpoint)
-    return create_handler(job_store, backend, params)
+    handler = create_handler(job_store, backend, params)
+    handler._hvdrun_listen_socket = sock  # type: ignore[attr-defined]  # open as long as the store
+    return handler
 
 
 def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool) -> bool:

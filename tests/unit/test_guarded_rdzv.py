@@ -74,3 +74,20 @@ def test_the_state_is_signed_and_a_foreign_one_is_not_unpickled() -> None:
     store.set("torch.rendezvous.job-1", b"Z2FyYmFnZQ==")  # base64 of b"garbage", unsigned
     with pytest.raises(RendezvousStateError, match="not written with this job's secret"):
         backend.get_state()
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp{,6} write them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                addr, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(addr)
+    return found
+
+
+def test_a_loopback_rendezvous_listens_on_loopback_only(hosted) -> None:
+    assert _listening(hosted) == {"0100007F"}  # 127.0.0.1, nothing on every interface
