@@ -157,8 +157,9 @@ def test_int8_outer_gradient_equals_reference_and_counts_its_bytes() -> None:
         assert r["outer_steps"] == steps // h
         for got, want in zip(r["synced"], expected, strict=True):
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
-        # one block of 256 int8 values + one fp32 scale, to the one other rank, per outer step
-        assert r["bytes_sent"] == (steps // h) * (256 + 4)
+        # one block of 256 int8 values, its fp32 scale and the bucket's fp32 "used" flag, to the
+        # one other rank, per outer step
+        assert r["bytes_sent"] == (steps // h) * (256 + 4 + 4)
     for a, b in zip(results[0]["synced"], results[1]["synced"], strict=True):
         assert a == b
 

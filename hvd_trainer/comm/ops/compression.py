@@ -158,11 +158,13 @@ class ErrorFeedbackCompressor(Compressor):
 class Int8Compressor(ErrorFeedbackCompressor):
     """int8 with one fp32 scale (``absmax / 127``) per block of ``block_size`` values.
 
-    Wire: an allgather of every rank's int8 values and scales; each rank dequantises and sums
-    in fp32 in rank order (the same result on every rank). A rank sends ``(N-1) * (n + 4 n /
-    block_size)`` bytes for ``n`` values in a ring allgather, against ``2 (N-1)/N * 4n`` for fp32
-    ring allreduce: 3.9x fewer at N=2, 1.9x at N=4, break-even near N=8 (see
-    :mod:`hvd_trainer.comm.reduce.compressed.int8`).
+    Wire, for ``n`` values in ``b = ceil(n / block_size)`` blocks over ``N`` ranks: where
+    ``b > 2 ceil(b / N)`` (3 ranks or more, buckets of a few blocks and up), a reduce-scatter of
+    int8 chunks (all-to-all), each chunk's sum requantised by its owner, then an allgather of the
+    requantised chunks: about ``2 (N-1)/N * (n + 4 n / block_size)`` bytes per rank, 3.9x fewer
+    than fp32 ring allreduce at every ``N``. Otherwise (2 ranks, small buckets) an allgather of
+    every rank's int8 and scales, ``(N-1) * (n + 4 n / block_size)`` bytes. Sums are fp32 in
+    rank order, the same on every rank (:mod:`hvd_trainer.comm.reduce.compressed.reductions`).
     """
 
     def __init__(self, block_size: int = 256) -> None:

@@ -214,36 +214,104 @@ def _with_residual(bucket: BucketView, state: FeedbackState) -> torch.Tensor:
     return x
 
 
+def int8_scatters(numel: int, block: int, size: int) -> bool:
+    """Whether an int8 bucket of ``numel`` values over ``size`` ranks takes the two-phase path
+    (fewer bytes than the allgather): ``ceil(numel / block) > 2 * ceil(blocks / size)`` blocks.
+    The same on every rank (numel, block and size agree)."""
+    blocks = _ceil_div(numel, block)
+    return blocks > 2 * _ceil_div(blocks, size)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class _Int8Reduction:
-    """Quantise ``grad + e`` per block, allgather every rank's int8 + scales, sum dequantised."""
+    """Quantise ``grad + e`` per block; then either allgather every rank's int8 + scales and sum
+    dequantised (small buckets, 2 ranks), or reduce-scatter and allgather requantised chunks.
+
+    Two-phase path: the padded blocks are cut into ``N`` chunks of ``c = ceil(blocks / N)``
+    blocks; an all-to-all sends chunk ``j`` (int8, scales, and the flags) to rank ``j``, which
+    sums the ``N`` dequantised chunks in rank order and quantises the sum again (the same block
+    grid); an allgather of those requantised chunks gives every rank the same total. The
+    requantisation error of chunk ``j`` joins rank ``j``'s residual, so the residuals still sum
+    to everything the wire lost. A rank sends ``2 (N-1) c (block + 4)`` bytes plus ``4 k (N-1)``
+    of flags, about ``2 (N-1)/N`` of one int8 payload whatever ``N``.
+    """
 
     def __init__(self, bucket: BucketView, comp: Int8Compressor, state: FeedbackState, pset: ProcessSet,
                  sig: Signature, post_factor: float) -> None:
-        self.bucket, self.block, self.pset, self.post = bucket, comp.block_size, pset, post_factor
+        self.bucket, self.block, self.pset, self.sig = bucket, comp.block_size, pset, sig
+        self.post = post_factor
         n = bucket.grad_numel
-        x = _with_residual(bucket, state)
-        q, scales = q8.quantize(x, self.block)
-        lost = x - q8.dequantize(q, scales, n)
-        self.state, self.lost = state, lost  # the residuals are replaced in finish()
-        self.extras = bucket.flat.numel() - n
-        payload = q8.pack(q, scales, bucket.flat[n:])
         size = pset.size()
-        self.out = [torch.empty_like(payload) for _ in range(size)]
-        self.op = _begin(pset, sig, payload.numel(), payload.device)
-        work = dist.all_gather(self.out, payload, group=pset.group_for(payload), async_op=True)
+        self.state = state  # the residuals are replaced in finish()
+        self.extras = bucket.flat.numel() - n
+        self.scatter = int8_scatters(n, self.block, size)
+        x = _with_residual(bucket, state)
+        if self.scatter:
+            self.chunk = _ceil_div(_ceil_div(n, self.block), size) * self.block  # values per chunk
+            padded = torch.zeros(size * self.chunk, dtype=torch.float32, device=x.device)
+            padded[:n] = x
+            x = padded
+        q, scales = q8.quantize(x, self.block)
+        self.lost = x - q8.dequantize(q, scales, x.numel())
+        flags = bucket.flat[n:]
+        if self.scatter:
+            per = self.chunk // self.block
+            payload = torch.cat([q8.pack(q[j * self.chunk : (j + 1) * self.chunk],
+                                         scales[j * per : (j + 1) * per], flags) for j in range(size)])
+            self.received = torch.empty_like(payload)
+            self.op = _begin(pset, sig, payload.numel(), payload.device)
+            work = dist.all_to_all_single(self.received, payload, group=pset.group_for(payload),
+                                          async_op=True)
+            state.bytes_sent += (size - 1) * (payload.numel() // size)
+        else:
+            payload = q8.pack(q, scales, flags)
+            self.out = [torch.empty_like(payload) for _ in range(size)]
+            self.op = _begin(pset, sig, payload.numel(), payload.device)
+            work = dist.all_gather(self.out, payload, group=pset.group_for(payload), async_op=True)
+            state.bytes_sent += (size - 1) * payload.numel()
         pset.coordinator.launched(self.op, work)
-        state.bytes_sent += (size - 1) * payload.numel()
+
+    def _gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allgather path: ``(sum, flags)``, fp32, summed in rank order."""
+        n, device = self.bucket.grad_numel, self.bucket.flat.device
+        total = torch.zeros(n, dtype=torch.float32, device=device)
+        flags = torch.zeros(self.extras, dtype=torch.float32, device=device)
+        for buf in self.out:  # rank order: the same sum on every rank
+            q, scales, extras = q8.unpack(buf, n, self.block, self.extras)
+            total += q8.dequantize(q, scales, n)
+            flags += extras
+        return total, flags
+
+    def _scattered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-phase path: ``(sum, flags)``; adds this rank's requantisation error to ``lost``."""
+        size, me, c, device = self.pset.size(), self.pset.rank(), self.chunk, self.bucket.flat.device
+        mine = torch.zeros(c, dtype=torch.float32, device=device)
+        flags = torch.zeros(self.extras, dtype=torch.float32, device=device)
+        for buf in self.received.view(size, -1):  # rank order: one sum per chunk owner
+            q, scales, extras = q8.unpack(buf, c, self.block, self.extras)
+            mine += q8.dequantize(q, scales, c)
+            flags += extras
+        q, scales = q8.quantize(mine, self.block)
+        self.lost[me * c : (me + 1) * c] += mine - q8.dequantize(q, scales, c)
+        payload = q8.pack(q, scales, torch.empty(0, device=device))
+        out = [torch.empty_like(payload) for _ in range(size)]
+        op = _begin(self.pset, Signature(self.sig.kind, f"{self.sig.name}.int8_gather", self.sig.fields),
+                    payload.numel(), payload.device)
+        work = dist.all_gather(out, payload, group=self.pset.group_for(payload), async_op=True)
+        self.pset.coordinator.launched(op, work)
+        self.state.bytes_sent += (size - 1) * payload.numel()
+        self.pset.coordinator.wait(op)
+        parts = [q8.dequantize(*q8.unpack(buf, c, self.block, 0)[:2], c) for buf in out]
+        return torch.cat(parts)[: self.bucket.grad_numel], flags
 
     @torch.no_grad()
     def finish(self) -> torch.Tensor:
         self.pset.coordinator.wait(self.op)
         b, n = self.bucket, self.bucket.grad_numel
-        total = torch.zeros(n, dtype=torch.float32, device=b.flat.device)
-        flags = torch.zeros(self.extras, dtype=torch.float32, device=b.flat.device)
-        for buf in self.out:  # rank order: the same sum on every rank
-            q, scales, extras = q8.unpack(buf, n, self.block, self.extras)
-            total += q8.dequantize(q, scales, n)
-            flags += extras
+        total, flags = self._scattered() if self.scatter else self._gathered()
         # A non-finite sum (AMP's GradScaler overflow on some rank: every rank skips the step)
         # keeps the old residuals instead of poisoning every later step; decided on the device.
         finite = torch.isfinite(total).all()

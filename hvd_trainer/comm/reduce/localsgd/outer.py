@@ -23,12 +23,13 @@ local gradients are not the moments of the averaged gradient.)
 Traffic: one allreduce of the parameters every ``H`` inner steps instead of one of the gradients
 every step (``H`` times fewer bytes at fp32). ``compression=Compression.int8`` quantises the outer
 gradient per block of 256 values (one fp32 scale ``absmax / 127`` each,
-:mod:`hvd_trainer.comm.reduce.compressed.int8`) and allgathers the int8 payloads; every rank
-dequantises and averages them in rank order (the same result on every rank). It carries no error
-feedback: the outer gradient is already an average over ``H`` steps, and Streaming DiLoCo
-(Douillard et al. 2025, arXiv:2501.18512, section 2.3) quantises it to 4 bits without any.
-Bytes a rank sends for ``n`` values: ``(N-1) (n + 4n/256)`` against ``2 (N-1)/N 4n`` at fp32
-(3.9x fewer at N=2, 1.9x at N=4). Memory: the anchor and the momentum buffer, two
+:mod:`hvd_trainer.comm.reduce.compressed.int8`) and averages it the way int8 gradients are
+(:func:`~hvd_trainer.comm.reduce.compressed.reduce_with_feedback`: one allgather at 2 ranks,
+reduce-scatter and allgather of requantised chunks from 3); every rank gets the same result. It
+carries no error feedback: the outer gradient is already an average over ``H`` steps, and
+Streaming DiLoCo (Douillard et al. 2025, arXiv:2501.18512, section 2.3) quantises it to 4 bits
+without any. Bytes a rank sends for ``n`` values: about ``2 (N-1)/N (n + 4n/256)`` against
+``2 (N-1)/N 4n`` at fp32 (3.9x fewer at every N). Memory: the anchor and the momentum buffer, two
 fp32 copies of the parameters. Buffers (e.g. BatchNorm's running statistics) stay local.
 The inner optimizer's state stays local to each rank, as in DiLoCo.
 """
@@ -43,11 +44,10 @@ import torch
 
 from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.compression import Compression, Compressor, Int8Compressor
-from hvd_trainer.comm.ops.movement_async import allgather_async
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import start_allreduce
-from hvd_trainer.comm.reduce.compressed import int8 as q8
+from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.world.world import World
 
 __all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
@@ -179,17 +179,12 @@ class OuterSync:
 
     def _int8_average(self, flat: torch.Tensor) -> torch.Tensor:
         """The rank average of ``flat`` through int8 blocks (module docstring); ``flat``'s dtype."""
-        block, n, size = self.config.compression.block_size, flat.numel(), self._pset.size()
-        q, scales = q8.quantize(flat, block)
-        payload = q8.pack(q, scales, flat.new_empty(0, dtype=torch.float32))
-        gathered = allgather_async(payload, name="local_steps.outer_gradient.int8",
-                                   process_set=self._pset).wait()
-        self.bytes_sent += (size - 1) * payload.numel()
-        total = torch.zeros(n, dtype=torch.float32, device=flat.device)
-        for buf in gathered.view(size, -1):  # rank order: the same sum on every rank
-            q_r, s_r, _ = q8.unpack(buf, n, block, 0)
-            total += q8.dequantize(q_r, s_r, n)
-        return total.div_(size).to(flat.dtype)
+        once = FeedbackState(self.config.compression.name)  # no error feedback: dropped after
+        (avg,), _ = reduce_with_feedback([("outer_gradient", flat)], compressor=self.config.compression,
+                                         state=once, op=ReduceOp.AVERAGE, process_set=self._pset,
+                                         name="local_steps.outer_gradient")
+        self.bytes_sent += once.bytes_sent
+        return avg
 
     def state_dict(self) -> dict[str, Any]:
         """The anchors, the outer SGD's state and the counters (copies; rank-independent except
