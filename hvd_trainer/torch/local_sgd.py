@@ -14,9 +14,12 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import Compression, Compressor, World, get_world
+from hvd_trainer.comm import Average, Compression, Compressor, World, get_world, grouped_allreduce_
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.ops.process_set import ProcessSet
+from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
+from hvd_trainer.comm.reduce.auto import AUTO
+from hvd_trainer.comm.reduce.auto import announce as announce_auto
+from hvd_trainer.comm.reduce.auto import choose as choose_auto
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
@@ -48,7 +51,14 @@ class LocalSGD(torch.optim.Optimizer):
             ``DistributedOptimizer``).
         model: the module whose parameters are synchronised (all floating ones, frozen included,
             so that parameters unfrozen later stay in step; frozen ones cost bytes, not change).
-        sync_every: inner steps per outer step (``H``).
+        sync_every: inner steps per outer step (``H``), or ``"auto"``: chosen at construction
+            from the measured link, as the Lightning strategy's ``sync_every="auto"`` chooses
+            (:mod:`hvd_trainer.comm.reduce.auto`; rank 0 prints the choice and why). Where it
+            chooses no local steps (one host, a fast link) every ``step()`` averages the
+            gradients over the ranks first (in the chosen wire format, e.g. bf16) and then steps
+            the inner optimizer: synchronous data parallel, ``outer`` is ``None`` and
+            ``sync_every`` 1. Every parameter that has a gradient on one rank must have one on
+            all ranks then. The outer settings below apply when it chooses local steps.
         outer_lr: outer learning rate (DiLoCo: 0.7).
         outer_momentum: outer momentum (DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
@@ -68,7 +78,7 @@ class LocalSGD(torch.optim.Optimizer):
         self,
         optimizer: torch.optim.Optimizer,
         model: torch.nn.Module,
-        sync_every: int,
+        sync_every: int | str,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
@@ -81,10 +91,14 @@ class LocalSGD(torch.optim.Optimizer):
             raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"LocalSGD needs the model (a torch.nn.Module), got {type(model).__name__}.")
-        config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                nesterov=nesterov, compression=compression)
         w = get_world() if world is None else world
         named = list(model.named_parameters())
+        self._grad_compression: Compressor | None = None  # set: synchronous (auto chose no H)
+        self._sync_bytes = 0
+        if sync_every == AUTO:
+            sync_every = self._choose(named, w, process_set)
+        config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                nesterov=nesterov, compression=compression)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
         if outside:
@@ -95,8 +109,26 @@ class LocalSGD(torch.optim.Optimizer):
         if process_set is None:
             broadcast_parameters(named, root_rank=0, world=w)
         self._inner = optimizer
-        self._outer = OuterSync([p for _, p in named], config, world=w, process_set=process_set)
+        self._world, self._process_set = w, process_set
+        self._params = [p for _, p in named if p.requires_grad]
+        self._outer = (None if self._grad_compression is not None else
+                       OuterSync([p for _, p in named], config, world=w, process_set=process_set))
         init_optimizer_bookkeeping(self)
+
+    def _choose(self, named: list[tuple[str, torch.nn.Parameter]], world: World,
+                process_set: ProcessSet | None) -> int:
+        """``sync_every="auto"``: probe and decide (a collective), say it on rank 0; the ``H`` to
+        use (1 when synchronous, with ``_grad_compression`` set)."""
+        trainable = [p for _, p in named if p.requires_grad and p.is_floating_point()]
+        device = trainable[0].device if trainable else torch.device("cpu")
+        grad_bytes = sum(p.numel() for p in trainable) * 4  # fp32 on the wire
+        pset = resolve_set(process_set, world, "sync_every=auto")
+        choice = choose_auto(world, pset, device, grad_bytes, local_steps=True)
+        announce_auto(world, choice, {"sync_every": True})
+        if choice.sync_every is not None:
+            return choice.sync_every
+        self._grad_compression = choice.compression
+        return 1
 
     # -- delegation (the inner optimizer's groups, state and defaults) ------------------------
     @property
@@ -105,8 +137,9 @@ class LocalSGD(torch.optim.Optimizer):
         return self._inner
 
     @property
-    def outer(self) -> OuterSync:
-        """The outer loop (anchors, outer SGD, counters)."""
+    def outer(self) -> OuterSync | None:
+        """The outer loop (anchors, outer SGD, counters); ``None`` when ``sync_every="auto"``
+        chose synchronous steps."""
         return self._outer
 
     @property
@@ -139,6 +172,8 @@ class LocalSGD(torch.optim.Optimizer):
         return getattr(self._inner, name)
 
     def __repr__(self) -> str:
+        if self._outer is None:
+            return f"LocalSGD({self._inner!r}, sync_every='auto': synchronous)"
         c = self._outer.config
         return (f"LocalSGD({self._inner!r}, sync_every={c.sync_every}, outer_lr={c.outer_lr}, "
                 f"outer_momentum={c.outer_momentum}, nesterov={c.nesterov})")
@@ -146,31 +181,55 @@ class LocalSGD(torch.optim.Optimizer):
     # -- steps ----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One inner step; every ``sync_every``-th call then runs the outer step (a collective)."""
+        if self._outer is None:
+            return self._synchronous_step(closure)
         loss = self._inner.step() if closure is None else self._inner.step(closure)
         self._outer.after_inner_step()
+        return loss
+
+    def _synchronous_step(self, closure: Callable[[], Any] | None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            grouped_allreduce_(grads, op=Average, name="local_steps.auto.gradients",
+                               compression=self._grad_compression, process_set=self._process_set,
+                               world=self._world)
+            n = resolve_set(self._process_set, self._world, "LocalSGD").size()
+            wire = self._grad_compression.wire_dtype if self._grad_compression.applies_to(grads[0]) \
+                else grads[0].dtype
+            size = torch.empty((), dtype=wire).element_size()
+            self._sync_bytes += 2 * (n - 1) * sum(g.numel() for g in grads) * size // max(1, n)
+        self._inner.step()
         return loss
 
     @property
     def wire_bytes_sent(self) -> int:
         """Bytes this rank has sent for outer steps so far (:attr:`OuterSync.bytes_sent`: a ring
-        allreduce sends ``2 (N-1)/N`` of the wire payload; int8's allgather ``N-1`` times it)."""
-        return self._outer.bytes_sent
+        allreduce sends ``2 (N-1)/N`` of the wire payload), or for the gradients when
+        ``sync_every="auto"`` chose synchronous steps (ring allreduce, the same count)."""
+        return self._sync_bytes if self._outer is None else self._outer.bytes_sent
 
     def sync(self) -> None:
         """Run the outer step now (every rank must call it), e.g. after the last inner step so
-        that the ranks end with equal parameters."""
-        self._outer.sync()
+        that the ranks end with equal parameters (synchronous steps keep them equal already)."""
+        if self._outer is not None:
+            self._outer.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
 
     @property
     def sync_every(self) -> int:
-        return self._outer.config.sync_every
+        """Inner steps per outer step (1 when ``"auto"`` chose synchronous steps)."""
+        return 1 if self._outer is None else self._outer.config.sync_every
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """``{"inner": ..., "outer": ...}`` of this rank (see the class docstring)."""
-        return {"inner": self._inner.state_dict(), "outer": self._outer.state_dict()}
+        outer = None if self._outer is None else self._outer.state_dict()
+        return {"inner": self._inner.state_dict(), "outer": outer}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Load :meth:`state_dict`'s output (load the model's own ``state_dict`` too).
@@ -186,5 +245,13 @@ class LocalSGD(torch.optim.Optimizer):
                 "HINT: load what LocalSGD.state_dict() saved; a plain optimizer's state_dict goes "
                 "to opt.optimizer.load_state_dict()."
             )
+        if (self._outer is None) != (state_dict["outer"] is None):
+            raise LocalSGDConfigError(
+                "LocalSGD.load_state_dict: the state was saved with "
+                f"{'synchronous' if state_dict['outer'] is None else 'local'} steps, this optimizer "
+                f"takes {'synchronous' if self._outer is None else 'local'} ones (sync_every='auto' "
+                "chose differently on this link). HINT: pass the sync_every the saved run used."
+            )
         self._inner.load_state_dict(state_dict["inner"])
-        self._outer.load_state_dict(state_dict["outer"])
+        if self._outer is not None:
+            self._outer.load_state_dict(state_dict["outer"])

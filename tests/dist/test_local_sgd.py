@@ -1,6 +1,7 @@
 """hvd.LocalSGD (DiLoCo local steps) on 2 processes over gloo: H=1 with outer SGD lr 1 equals
 synchronous data parallel; H=4 equals a hand-written single-process reference of the algorithm;
-the ranks' weights are bit-identical after every outer step; state_dict resumes bit-identically."""
+the ranks' weights are bit-identical after every outer step; state_dict resumes bit-identically;
+sync_every="auto" on one host says so and is synchronous data parallel (Adam inside)."""
 
 from __future__ import annotations
 
@@ -209,3 +210,39 @@ def test_invalid_settings_raise_with_a_hint() -> None:
                 {"sync_every": 2, "compression": "powersgd:2"}):
         with pytest.raises(LocalSGDConfigError, match="HINT"):
             LocalSGDConfig(**bad)
+
+
+def _train_auto(steps: int) -> dict:
+    import contextlib
+    import io
+
+    import hvd_trainer as hvd
+
+    rank = hvd.rank()
+    model = _model()
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every="auto")
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, *_shard(step, rank)).backward()
+        opt.step()
+    opt.sync()
+    return {"final": _flat(model).tolist(), "said": said.getvalue(), "outer": opt.outer,
+            "sync_every": opt.sync_every, "bytes_sent": opt.wire_bytes_sent,
+            "numel": sum(p.numel() for p in model.parameters()),
+            "state_outer": opt.state_dict()["outer"]}
+
+
+@pytest.mark.timeout(120)
+def test_auto_on_one_host_says_so_and_is_synchronous_data_parallel() -> None:
+    steps = 5
+    results = run_workers(_train_auto, WORLD, args=(steps,))
+    expected = _single_process_sync("adam", steps)  # Adam on the averaged gradient, every step
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["final"]), expected, atol=1e-6, rtol=0)
+        assert r["outer"] is None and r["sync_every"] == 1 and r["state_outer"] is None
+        assert r["bytes_sent"] == steps * 2 * (WORLD - 1) * 4 * r["numel"] // WORLD
+        line = "hvd_trainer: sync_every=auto chose no local steps: all ranks on one host: plain allreduce."
+        assert (line in r["said"]) == (rank == 0), r["said"]
+    assert results[0]["final"] == results[1]["final"]

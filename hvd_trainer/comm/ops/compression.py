@@ -162,9 +162,10 @@ class Int8Compressor(ErrorFeedbackCompressor):
     ``b > 2 ceil(b / N)`` (3 ranks or more, buckets of a few blocks and up), a reduce-scatter of
     int8 chunks (all-to-all), each chunk's sum requantised by its owner, then an allgather of the
     requantised chunks: ``2 (N-1)/N * (n + 4 n / block_size)`` bytes per rank (each chunk padded
-    to whole blocks), 3.9x fewer than fp32 ring allreduce at every ``N`` for large buckets. Otherwise (2 ranks, small buckets) an allgather of
-    every rank's int8 and scales, ``(N-1) * (n + 4 n / block_size)`` bytes. Sums are fp32 in
-    rank order, the same on every rank (:mod:`hvd_trainer.comm.reduce.compressed.reductions`).
+    to whole blocks), 3.9x fewer than fp32 ring allreduce at every ``N`` for large buckets.
+    Otherwise (2 ranks, small buckets) an allgather of every rank's int8 and scales,
+    ``(N-1) * (n + 4 n / block_size)`` bytes. Sums are fp32 in rank order, the same on every
+    rank (:mod:`hvd_trainer.comm.reduce.compressed.reductions`).
     """
 
     def __init__(self, block_size: int = 256) -> None:
