@@ -72,6 +72,7 @@ from hvd_trainer.lightning.elastic import (
     ElasticFit,
     ElasticFitConfig,
     InProcessFitLauncher,
+    align_joiner_callbacks,
     in_process_launch,
 )
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
@@ -404,6 +405,10 @@ class _HorovodStrategyLogic:
         self._world = comm.init(backend=backend, timeout_seconds=self._timeout_seconds, environ=environ)
         self.set_world_ranks()  # a restarted worker's rank comes from the membership it joined
         super().setup_environment()
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is not None and trainer.state.fn == "fit" and self.elastic and comm.in_process_recovery():
+            survivor = self._elastic is not None and self._elastic.recovering
+            align_joiner_callbacks(trainer, survivor=survivor, world=self._world)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

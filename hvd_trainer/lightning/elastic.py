@@ -494,6 +494,29 @@ class _ElasticCommit(pl.Callback):
             log.error("hvd_trainer elastic: %s", error)
 
 
+def align_joiner_callbacks(trainer: pl.Trainer, *, survivor: bool, world: comm.World) -> None:
+    """Give a restarted worker that joins a running ``fit`` the setup-once state the survivors'
+    callbacks hold, so that both run the same collectives in the callbacks' ``setup`` hooks.
+
+    Every rank calls it when in-process recovery runs ``fit``, before Lightning calls the
+    callbacks' ``setup`` (one allgather of who is a survivor). A survivor runs ``setup`` again
+    after a re-form; a callback that does its work once per job skips it there: Lightning's
+    ``SaveConfigCallback`` (``LightningCLI``) keeps ``already_saved`` and returns at once, while a
+    fresh process would check the file, save and broadcast. On a joiner (this rank is fresh, some
+    rank is a survivor) every callback with an ``already_saved`` flag gets ``True``: the job's
+    first ``fit`` saved the config already.
+
+    Args:
+        survivor: this rank ran the interrupted ``fit`` in this process.
+    """
+    flags = comm.allgather_object(survivor, name="elastic.lightning.survivors", world=world)
+    if survivor or not any(flags):
+        return
+    for callback in trainer.callbacks:
+        if isinstance(getattr(callback, "already_saved", None), bool):
+            callback.already_saved = True
+
+
 class InProcessFitLauncher:
     """The strategy's Lightning launcher (``strategy.launcher``) when hvdrun formed the job for
     in-process recovery: it runs ``fit`` in this process and, when a peer's failure (or a

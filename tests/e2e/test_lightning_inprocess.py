@@ -5,7 +5,8 @@ Slot 1 is SIGKILLed mid-epoch. The survivor keeps its process (same pid from the
 to its end), re-forms the world alone and continues ``fit`` from its newest commit in memory,
 its epoch's remaining samples dealt to it alone; hvdrun's worker entry starts slot 1 again, which
 joins at a commit and receives the checkpoint by broadcast. Every sample is trained exactly once
-per epoch and both ranks end with the same weights. A user error still fails the job at once.
+per epoch and both ranks end with the same weights; the same with ``LightningCLI`` and its
+config-saving callback. A user error still fails the job at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.e2e.hvdrun_helpers import SCRIPTS, alive, hvdrun
@@ -22,8 +24,11 @@ IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
 N, EPOCHS = 64, 4
 
 
-def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path) -> None:
-    res = hvdrun(["-np", "2", *IN_PROCESS, "python", SCRIPT, str(tmp_path), "kill"], timeout=150)
+@pytest.mark.parametrize("mode", ["kill", "cli"])
+def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path, mode: str) -> None:
+    """``cli``: the same with LightningCLI building the Trainer (its SaveConfigCallback saved the
+    config once, in the first fit; the joiner neither saves nor broadcasts it again)."""
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", SCRIPT, str(tmp_path), mode], timeout=150)
     assert res.returncode == 0, res.explain()
     fits = re.findall(r"FIT slot=(\d) pid=(\d+) respawn=(\d)", res.output)
     starts = re.findall(r"START slot=(\d) pid=(\d+) rank=(\d) size=(\d) respawn=(\d) step=(\d+)", res.output)
@@ -54,7 +59,9 @@ def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path) -> 
         indices = sorted(i for e, _, _, batch in seen if e == epoch for i in batch)
         assert indices == list(range(N)), (epoch, indices)
     sizes = " ".join(f"{e}:{size}" for e, size, _, _ in seen)
-    print(f"SCENARIO lightning-in-process-sigkill: {len(seen)} steps (epoch:world size) {sizes}")
+    print(f"SCENARIO lightning-in-process-sigkill ({mode}): {len(seen)} steps (epoch:world size) {sizes}")
+    if mode == "cli":
+        assert (tmp_path / "config.yaml").exists()  # saved by rank 0 in the first fit
 
 
 def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:

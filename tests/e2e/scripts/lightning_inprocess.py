@@ -1,11 +1,14 @@
 """In-process recovery of ``Trainer(strategy=HorovodStrategy())`` under ``hvdrun --recovery in-process``.
 
-Usage: lightning_inprocess.py OUT_DIR MODE   (MODE: kill | user)
+Usage: lightning_inprocess.py OUT_DIR MODE   (MODE: kill | user | cli)
 2 ranks, 64 samples, batch 4 per rank, 4 epochs (8 steps each on 2 ranks), commits every 2
 optimizer steps (elastic mode is on by itself under in-process recovery).
 ``kill``: in its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself before optimizer
 step ``KILL_STEP + 1``; hvdrun's worker entry starts it again alone and it joins the survivor at
 a commit. ``user``: rank 1 raises ``ValueError`` in ``training_step`` at global step 2.
+``cli``: ``kill`` with the Trainer, model and data built by ``LightningCLI`` (``run=False``), so
+its config-saving callback (``SaveConfigCallback``) is in the fit: rank 0 saves
+``OUT_DIR/config.yaml`` in the first fit; the restarted worker must not save or broadcast again.
 Every training step records ``(epoch, world size, global step, the indices all ranks trained)``
 in the module, which is committed with the checkpoints, so a recovered fit keeps only the
 committed steps' records. Each slot that finishes saves its final weights and the records to
@@ -68,14 +71,43 @@ class Report(pl.Callback):
               f"respawn={RESPAWN} step={trainer.global_step}", flush=True)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if MODE == "kill" and RESPAWN == 0 and SLOT == 1 and trainer.global_step == KILL_STEP:
+        if MODE in ("kill", "cli") and RESPAWN == 0 and SLOT == 1 and trainer.global_step == KILL_STEP:
             print(f"FAIL_AT {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+    return TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_data(), batch_size=BATCH, shuffle=True)
+
+
+def _cli() -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule]:
+    from pytorch_lightning.cli import LightningCLI
+
+    strategy = ('{"class_path": "hvd_trainer.strategy.HorovodStrategy", "init_args": '
+                f'{{"elastic_commit_every_n_steps": {COMMIT_EVERY}}}}}')
+    cli = LightningCLI(Regressor, Data, run=False, args=[
+        f"--trainer.strategy={strategy}", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        f"--trainer.max_epochs={EPOCHS}", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false",
+        f"--trainer.default_root_dir={OUT_DIR}"])
+    cli.trainer.callbacks.append(Report())
+    return cli.trainer, cli.model, cli.datamodule
+
+
+def main() -> None:
+    if MODE == "cli":
+        trainer, model, data = _cli()
+        print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
+        trainer.fit(model, datamodule=data)
+        _finish(trainer, model)
+        return
+    data = _data()
     trainer = pl.Trainer(
         strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY), accelerator="cpu",
         devices=2, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
@@ -84,6 +116,10 @@ def main() -> None:
     model = Regressor()
     print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
+    _finish(trainer, model)
+
+
+def _finish(trainer: pl.Trainer, model: Regressor) -> None:
     torch.save({"model": model.state_dict(), "seen": model.seen, "step": trainer.global_step},
                OUT_DIR / f"final.{SLOT}.pt")
     print(f"DONE slot={SLOT} pid={os.getpid()} rank={trainer.global_rank} size={trainer.world_size} "
