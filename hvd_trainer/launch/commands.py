@@ -174,7 +174,8 @@ def _nodes(opts: HvdrunOptions) -> str:
         raise HvdrunError(
             f"--min-np {lo}/--max-np {hi} are not multiples of the {ppn} process(es) per host; "
             "torchrun grows and shrinks by whole hosts. "
-            f"HINT: use multiples of {ppn}, e.g. --min-np {ppn} --max-np {ppn * len(opts.hosts)}."
+            f"HINT: use multiples of {ppn}, e.g. --min-np {ppn} --max-np {ppn * len(opts.hosts)}, "
+            "or --recovery in-process (membership by process)."
         )
     return f"{lo // ppn}:{hi // ppn}"
 

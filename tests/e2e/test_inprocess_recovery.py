@@ -58,9 +58,12 @@ def test_rank_0_lost_and_restarted_the_survivor_reports_both_re_forms(tmp_path: 
 
 
 def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path) -> None:
+    """Horovod's own line, ``-np 2 --min-np 1 --max-np 2`` with no --recovery: in process."""
     out = tmp_path / "out.pt"
-    res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(out), str(KILL_STEP), "0.15"], timeout=180)
+    res = hvdrun(["-np", "2", "--min-np", "1", "--max-np", "2", "python", WORKER, str(out), str(KILL_STEP),
+                  "0.15"], timeout=180)
     assert res.returncode == 0, res.explain()
+    assert "a lost worker is recovered in process" in res.output, res.explain()
     pattern = r"START slot=(\d) pid=(\d+) rank=(\d) size=(\d) respawn=(\d) step=(\d+)"
     starts = re.findall(pattern, res.output)
     survivor = {pid for slot, pid, *_ in starts if slot == "0"}

@@ -45,6 +45,10 @@ DRY_RUNS = [
      ["-np 4 -H h1:2,h2:2 --bind-to none --map-by slot", "-x MASTER_ADDR=h1",
       "-x MASTER_PORT=29400", "-x HOROVOD_FUSION_THRESHOLD=1048576", f"{RUN} x.py"]),
     ("cpu-hides-gpus", ["-np", "1", "--device", "cpu", "x.py"], ["CUDA_VISIBLE_DEVICES=''"]),
+    ("elastic-by-process-recovers-in-process", ["-np", "2", "--min-np", "1", "--max-np", "2", "x.py"],
+     ["HVDRUN_RECOVERY=in-process", "HVDRUN_MIN_NP=1", "--nnodes=1", "--max-restarts=0"]),
+    ("elastic-by-process-across-hosts", ["-np", "4", "-H", "a:2,b:2", "--min-np", "3", "x.py"],
+     ["HVDRUN_RECOVERY=in-process", "--nnodes=1:2", "--max-restarts=0"]),
 ]
 
 
@@ -70,7 +74,8 @@ ERRORS = [
     ("bad-slots", ["-np", "2", "-H", "a:x", "x.py"], {}, "bad slot count"),
     ("hosts-and-hostfile", ["-np", "2", "-H", "a:2", "--hostfile", "f", "x.py"], {}, "not both"),
     ("elastic-order", ["-np", "2", "--min-np", "3", "x.py"], {}, "min=3 np=2"),
-    ("elastic-not-whole-hosts", ["-np", "4", "-H", "a:2,b:2", "--min-np", "3", "x.py"], {},
+    ("elastic-restart-not-whole-hosts", ["-np", "4", "-H", "a:2,b:2", "--min-np", "3", "--recovery",
+                                         "restart", "x.py"], {},
      "not multiples of the 2 process(es) per host"),
     ("cuda-without-gpu", ["-np", "1", "--device", "cuda", "x.py"], {}, "--device cuda was requested"),
     ("bad-timeout", ["-np", "1", "--start-timeout", "0", "x.py"], {}, "--start-timeout must be > 0"),
@@ -154,3 +159,14 @@ def test_early_exit_note_counts_ranks_the_agent_sigtermed_as_victims() -> None:
     assert _early_exit_note({0: term, 2: term}, 0, 3) == ""  # nobody reported a lost peer
     assert _early_exit_note({0: peer, 2: SimpleNamespace(exitcode=1)}, 0, 3) == ""  # rank 2 failed
     assert "on another host" in _early_exit_note({0: peer, 1: term}, 0, None, multi_host=True)
+
+
+def test_elastic_by_process_says_it_recovers_in_process(capsys, monkeypatch) -> None:
+    """Horovod's ``--min-np 1 --max-np 2`` on one host of 2 slots works as is: in process, said once."""
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["--dry-run", "-np", "2", "--min-np", "1", "--max-np", "2", "x.py"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("recovered in process") == 1 and "--recovery restart with multiples of 2" in err, err
+    assert cli.main(["--dry-run", "-np", "2", "--min-np", "2", "--max-np", "2", "x.py"]) == 0
+    assert "in process" not in capsys.readouterr().err  # whole hosts: the restart path, as before
