@@ -1,8 +1,8 @@
 """Nobody joins who does not belong (the job secret), end to end across namespace hosts.
 
 * Strangers at the door: while a 2-host job runs, its line is started again with another
-  ``HOROVOD_SECRET_KEY`` (on each host), with none, and with the job's own (a second copy of a
-  full job): each is refused within seconds (``hvdrun: refused: ...``) and the job trains to the
+  ``HOROVOD_SECRET_KEY`` (on each host, and on a third host posing as h2), with none, and with the
+  job's own (a second copy of a full job): each is refused within seconds (``hvdrun: refused: ...``) and the job trains to the
   end without a restart (:mod:`hvd_trainer.launch.guarded_rdzv`).
 * A foreign process that connects to the rendezvous port during start-up and sends junk is
   ignored: the job (h1 and h2, one secret) trains to the end.
@@ -43,10 +43,11 @@ def _left(c) -> dict[str, list[int]]:
     return {k: v for k, v in c.pids().items() if v}
 
 
-def _knock(host, secret: str | None) -> tuple[int, str, float]:
-    """Run the job's line once more on ``host`` with ``secret``; ``(exit status, output, seconds)``."""
+def _knock(host, secret: str | None, extra: tuple[str, ...] = ()) -> tuple[int, str, float]:
+    """Run the job's line once more on ``host`` with ``secret`` (and ``extra`` hvdrun options);
+    ``(exit status, output, seconds)``."""
     begin = time.monotonic()
-    done = host.run(LINE, env=_env(secret), timeout=90)
+    done = host.run([LINE[0], *extra, *LINE[1:]], env=_env(secret), timeout=90)
     return done.returncode, done.stdout + done.stderr, time.monotonic() - begin
 
 
@@ -55,19 +56,21 @@ def test_strangers_are_refused_at_the_door_and_the_job_trains_on(tmp_path) -> No
     """A running 2-host job; the same line started again with another secret (on the store's
     host and on the other), with no secret, and with the job's own secret (a second copy):
     each is refused at once with a named error, and the job trains to the end untouched."""
-    with cluster(2) as c:
-        h1, h2 = c.hosts
+    with cluster(3) as c:
+        h1, h2, h3 = c.hosts
         stop = tmp_path / "stop"
         job = start_job(c, [h1, h2], LINE, env=_env("the-jobs-secret", FAULT_LOOP_STOP_FILE=str(stop)))
         assert job.wait_for("h1", "step 10 on h1", timeout=90), job.tail()
         tries = {
-            "another secret on h2": (h2, "a-strangers-secret", "holds another secret"),
-            "another secret on h1": (h1, "a-strangers-secret", "holds another secret"),
-            "no secret on h2": (h2, None, "holds another secret"),
-            "a second copy on h2": (h2, "the-jobs-secret", "already running with all its 2 host(s)"),
+            "another secret on h2": (h2, "a-strangers-secret", (), "holds another secret"),
+            "another secret on h1": (h1, "a-strangers-secret", (), "holds another secret"),
+            "no secret on h2": (h2, None, (), "holds another secret"),
+            "another secret on h3 posing as h2": (h3, "a-strangers-secret", ("--this-host", "h2"),
+                                                  "holds another secret"),
+            "a second copy on h2": (h2, "the-jobs-secret", (), "already running with all its 2 host(s)"),
         }
-        for what, (host, secret, reason) in tries.items():
-            code, out, took = _knock(host, secret)
+        for what, (host, secret, extra, reason) in tries.items():
+            code, out, took = _knock(host, secret, extra)
             print(f"\n{what}: exit {code} after {took:.1f} s: {out.strip().splitlines()[-1]}")
             assert code != 0, (what, out[-2000:])
             assert "hvdrun: refused:" in out and reason in out, (what, out[-2000:])
