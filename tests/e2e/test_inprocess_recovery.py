@@ -106,3 +106,15 @@ def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:
 def test_in_process_needs_an_elastic_job() -> None:
     res = hvdrun(["-np", "2", "--recovery", "in-process", "python", "-c", "pass"], timeout=60)
     assert res.returncode != 0 and "--recovery in-process needs an elastic job" in res.output, res.explain()
+
+
+def test_a_process_set_of_the_old_world_is_refused_after_a_reform() -> None:
+    """Its group was released with the old world; a collective on it says so at once (before,
+    it fell back to torch's default group, the new world's, and hung)."""
+    script = str(SCRIPTS / "inprocess_process_set.py")
+    res = hvdrun(["-np", "3", "--min-np", "2", "--max-np", "3", "python", script], timeout=120)
+    assert res.returncode != 0, res.explain()
+    assert "world re-formed in process" in res.output, res.explain()
+    assert "CommValueError: allreduce got ProcessSet(process_set_id=1, ranks=[0, 2]), whose world has ended" \
+        in res.output, res.explain()
+    assert "DONE" not in res.output, res.explain()

@@ -1,9 +1,10 @@
 """Nobody joins who does not belong (the job secret), end to end across namespace hosts.
 
 * Strangers at the door: while a 2-host job runs, its line is started again with another
-  ``HOROVOD_SECRET_KEY`` (on each host, and on a third host posing as h2), with none, and with the
-  job's own (a second copy of a full job): each is refused within seconds (``hvdrun: refused: ...``) and the job trains to the
-  end without a restart (:mod:`hvd_trainer.launch.guarded_rdzv`).
+  ``HOROVOD_SECRET_KEY`` (on each host, and on a third host posing as h2), with none, and with
+  the job's own (a second copy of a full job): each is refused within seconds
+  (``hvdrun: refused: ...``) and the job trains to the end without a restart
+  (:mod:`hvd_trainer.launch.guarded_rdzv`).
 * A foreign process that connects to the rendezvous port during start-up and sends junk is
   ignored: the job (h1 and h2, one secret) trains to the end.
 * A single-host job listens on loopback only.

@@ -177,17 +177,37 @@ class ProcessSet:
         self._group = None
         self._cpu_group = None
         self.side_group = None
+        self._ended = True
 
     def group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup | None:
-        """The process group that carries ``tensor`` (CPU tensors use the gloo group)."""
+        """The process group that carries ``tensor`` (CPU tensors use the gloo group).
+
+        Raises:
+            CommValueError: the set's world has ended (``None`` would mean torch's default
+                group, i.e. another world's ranks).
+        """
+        if getattr(self, "_ended", False):
+            self._raise_ended("a collective")
         return self._cpu_group if tensor.device.type == "cpu" else self._group
+
+    def _raise_ended(self, what: str) -> None:
+        raise CommValueError(
+            f"{what} got {self!r}, whose world has ended: hvd.shutdown() ran, or in-process recovery "
+            "re-formed the world after a lost worker (its ranks renumbered, its size may differ), so "
+            "the set's group is gone. HINT: with in-process recovery create process sets inside the "
+            "function that @elastic.run wraps (every rank, same order, for the world hvd.size() "
+            "gives), or launch with --recovery restart."
+        )
 
     @property
     def cpu_group(self) -> dist.ProcessGroup | None:
         return self._cpu_group
 
     def require_member(self, what: str) -> None:
-        """Raise :class:`CommValueError` unless this set is usable and this rank is a member."""
+        """Raise :class:`CommValueError` unless this set is usable (created, not removed, its
+        world not ended) and this rank is a member."""
+        if getattr(self, "_ended", False):
+            self._raise_ended(what)
         if self.set_id is None:
             raise CommValueError(
                 f"{what} got {self!r}, which {'was removed' if self.removed else 'is not created yet'}. "
