@@ -133,7 +133,8 @@ class _HorovodStrategyLogic:
             (:mod:`hvd_trainer.comm.reduce.auto`; all ranks on one host: plain allreduce),
             printed on rank 0.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
-            ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0.
+            ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0;
+            an elastic fit resumed in another world size rescales the restored rates to it.
             Off by default: hvd_trainer never changes hyperparameters silently.
         elastic: resume automatically after torchrun restarts the workers (see
             :mod:`hvd_trainer.lightning.elastic`): commit a full checkpoint every
@@ -778,7 +779,31 @@ class _HorovodStrategyLogic:
             trainer.callbacks.append(_EpochEndCheck(self._require_world()))
         if self._elastic is not None:
             self._elastic.restore_rng(before_loader=False)
+            self._rescale_restored_lr()
         super().on_train_start()
+
+    def _rescale_restored_lr(self) -> None:
+        """``scale_lr_by_world_size`` after an elastic resume in another world size: the restored
+        optimizer and scheduler states hold rates scaled by the commit's world size; scale them by
+        this world's instead (``lr * new / old``, also ``initial_lr``, ``base_lrs``, last rates)."""
+        assert self._elastic is not None
+        old, self._elastic.resumed_world_size = self._elastic.resumed_world_size, None
+        if not self._scale_lr or old is None or old == self.world_size:
+            return
+        ratio = self.world_size / old
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
+                if "initial_lr" in group:
+                    group["initial_lr"] *= ratio
+        for config in self.lr_scheduler_configs:
+            scheduler = config.scheduler
+            for attr in ("base_lrs", "_last_lr"):
+                if isinstance(getattr(scheduler, attr, None), list):
+                    setattr(scheduler, attr, [lr * ratio for lr in getattr(scheduler, attr)])
+        rank_zero_info(f"hvd_trainer: scale_lr_by_world_size=True, the commit was taken on {old} "
+                       f"rank(s), this world has {self.world_size}: learning rates scaled by "
+                       f"{self.world_size}/{old}.")
 
     # -- backward ---------------------------------------------------------------------------
     @override

@@ -200,6 +200,9 @@ class ElasticFit:
         object (its commits) and :meth:`start` resumes from the newest commit in memory."""
         self._memory: dict[str, Any] | None = None
         """This rank's last commit (in-process recovery)."""
+        self.resumed_world_size: int | None = None
+        """The world size the commit this fit resumed from was taken in (``None``: not resumed,
+        or already used by the strategy to rescale learning rates)."""
         self._last_step = -1
         self._loaded: dict[str, Any] | None = None
         self._loaded_path: str | None = None
@@ -259,6 +262,7 @@ class ElasticFit:
         ``fit(ckpt_path=path)`` would: modules and callbacks now, the rest by Lightning."""
         meta = loaded[COMMIT_KEY]
         self.commits = int(meta["commit"])
+        self.resumed_world_size = int(meta.get("world_size", world.size))
         self._loaded, self._loaded_path = loaded, path
         restore_modules_and_callbacks(trainer, path)  # loads via take_loaded()
         self._take_rng(meta, world)

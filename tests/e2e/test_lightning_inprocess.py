@@ -62,6 +62,9 @@ def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path, mod
     print(f"SCENARIO lightning-in-process-sigkill ({mode}): {len(seen)} steps (epoch:world size) {sizes}")
     if mode == "cli":
         assert (tmp_path / "config.yaml").exists()  # saved by rank 0 in the first fit
+    else:  # scale_lr_by_world_size follows the world across the re-forms: 0.05 x size
+        rates = set(re.findall(r"LR slot=\d size=(\d) lr=([\d.]+)", res.output))
+        assert rates == {("2", "0.1000"), ("1", "0.0500")}, (rates, res.explain())
 
 
 def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:

@@ -9,7 +9,9 @@ a commit. ``user``: rank 1 raises ``ValueError`` in ``training_step`` at global 
 ``cli``: ``kill`` with the Trainer, model and data built by ``LightningCLI`` (``run=False``), so
 its config-saving callback (``SaveConfigCallback``) is in the fit: rank 0 saves
 ``OUT_DIR/config.yaml`` in the first fit; the restarted worker must not save or broadcast again.
-Every training step records ``(epoch, world size, global step, the indices all ranks trained)``
+``kill``/``user`` scale the learning rate (0.05) by the world size (``scale_lr_by_world_size``);
+the first batch of every fit prints the rate. Every training step records ``(epoch, world size,
+global step, the indices all ranks trained)``
 in the module, which is committed with the checkpoints, so a recovered fit keeps only the
 committed steps' records. Each slot that finishes saves its final weights and the records to
 ``OUT_DIR/final.<slot>.pt``.
@@ -69,8 +71,13 @@ class Report(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         print(f"START slot={SLOT} pid={os.getpid()} rank={trainer.global_rank} size={trainer.world_size} "
               f"respawn={RESPAWN} step={trainer.global_step}", flush=True)
+        self.said_lr = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.said_lr:  # the first batch of each fit (the strategy's on_train_start ran)
+            self.said_lr = True
+            lr = trainer.optimizers[0].param_groups[0]["lr"]
+            print(f"LR slot={SLOT} size={trainer.world_size} lr={lr:.4f}", flush=True)
         if MODE in ("kill", "cli") and RESPAWN == 0 and SLOT == 1 and trainer.global_step == KILL_STEP:
             print(f"FAIL_AT {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -109,7 +116,8 @@ def main() -> None:
         return
     data = _data()
     trainer = pl.Trainer(
-        strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY), accelerator="cpu",
+        strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY, scale_lr_by_world_size=True),
+        accelerator="cpu",
         devices=2, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()],
     )
