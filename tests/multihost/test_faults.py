@@ -3,6 +3,7 @@
 * partition: h2's link is cut mid-training. Every rank stops within 30 s with the default
   ``HOROVOD_GLOO_TIMEOUT_SECONDS`` (20 s) naming the other host, both hvdruns exit non-zero,
   and no process is left on either host.
+* the same partition while every step is ZeRO stage 2's traffic: every rank stops (40 s bound).
 * host killed: every process of h2 is SIGKILLed. The ranks on h1 raise RankFailedError naming h2
   and its ranks, hvdrun on h1 exits non-zero within 10 s, and no process is left.
 
@@ -94,6 +95,28 @@ def test_a_cut_link_stops_every_rank_within_30_s_naming_the_other_host() -> None
             assert raised is not None
             print(f"FAULT-TIME partition: first HostUnreachableError on {name} {raised - cut_at:.1f} s "
                   "after the cut")
+        _no_process_left(c, job)
+
+
+@pytest.mark.timeout(240)
+def test_a_cut_link_inside_zero_transfers_stops_every_rank_within_40_s() -> None:
+    """The same cut while every step is ZeRO stage 2's traffic (reduce-scatter, shard transfers).
+    Measured 20-24 s here (gloo's 20 s timeout first); 40 s leaves room for a loaded CI host."""
+    with cluster(2) as c:
+        job = start_job(c, c.hosts, _hvdrun("fault_loop.py"), env={**os.environ, "FAULT_LOOP_ZERO": "1"})
+        for host in ("h1", "h2"):
+            assert job.wait_for(host, "step 100 on", timeout=120), f"{host} never trained:\n{job.tail()}"
+        cut_at = time.monotonic()
+        c.cut(c.host("h2"))
+        waited = job.exit_times(cut_at, timeout=60)
+        codes = {name: job.procs[name].returncode for name in waited}
+        print(f"\nFAULT-TIME partition in ZeRO: hvdrun exited after the cut: h1 {_s(waited['h1'])}, "
+              f"h2 {_s(waited['h2'])} (exit codes {codes})")
+        for name in ("h1", "h2"):
+            assert waited[name] is not None and waited[name] < 40.0, f"{name}: {waited}\n{job.tail()}"
+            assert codes[name] != 0, job.tail()
+        assert "hvdrun: error: network partition: rank " in job.text("h1"), job.tail()
+        assert "this host is cut off from h1; unreachable: h1 (ranks 0, 1)" in job.text("h2"), job.tail()
         _no_process_left(c, job)
 
 

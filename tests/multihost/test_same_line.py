@@ -1,5 +1,6 @@
 """Same-line mode across two namespace hosts (2 x 2 processes): ``hvdrun -np 4 -H h1:2,h2:2 --port P``
-run on each host; the torch API, Lightning ``fit`` and Keras ``fit`` give the values of one process."""
+run on each host; the torch API (ZeRO stage 2 included), Lightning ``fit`` and Keras ``fit`` give
+the values of one process."""
 
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ def test_torch_api_values_and_optimizer_match_one_process() -> None:
                           "gathered": [0, 1, 2, 3], "bcast": [30.0],
                           "local": [rank % 2, 2, rank // 2, 2]}, (rank, values)
     _check_weights(runs, tag_fields=1)
+    # ZeRO stage 2 with Adam across the hosts: every rank equal to one process's Adam
+    zero = {int(rec[0]): rec[-1] for rec in records(out, "ZERO")}
+    (ref,) = [rec[-1] for rec in records(out, "REFERENCE_ADAM")]
+    assert sorted(zero) == [0, 1, 2, 3] and all(zero[r] == zero[0] for r in zero), explain(runs)
+    assert max(abs(a - b) for a, b in zip(zero[0], ref, strict=True)) < 2e-5, (zero[0], ref)
 
 
 def test_lightning_fit_matches_one_process() -> None:

@@ -3,6 +3,8 @@
 Each rank prints ``ALLREDUCE <rank> <host> <json>`` and ``WEIGHTS <rank> <json>``; rank 0 also
 prints ``REFERENCE <json>``: the same model trained by plain torch in one process on the global
 batches (every rank's shard of a step together), which the averaged gradients must reproduce.
+Then the same with Adam and ZeRO stage 2 (optimizer state and averaged gradients sharded over the
+ranks of both hosts): ``ZERO <rank> <json>`` against rank 0's ``REFERENCE_ADAM <json>``.
 """
 
 from __future__ import annotations
@@ -62,11 +64,19 @@ def main() -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     _train(model, opt, mine)
     print(f"WEIGHTS {rank} {json.dumps(_flat(model))}", flush=True)
+    zero = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(zero.parameters(), lr=0.05),
+                                   named_parameters=zero.named_parameters(), zero_stage=2)
+    _train(zero, opt, mine)
+    print(f"ZERO {rank} {json.dumps(_flat(zero))}", flush=True)
     if rank == 0:
+        global_batches = [(x[k * g:(k + 1) * g], y[k * g:(k + 1) * g]) for k in range(STEPS)]
         ref = _model()
-        _train(ref, torch.optim.SGD(ref.parameters(), lr=LR),
-               [(x[k * g:(k + 1) * g], y[k * g:(k + 1) * g]) for k in range(STEPS)])
+        _train(ref, torch.optim.SGD(ref.parameters(), lr=LR), global_batches)
         print(f"REFERENCE {json.dumps(_flat(ref))}", flush=True)
+        ref = _model()
+        _train(ref, torch.optim.Adam(ref.parameters(), lr=0.05), global_batches)
+        print(f"REFERENCE_ADAM {json.dumps(_flat(ref))}", flush=True)
     hvd.shutdown()
 
 
