@@ -93,6 +93,14 @@ def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path)
     after = [t for t in got["done_at"] if t > killed]
     print(f"SCENARIO in-process-sigkill: survivor's next step done {after[0] - killed:.2f} s after the kill")
     assert after[0] - killed < 3.0, res.explain()
+    # where the restarted worker's time went, from the kill to its first step in the new world
+    (boot, imported, joined, first), = [tuple(float(v) for v in m) for m in re.findall(
+        r"JOINER boot=([\d.]+) imported=([\d.]+) joined=([\d.]+) first_step=([\d.]+)", res.output)]
+    print(f"SCENARIO in-process-joiner: script started {boot - killed:.2f} s after the kill, imports "
+          f"{imported - boot:.2f} s, hvd.init() (joining at the survivors' next commit) "
+          f"{joined - imported:.2f} s, first step {first - joined:.2f} s later: "
+          f"{first - boot:.2f} s from its start")
+    assert killed < boot < imported < joined < first, res.explain()
 
 
 def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:

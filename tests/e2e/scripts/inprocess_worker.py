@@ -4,7 +4,10 @@ Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S [SAMPLES]]
 In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot ``KILL_SLOT`` (environment, default 1)
 SIGKILLs itself when ``state.step == KILL_STEP`` (-1: never). Every committed step records the
 world size and each rank's sample indices, so the test can replay the same steps in one process.
-Rank 0 saves the final weights, that history and the steps' completion times to OUT_FILE.
+Rank 0 saves the final weights, that history and the steps' completion times to OUT_FILE. A
+restarted worker prints ``JOINER boot= imported= joined= first_step=`` (epoch seconds): its
+interpreter's start of this script, torch and hvd_trainer imported, ``hvd.init()`` returned (it
+joined), its first step done.
 """
 
 from __future__ import annotations
@@ -14,18 +17,21 @@ import signal
 import sys
 import time
 
-import torch
-from torch.utils.data import DataLoader, TensorDataset
+BOOT = time.time()  # a restarted worker reports where its time went before its first step
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import hvd_trainer.torch as hvd
-from hvd_trainer import elastic
+import hvd_trainer.torch as hvd  # noqa: E402
+from hvd_trainer import elastic  # noqa: E402
 
 out_file, kill_step = sys.argv[1], int(sys.argv[2])
 step_sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
 kill_slot = int(os.environ.get("KILL_SLOT", "1"))
+IMPORTED = time.time()
 hvd.init()  # as in Horovod's elastic examples (a restarted worker joins here)
+JOINED = time.time()
 torch.manual_seed(0)
 N, BATCH, EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 128, 4, 2
 dataset = TensorDataset(torch.randn(N, 4), torch.randn(N, 1), torch.arange(N))
@@ -56,6 +62,9 @@ def train(state: elastic.TorchState) -> None:
             state.step += 1
             state.history.append((epoch, hvd.allgather_object(idx.tolist())))
             done_at.append(time.time())
+            if respawn > 0 and len(done_at) == 1:
+                print(f"JOINER boot={BOOT:.3f} imported={IMPORTED:.3f} joined={JOINED:.3f} "
+                      f"first_step={done_at[0]:.3f}", flush=True)
             print(f"STEP {state.step} rank={hvd.rank()} size={hvd.size()}", flush=True)
             state.commit()
         state.epoch = epoch + 1
