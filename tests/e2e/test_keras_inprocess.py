@@ -1,5 +1,5 @@
 """In-process recovery of Keras 3 elastic training (``hvd_trainer.keras.elastic``) end to end:
-``hvdrun -np 2 --min-np 1 --max-np 2 --recovery in-process`` on the torch backend, and on
+``hvdrun -np 2 --min-np 1 --max-np 2`` (in process without --recovery) on the torch backend, and on
 TensorFlow when it is installed.
 
 Slot 1 is SIGKILLed in the middle of an epoch, inside ``model.fit``. The survivor keeps its
@@ -26,7 +26,7 @@ import pytest
 from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, hvdrun
 
 WORKER = str(SCRIPTS / "keras_inprocess_worker.py")
-IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
+IN_PROCESS = ["--min-np", "1", "--max-np", "2"]  # Horovod's line: in process without --recovery
 STEPS, EPOCHS, LR, KILL_AT = 8, 3, 0.02, 10  # the worker's constants; the kill: once 10 batches are committed
 
 BACKENDS = ["torch"] + (["tensorflow"] if importlib.util.find_spec("tensorflow") else [])

@@ -1,5 +1,5 @@
-"""In-process recovery of ``Trainer(strategy=HorovodStrategy())`` end to end: ``hvdrun --recovery
-in-process``.
+"""In-process recovery of ``Trainer(strategy=HorovodStrategy())`` end to end: ``hvdrun -np 2
+--min-np 1 --max-np 2`` (in process without ``--recovery``).
 
 Slot 1 is SIGKILLed mid-epoch. The survivor keeps its process (same pid from the start of ``fit``
 to its end), re-forms the world alone and continues ``fit`` from its newest commit in memory,
@@ -20,7 +20,7 @@ import torch
 from tests.e2e.hvdrun_helpers import SCRIPTS, alive, hvdrun
 
 SCRIPT = str(SCRIPTS / "lightning_inprocess.py")
-IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
+IN_PROCESS = ["--min-np", "1", "--max-np", "2"]  # Horovod's line: in process without --recovery
 N, EPOCHS = 64, 4
 
 
