@@ -63,7 +63,9 @@ starts, so a failure before the first step commit returns to the start. The trai
 deals the samples of the interrupted epoch that no rank trained yet over the new world
 (:mod:`hvd_trainer.elastic.resumable_loader`: no sample of the epoch is skipped or trained twice)
 and the epoch continues at the batch index from which those batches end it. Random states are
-restored only when the world size did not change.
+restored by rank when the world size did not change; when it did, each survivor restores its own
+states of the commit (so the steps it redoes draw what they drew before) and a restarted worker
+keeps its new process's.
 
 The lost worker is started again alone by hvdrun's worker entry; its ``hvd_trainer`` init joins
 through the same membership rounds, and every commit is a step boundary where the members check
@@ -200,6 +202,9 @@ class ElasticFit:
         object (its commits) and :meth:`start` resumes from the newest commit in memory."""
         self._memory: dict[str, Any] | None = None
         """This rank's last commit (in-process recovery)."""
+        self._commit_rank: int | None = None
+        """This rank's rank in the world that took the commit in ``_memory`` (``None``: the
+        commit came by broadcast, to a restarted worker): which of its RNG states are its own."""
         self.resumed_world_size: int | None = None
         """The world size the commit this fit resumed from was taken in (``None``: not resumed,
         or already used by the strategy to rescale learning rates)."""
@@ -294,6 +299,8 @@ class ElasticFit:
         src = min(r for r, (_, count) in enumerate(found) if count == newest)
         held = comm.broadcast_object(self._memory if world.rank == src else None, src,
                                      name="elastic.lightning.commit", world=world)
+        if mine[1] != newest:  # not this rank's own commit: none of its RNG states is this process's
+            self._commit_rank = None
         self._memory = held
         return copy.deepcopy(held)  # Lightning's restore may keep tensors of what it is given
 
@@ -303,8 +310,11 @@ class ElasticFit:
             return
         if len(states) != world.size and self.in_process:
             rank_zero_info(f"hvd_trainer elastic: the commit was made by {len(states)} ranks, the world "
-                           f"has {world.size} now: random number generators go on from where each "
-                           "process is.")
+                           f"has {world.size} now: each rank that took it restores its own random "
+                           "states of it; a restarted worker goes on from its own process's.")
+            if self._commit_rank is not None and self._commit_rank < len(states):
+                self._rng = states[self._commit_rank]
+                self._rng_before_loader = int(meta["batch"]) == 0
             return
         if len(states) != world.size:
             rank_zero_warn(
@@ -397,7 +407,7 @@ class ElasticFit:
                 "epoch": epoch, "batch": batch, "world_size": trainer.world_size, "rng": rng,
             }
             if self.in_process:
-                self._memory = checkpoint
+                self._memory, self._commit_rank = checkpoint, world.rank
             else:
                 _WRITER.submit(checkpoint, self.path)
         self._last_step = trainer.global_step

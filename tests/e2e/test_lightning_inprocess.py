@@ -60,6 +60,13 @@ def test_survivor_continues_fit_and_the_restarted_rank_joins(tmp_path: Path, mod
         assert indices == list(range(N)), (epoch, indices)
     sizes = " ".join(f"{e}:{size}" for e, size, _, _ in seen)
     print(f"SCENARIO lightning-in-process-sigkill ({mode}): {len(seen)} steps (epoch:world size) {sizes}")
+    # the survivor redid the steps after its last commit alone, drawing the same random numbers
+    # (it restored its own random states of the commit, though the world size changed)
+    draws: dict[str, list[str]] = {}
+    for step, _, value in re.findall(r"DRAW slot=0 step=(\d+) size=(\d) value=([\d.]+)", res.output):
+        draws.setdefault(step, []).append(value)
+    redone = {step: values for step, values in draws.items() if len(values) > 1}
+    assert redone and all(len(set(v)) == 1 for v in redone.values()), (redone, res.explain())
     if mode == "cli":
         assert (tmp_path / "config.yaml").exists()  # saved by rank 0 in the first fit
     else:  # scale_lr_by_world_size follows the world across the re-forms: 0.05 x size

@@ -10,8 +10,8 @@ a commit. ``user``: rank 1 raises ``ValueError`` in ``training_step`` at global 
 its config-saving callback (``SaveConfigCallback``) is in the fit: rank 0 saves
 ``OUT_DIR/config.yaml`` in the first fit; the restarted worker must not save or broadcast again.
 ``kill``/``user`` scale the learning rate (0.05) by the world size (``scale_lr_by_world_size``);
-the first batch of every fit prints the rate. Every training step records ``(epoch, world size,
-global step, the indices all ranks trained)``
+the first batch of every fit prints the rate; every training step prints a ``torch.rand`` draw.
+Every training step records ``(epoch, world size, global step, the indices all ranks trained)``
 in the module, which is committed with the checkpoints, so a recovered fit keeps only the
 committed steps' records. Each slot that finishes saves its final weights and the records to
 ``OUT_DIR/final.<slot>.pt``.
@@ -52,6 +52,9 @@ class Regressor(pl.LightningModule):
         if MODE == "user" and self.global_rank == 1 and self.global_step == 2:
             raise ValueError(f"bad batch {self.global_step}")
         x, y, idx = batch
+        draw = torch.rand(1).item()  # a redone step must draw what it drew the first time
+        print(f"DRAW slot={SLOT} step={self.global_step} size={self.trainer.world_size} value={draw:.8f}",
+              flush=True)
         time.sleep(STEP_SLEEP.get(self.trainer.world_size, 0.1))
         indices = sorted(self.all_gather(idx).flatten().tolist())
         self.seen.append((self.current_epoch, self.trainer.world_size, self.global_step, indices))
