@@ -658,14 +658,9 @@ class _HorovodStrategyLogic:
             if optimizer in self._scaled_optimizers:  # never scale the same optimizer twice
                 continue
             self._scaled_optimizers.add(optimizer)
-            for group in optimizer.param_groups:
-                group["lr"] *= size
-                if "initial_lr" in group:
-                    group["initial_lr"] *= size
+            _scale_rates(optimizer, size)
         for config in self.lr_scheduler_configs:
-            scheduler = config.scheduler
-            if hasattr(scheduler, "base_lrs"):
-                scheduler.base_lrs = [lr * size for lr in scheduler.base_lrs]
+            _scale_scheduler(config.scheduler, size, ("base_lrs",))
         rank_zero_info(
             f"hvd_trainer: scale_lr_by_world_size=True, learning rates multiplied by {size}."
         )
@@ -792,15 +787,9 @@ class _HorovodStrategyLogic:
             return
         ratio = self.world_size / old
         for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] *= ratio
-                if "initial_lr" in group:
-                    group["initial_lr"] *= ratio
+            _scale_rates(optimizer, ratio)
         for config in self.lr_scheduler_configs:
-            scheduler = config.scheduler
-            for attr in ("base_lrs", "_last_lr"):
-                if isinstance(getattr(scheduler, attr, None), list):
-                    setattr(scheduler, attr, [lr * ratio for lr in getattr(scheduler, attr)])
+            _scale_scheduler(config.scheduler, ratio, ("base_lrs", "_last_lr"))
         rank_zero_info(f"hvd_trainer: scale_lr_by_world_size=True, the commit was taken on {old} "
                        f"rank(s), this world has {self.world_size}: learning rates scaled by "
                        f"{self.world_size}/{old}.")
@@ -1075,3 +1064,19 @@ def _broadcast_module_state(module: torch.nn.Module, world: World, root_rank: in
 if "horovod" not in StrategyRegistry:
     HorovodStrategy.register_strategies(StrategyRegistry)
 install_porting_habits(AcceleratorConnector, AcceleratorRegistry, SingleDeviceStrategy)
+
+
+def _scale_rates(optimizer: torch.optim.Optimizer, factor: float) -> None:
+    """Multiply every param group's ``lr`` (and ``initial_lr``, a scheduler's start) by ``factor``."""
+    for group in optimizer.param_groups:
+        group["lr"] *= factor
+        if "initial_lr" in group:
+            group["initial_lr"] *= factor
+
+
+def _scale_scheduler(scheduler: Any, factor: float, attrs: tuple[str, ...]) -> None:
+    """Multiply the scheduler's rate lists named in ``attrs`` (e.g. ``base_lrs``) by ``factor``."""
+    for attr in attrs:
+        rates = getattr(scheduler, attr, None)
+        if isinstance(rates, list):
+            setattr(scheduler, attr, [lr * factor for lr in rates])

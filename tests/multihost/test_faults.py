@@ -65,20 +65,26 @@ def _no_process_left(c: Cluster, job: Job) -> None:
     assert not any(c.pids().values()), f"processes left: {c.pids()}\n{job.tail()}"
 
 
+def _cut_and_await_both(c: Cluster, job: Job, label: str, *, bound: float) -> float:
+    """Cut h2's link; assert both hvdruns exit non-zero within ``bound`` seconds of the cut
+    (printed as a ``FAULT-TIME`` line); return the cut's ``time.monotonic()``."""
+    cut_at = time.monotonic()
+    c.cut(c.host("h2"))
+    waited = job.exit_times(cut_at, timeout=60)
+    codes = {name: job.procs[name].returncode for name in waited}
+    print(f"\nFAULT-TIME {label}: hvdrun exited after the cut: h1 {_s(waited['h1'])}, "
+          f"h2 {_s(waited['h2'])} (exit codes {codes})")
+    for name in ("h1", "h2"):
+        assert waited[name] is not None and waited[name] < bound, f"{name}: {waited}\n{job.tail()}"
+        assert codes[name] != 0, job.tail()
+    return cut_at
+
+
 @pytest.mark.timeout(240)
 def test_a_cut_link_stops_every_rank_within_30_s_naming_the_other_host() -> None:
     with cluster(2) as c:
         job = _started(c, _hvdrun("fault_loop.py"), at_step=40)
-        h2 = c.host("h2")
-        cut_at = time.monotonic()
-        c.cut(h2)
-        waited = job.exit_times(cut_at, timeout=60)
-        codes = {name: job.procs[name].returncode for name in waited}
-        print(f"\nFAULT-TIME partition: hvdrun exited after the cut: h1 {_s(waited['h1'])}, "
-              f"h2 {_s(waited['h2'])} (exit codes {codes})")
-        for name in ("h1", "h2"):
-            assert waited[name] is not None and waited[name] < 30.0, f"{name}: {waited}\n{job.tail()}"
-            assert codes[name] != 0, job.tail()
+        cut_at = _cut_and_await_both(c, job, "partition", bound=30.0)
         h1_text, h2_text = job.text("h1"), job.text("h2")
         # the ranks on h1 raise the error in their collective, naming h2 and its ranks
         assert "HostUnreachableError: allreduce 'ones'" in h1_text, job.tail()
@@ -106,15 +112,7 @@ def test_a_cut_link_inside_zero_transfers_stops_every_rank_within_40_s() -> None
         job = start_job(c, c.hosts, _hvdrun("fault_loop.py"), env={**os.environ, "FAULT_LOOP_ZERO": "1"})
         for host in ("h1", "h2"):
             assert job.wait_for(host, "step 100 on", timeout=120), f"{host} never trained:\n{job.tail()}"
-        cut_at = time.monotonic()
-        c.cut(c.host("h2"))
-        waited = job.exit_times(cut_at, timeout=60)
-        codes = {name: job.procs[name].returncode for name in waited}
-        print(f"\nFAULT-TIME partition in ZeRO: hvdrun exited after the cut: h1 {_s(waited['h1'])}, "
-              f"h2 {_s(waited['h2'])} (exit codes {codes})")
-        for name in ("h1", "h2"):
-            assert waited[name] is not None and waited[name] < 40.0, f"{name}: {waited}\n{job.tail()}"
-            assert codes[name] != 0, job.tail()
+        _cut_and_await_both(c, job, "partition in ZeRO", bound=40.0)
         assert "hvdrun: error: network partition: rank " in job.text("h1"), job.tail()
         assert "this host is cut off from h1; unreachable: h1 (ranks 0, 1)" in job.text("h2"), job.tail()
         _no_process_left(c, job)
