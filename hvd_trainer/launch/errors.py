@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["HvdrunError", "RendezvousRefusedError"]
+__all__ = ["HvdrunError", "RendezvousEndedError", "RendezvousRefusedError",
+           "RendezvousUnreachableError"]
 
 
 class HvdrunError(ValueError):
@@ -13,3 +14,13 @@ class RendezvousRefusedError(RuntimeError):
     """hvdrun's agent was not let into the job listening on the rendezvous port: the job holds
     another secret or run id, or is already running with all its hosts
     (:mod:`hvd_trainer.launch.guarded_rdzv`). Nothing of the job was touched."""
+
+
+class RendezvousUnreachableError(RuntimeError):
+    """hvdrun's agent found no agent of its job hosting the rendezvous within the start timeout
+    (:mod:`hvd_trainer.launch.guarded_rdzv`)."""
+
+
+class RendezvousEndedError(RuntimeError):
+    """The job's rendezvous closed (the job ended) while hvdrun's agent waited in it as a spare,
+    before it was given a place in any world."""

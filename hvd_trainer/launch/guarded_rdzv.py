@@ -6,12 +6,19 @@ it (or, in an elastic job, makes the agents restart their workers). hvdrun's age
 backend instead (``hvdrun-c10d``): torch's own :class:`DynamicRendezvousHandler`, over the same
 kind of store, with three additions.
 
-* **Admission.** The agent that hosts the store publishes a fresh nonce and
-  ``HMAC-SHA256(secret, "hvdrun-rdzv|<run id>|<nonce>")`` (an empty key when the job has no
-  secret). Every other agent computes the same tag with its own secret and run id before it
-  reads or writes anything else; a mismatch (another ``HOROVOD_SECRET_KEY``, or another command
-  line or ``--rdzv-id`` on the same port) raises :class:`RendezvousRefusedError` in that agent,
-  which leaves without touching the job.
+* **Admission.** The agent that hosts the store writes an "open" mark under a key derived from
+  the secret and run id (``HMAC-SHA256(secret, "hvdrun-ns|<run id>")``, the empty key without a
+  secret), then a public "up" mark. Every other agent, before it reads or writes anything else
+  of the job, looks for the open mark under the key its own secret and run id give: found, it is
+  let in; absent while the host is up (another ``HOROVOD_SECRET_KEY``, or another command line or
+  ``--rdzv-id`` on the same port), it raises :class:`RendezvousRefusedError` and leaves without
+  touching the job. Whoever reaches the port can overwrite or delete the public mark, but cannot
+  find the job's keys without the secret, so an agent of the job is never turned away by it.
+  No host up within the start timeout: :class:`RendezvousUnreachableError`.
+* **One agent per host.** An agent meant to host whose port is taken by an agent of the same
+  job (a second copy of the line on the first host) is refused; in a job without spares every
+  agent also claims its ``--local-addr`` once (``compare_set``), so a second copy on another
+  host is refused even before the rendezvous completes.
 * **A full job says so.** A job that takes no spares (not elastic) whose rendezvous is complete
   with every host alive refuses a further agent at once (a second copy of the same line),
   instead of letting it wait in torch's redundancy list until the job ends. An elastic job lets
@@ -32,11 +39,14 @@ import itertools
 import pickle
 import secrets
 import socket
+import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
+    RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousParameters,
     RendezvousStateError,
@@ -49,29 +59,43 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from hvd_trainer.launch.errors import RendezvousRefusedError
+from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 
-__all__ = ["BACKEND", "admission_tag", "use_guarded_rendezvous", "SignedC10dBackend"]
+__all__ = ["BACKEND", "DoorRecord", "use_guarded_rendezvous", "SignedC10dBackend"]
 
 BACKEND = "hvdrun-c10d"
-NONCE_KEY = "hvdrun/door/nonce"
-TAG_KEY = "hvdrun/door/tag"
+UP_KEY = "hvdrun/door/up"
 LOOPBACK = "127.0.0.1"
 MAC_BYTES = 32  # SHA-256
+KNOCK_POLL_SECONDS = 0.05
 _REGISTERED = itertools.count()
 
 
-def admission_tag(secret: str | None, run_id: str, nonce: str) -> str:
-    """Hex ``HMAC-SHA256(secret, "hvdrun-rdzv|<run_id>|<nonce>")`` (64 characters); a job
-    without a secret uses the empty key."""
-    return hmac.new((secret or "").encode(), f"hvdrun-rdzv|{run_id}|{nonce}".encode(),
-                    hashlib.sha256).hexdigest()
+@dataclass(slots=True)
+class DoorRecord:
+    """What one agent's guarded rendezvous went through, for hvdrun's last line."""
+
+    endpoint: str = ""
+    """The rendezvous ``host:port`` (empty until the handler is created)."""
+    joined: bool = False
+    """Whether this agent was ever given a place in a world (a spare that waited: no)."""
+    handler: RendezvousHandler | None = None
+
+    def saw_closed(self) -> bool:
+        """Whether the last rendezvous state this agent read was closed (the job ended)."""
+        holder = getattr(self.handler, "_state_holder", None)  # torch's, read only
+        return bool(getattr(getattr(holder, "state", None), "closed", False))
 
 
 def _namespace(secret: str | None, run_id: str) -> str:
     """The store prefix of the job's rendezvous keys: not computable without the secret."""
     mac = hmac.new((secret or "").encode(), f"hvdrun-ns|{run_id}".encode(), hashlib.sha256)
     return f"hvdrun/{mac.hexdigest()[:32]}/"
+
+
+def _state_key(secret: str | None, run_id: str) -> bytes:
+    """The HMAC key of the job's signed rendezvous state."""
+    return hmac.new((secret or "").encode(), f"hvdrun-state|{run_id}".encode(), hashlib.sha256).digest()
 
 
 class SignedC10dBackend(C10dRendezvousBackend):
@@ -133,10 +157,12 @@ def _serve(host: str, port: int, timeout: timedelta) -> tuple[TCPStore, socket.s
         raise
 
 
-def _store(params: RendezvousParameters, hosting: bool) -> tuple[TCPStore, bool, socket.socket | None]:
+def _store(params: RendezvousParameters, hosting: bool,
+           deadline: float) -> tuple[TCPStore, bool, socket.socket | None]:
     """The rendezvous ``TCPStore``, whether this agent serves it, and the listening socket to
-    keep open with it. An agent meant to host whose port is taken (another agent of the same
-    line on this host) connects as a client, and the door decides."""
+    keep open with it. An agent meant to host whose port is taken connects as a client, and the
+    door decides. A client that reaches no store by ``deadline`` (``time.monotonic()``) raises
+    :class:`RendezvousUnreachableError`."""
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     if hosting:
@@ -145,21 +171,76 @@ def _store(params: RendezvousParameters, hosting: bool) -> tuple[TCPStore, bool,
             return store, True, sock
         except (OSError, RuntimeError, ValueError):
             pass  # the port is in use: whoever holds it answers the door below
-    return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout), False, None
+    _await_listener(params, host, port, deadline)
+    try:
+        store = TCPStore(host, port, is_master=False, multi_tenant=True,
+                         timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except (OSError, RuntimeError) as exc:  # DistNetworkError / DistStoreError: nobody answered
+        raise _unreachable(params, f"no store answered ({type(exc).__name__})") from None
+    store.set_timeout(timeout)
+    return store, False, None
 
 
-def _knock(store: Store, *, secret: str | None, run_id: str, endpoint: str) -> None:
-    """As a joining agent: check the host's tag; raise :class:`RendezvousRefusedError` when it
-    was made with another secret or run id."""
-    nonce = store.get(NONCE_KEY).decode()
-    theirs = store.get(TAG_KEY).decode()
-    if not hmac.compare_digest(theirs, admission_tag(secret, run_id, nonce)):
+def _await_listener(params: RendezvousParameters, host: str, port: int, deadline: float) -> None:
+    """Return once something accepts TCP connections at ``host:port``; raise
+    :class:`RendezvousUnreachableError` at ``deadline`` (torch's store client retries for as
+    long, but overshoots it and logs a C++ stack on the way)."""
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                why = exc.strerror or type(exc).__name__
+                raise _unreachable(params, f"nothing answered ({why})") from None
+        time.sleep(KNOCK_POLL_SECONDS * 4)
+
+
+def _join_timeout(params: RendezvousParameters) -> float:
+    """Seconds an agent waits for the rendezvous host (torch's ``join_timeout``: hvdrun's
+    ``--start-timeout``)."""
+    return float(params.get_as_int("join_timeout", 600) or 600)
+
+
+def _unreachable(params: RendezvousParameters, what: str) -> RendezvousUnreachableError:
+    host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    return RendezvousUnreachableError(
+        f"no hvdrun of this job hosted its rendezvous at {params.endpoint} within the start "
+        f"timeout of {_join_timeout(params):g} s: {what}. HINT: start the same hvdrun line on "
+        f"{host} (the first -H host), check that this host reaches its --port, or raise "
+        "--start-timeout."
+    )
+
+
+def _knock(store: Store, door_key: str, params: RendezvousParameters, deadline: float) -> None:
+    """As a joining agent: return once the host's open mark is found under ``door_key``; raise
+    :class:`RendezvousRefusedError` when the host is up without it (another secret or run id),
+    :class:`RendezvousUnreachableError` when no host is up by ``deadline``."""
+    while not store.check([door_key]):
+        if store.check([UP_KEY]) and not store.check([door_key]):
+            raise RendezvousRefusedError(
+                f"the job whose rendezvous is at {params.endpoint} holds another secret "
+                f"(HOROVOD_SECRET_KEY) or was started from another command line (rendezvous id "
+                f"{params.run_id!r} here), so this hvdrun was not let in; the job was not touched. "
+                "HINT: run exactly the job's hvdrun line with the job's HOROVOD_SECRET_KEY "
+                "exported on every host, or pick another --port for a separate job."
+            )
+        if time.monotonic() >= deadline:
+            raise _unreachable(params, "its store is up, but no agent of the job opened it")
+        time.sleep(KNOCK_POLL_SECONDS)  # the host writes its marks right after it listens
+
+
+def _claim(store: Store, claim_key: str, params: RendezvousParameters) -> None:
+    """As an agent of a job without spares: claim this host (``--local-addr``) once; a second
+    agent claiming the same host is refused."""
+    token = secrets.token_hex(16)
+    if store.compare_set(claim_key, "", token).decode(errors="replace") != token:
         raise RendezvousRefusedError(
-            f"the job whose rendezvous is at {endpoint} holds another secret (HOROVOD_SECRET_KEY) "
-            f"or was started from another command line (rendezvous id {run_id!r} here), so this "
-            "hvdrun was not let in; the job was not touched. HINT: run exactly the job's hvdrun "
-            "line with the job's HOROVOD_SECRET_KEY exported on every host, or pick another --port "
-            "for a separate job."
+            f"another hvdrun of the job whose rendezvous is at {params.endpoint} already runs on "
+            f"this host ({params.local_addr}), so this second copy of its line was not let in; "
+            "the job was not touched. HINT: run the line once per host; give a separate job "
+            "another --port."
         )
 
 
@@ -190,41 +271,66 @@ def _refuse_if_full(backend: SignedC10dBackend, params: RendezvousParameters, en
         )
 
 
-def _create_handler(params: RendezvousParameters, *, secret: str | None,
-                    spares: bool) -> RendezvousHandler:
+def _create_handler(params: RendezvousParameters, *, secret: str | None, spares: bool,
+                    record: DoorRecord | None = None) -> RendezvousHandler:
     host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
     wanted = params.get_as_bool("is_host")
-    store, hosting, sock = _store(params, _matches_machine_hostname(host) if wanted is None else wanted)
+    meant_to_host = _matches_machine_hostname(host) if wanted is None else wanted
+    deadline = time.monotonic() + _join_timeout(params)
+    store, hosting, sock = _store(params, meant_to_host, deadline)
+    prefix = _namespace(secret, params.run_id)
     if hosting:
-        nonce = secrets.token_hex(16)
-        # written only where none is: a store this process already serves (torch's multi-tenant
-        # TCPStore shares one server per port) keeps its first host's door
-        hosting = store.compare_set(NONCE_KEY, "", nonce).decode() == nonce
-        if hosting:
-            store.set(TAG_KEY, admission_tag(secret, params.run_id, nonce))
-    if not hosting:
-        store.wait([TAG_KEY])  # the host sets it right after it starts listening
-        _knock(store, secret=secret, run_id=params.run_id, endpoint=params.endpoint)
-    job_store = PrefixStore(_namespace(secret, params.run_id), store)
-    key = hmac.new((secret or "").encode(), f"hvdrun-state|{params.run_id}".encode(),
-                   hashlib.sha256).digest()
-    backend = SignedC10dBackend(job_store, params.run_id, key=key, name=params.backend)
+        # a store this process already serves (torch's multi-tenant TCPStore shares one server
+        # per port) keeps the marks of the jobs it holds
+        store.set(prefix + "door", "open")
+        store.set(UP_KEY, "1")
+    else:
+        _knock(store, prefix + "door", params, deadline)
+        if meant_to_host:  # let in, so the port is held by an agent of this very job
+            raise RendezvousRefusedError(
+                f"another hvdrun of this job already hosts its rendezvous at {params.endpoint}, so "
+                "this second copy of its line was not let in; the job was not touched. HINT: run "
+                "the line once per host; give a separate job another --port."
+            )
+    job_store = PrefixStore(prefix, store)
+    backend = SignedC10dBackend(job_store, params.run_id, key=_state_key(secret, params.run_id),
+                                name=params.backend)
     if not hosting and not spares:
         _refuse_if_full(backend, params, params.endpoint)
+    if not spares and params.local_addr:
+        _claim(store, f"{prefix}claim/{params.local_addr}", params)
     handler = create_handler(job_store, backend, params)
     handler._hvdrun_listen_socket = sock  # type: ignore[attr-defined]  # open as long as the store
+    if record is not None:
+        record.endpoint, record.handler = params.endpoint, handler
+        handler.next_rendezvous = _noting_joins(handler.next_rendezvous, record)  # type: ignore[method-assign]
     return handler
 
 
-def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool) -> bool:
+def _noting_joins(next_rendezvous: Any, record: DoorRecord) -> Any:
+    @functools.wraps(next_rendezvous)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            info = next_rendezvous(*args, **kwargs)
+        except RendezvousGracefulExitError as exc:
+            # torch's agent returns None for it, which its launcher then fails on
+            # (AttributeError: 'NoneType' object has no attribute 'is_failed')
+            raise RendezvousEndedError(f"the job's rendezvous at {record.endpoint} closed: {exc}") from None
+        record.joined = True
+        return info
+    return wrapped
+
+
+def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool,
+                           record: DoorRecord | None = None) -> bool:
     """Switch parsed torchrun ``args`` from the c10d rendezvous to this one; return whether they
     were switched. ``secret``: the job's ``HOROVOD_SECRET_KEY`` (``None`` without one);
     ``spares``: whether an agent arriving at a full job waits as a spare (elastic jobs) instead
-    of being refused."""
+    of being refused; ``record``: filled in as the agent goes through the rendezvous."""
     if args.rdzv_backend != "c10d":
         return False
     name = f"{BACKEND}-{next(_REGISTERED)}"  # torch's registry keeps one creator per name
     rendezvous_handler_registry.register(name, functools.partial(_create_handler, secret=secret,
-                                                                spares=spares))
+                                                                spares=spares, record=record))
     args.rdzv_backend = name
     return True

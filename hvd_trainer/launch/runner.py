@@ -24,9 +24,9 @@ from typing import Any
 from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
 from hvd_trainer.comm.world.heartbeat import read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
-from hvd_trainer.launch.errors import RendezvousRefusedError
+from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures, root_failure, script_pid
-from hvd_trainer.launch.guarded_rdzv import use_guarded_rendezvous
+from hvd_trainer.launch.guarded_rdzv import DoorRecord, use_guarded_rendezvous
 from hvd_trainer.launch.loopback import use_loopback_store
 from hvd_trainer.launch.partition_watch import PartitionWatch, partition_line
 from hvd_trainer.launch.secret import SECRET_ENV
@@ -140,11 +140,12 @@ def _set_omp_threads(args: list[str], verbose: bool) -> None:
                   "change this)", file=sys.stderr, flush=True)
 
 
-def _run_agent(args: list[str], watch: AgentWatch, secret: str | None, spares: bool) -> None:
+def _run_agent(args: list[str], watch: AgentWatch, secret: str | None, spares: bool,
+               door: DoorRecord) -> None:
     from torch.distributed.run import parse_args, run
 
     parsed = parse_args(args)
-    use_loopback_store(parsed) or use_guarded_rendezvous(parsed, secret, spares=spares)
+    use_loopback_store(parsed) or use_guarded_rendezvous(parsed, secret, spares=spares, record=door)
     if parsed.log_dir is None and os.environ.get(JOB_DIR_ENV):
         # torchrun's per-attempt folders (error files) go in the job directory, removed at the
         # end, instead of a <tmp>/torchelastic_* folder left behind by every job
@@ -225,11 +226,12 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
                  secret: str | None, spares: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
     start = time.monotonic()
+    door = DoorRecord()
     try:
-        _run_agent(args, watch, secret, spares)
+        _run_agent(args, watch, secret, spares, door)
     except ChildFailedError as exc:
         if watch.user_error is not None:
             return _report_user_error(watch.user_error, exc.failures, watch)
@@ -243,21 +245,46 @@ def _run_watched(args: list[str], watch: AgentWatch, start_timeout_seconds: floa
         print(f"hvdrun: stopped by {signal.Signals(exc.sigval).name}; workers were terminated.",
               file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
-    except RendezvousRefusedError as exc:
-        print(f"hvdrun: refused: {exc}", file=sys.stderr, flush=True)
-        return 1
+    except (RendezvousRefusedError, RendezvousUnreachableError) as exc:
+        return _report_door(exc, time.monotonic() - start)
     except RendezvousTimeoutError:
         print(f"hvdrun: error: not every host joined the rendezvous within {start_timeout_seconds:g} s "
               f"(waited {time.monotonic() - start:.1f} s). HINT: run the same hvdrun command on every "
               "host listed in -H/--hostfile, check that they can reach the first host's --port, or "
               "raise --start-timeout.", file=sys.stderr, flush=True)
         return 1
+    except (RendezvousConnectionError, RendezvousEndedError) as exc:
+        return _report_lost_rendezvous(exc, door, spares)
     except Exception as exc:  # noqa: BLE001 - rendezvous/store errors: report, don't dump
-        print(f"hvdrun: error: the job could not start or finish: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
-        return 1
+        return _report_start_error(exc)
     _print_summary(watch)
     return 0
+
+
+def _report_door(exc: RendezvousRefusedError | RendezvousUnreachableError, waited: float) -> int:
+    if isinstance(exc, RendezvousRefusedError):
+        print(f"hvdrun: refused: {exc}", file=sys.stderr, flush=True)
+    else:
+        print(f"hvdrun: error: {exc} (waited {waited:.1f} s)", file=sys.stderr, flush=True)
+    return 1
+
+
+def _report_lost_rendezvous(exc: BaseException, door: DoorRecord, spares: bool) -> int:
+    """The rendezvous store went away. An elastic agent that never got a place (a spare) ran
+    nothing and failed nothing: a line, exit 0. Anything else is the job's failure to start."""
+    if not (spares and door.handler is not None and not door.joined):
+        return _report_start_error(exc)
+    closed = isinstance(exc, RendezvousEndedError) or door.saw_closed()
+    how = "the job ended" if closed else "the job ended, or its first host stopped"
+    print(f"hvdrun: the job's rendezvous at {door.endpoint} went away while this host waited as a "
+          f"spare ({how}); nothing ran on this host.", file=sys.stderr, flush=True)
+    return 0
+
+
+def _report_start_error(exc: BaseException) -> int:
+    print(f"hvdrun: error: the job could not start or finish: {type(exc).__name__}: {exc}",
+          file=sys.stderr, flush=True)
+    return 1
 
 
 def _print_summary(watch: AgentWatch) -> None:

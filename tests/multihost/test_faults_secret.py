@@ -1,6 +1,8 @@
 """Nobody joins who does not belong (the job secret), end to end across namespace hosts.
 
-* Strangers at the door: while a 2-host job runs, its line is started again with another
+* Strangers at the door: while h1 waits for h2, a second copy of the line with the job's own
+  secret on h1 is refused, and junk written into the public door mark from a third host does not
+  keep h2 out; while the 2-host job runs, its line is started again with another
   ``HOROVOD_SECRET_KEY`` (on each host, and on a third host posing as h2), with none, and with
   the job's own (a second copy of a full job): each is refused within seconds
   (``hvdrun: refused: ...``) and the job trains to the end without a restart
@@ -52,15 +54,47 @@ def _knock(host, secret: str | None, extra: tuple[str, ...] = ()) -> tuple[int, 
     return done.returncode, done.stdout + done.stderr, time.monotonic() - begin
 
 
+def _check_refused(what: str, code: int, out: str, took: float, reason: str) -> None:
+    print(f"\n{what}: exit {code} after {took:.1f} s: {out.strip().splitlines()[-1]}")
+    assert code != 0, (what, out[-2000:])
+    assert "hvdrun: refused:" in out and reason in out, (what, out[-2000:])
+    assert "step 0" not in out and "Traceback" not in out, (what, out[-2000:])
+    assert took < 30, (what, took)
+    assert "the-jobs-secret" not in out and "a-strangers-secret" not in out
+
+
+def _listening(host, port: str) -> bool:
+    return any(line.split()[3].endswith(f":{port}")
+               for line in host.run(["ss", "-ltnH"], timeout=30).stdout.splitlines() if line.strip())
+
+
+JUNK = ("from datetime import timedelta; from torch.distributed import TCPStore; "
+        "from hvd_trainer.launch.guarded_rdzv import UP_KEY; "
+        "store = TCPStore({addr!r}, {port}, is_master=False, timeout=timedelta(seconds=30)); "
+        "store.set(UP_KEY, b'\\xff\\xfe junk')")
+
+
 @pytest.mark.timeout(240)
 def test_strangers_are_refused_at_the_door_and_the_job_trains_on(tmp_path) -> None:
-    """A running 2-host job; the same line started again with another secret (on the store's
-    host and on the other), with no secret, and with the job's own secret (a second copy):
-    each is refused at once with a named error, and the job trains to the end untouched."""
+    """h1 waiting for h2: a second copy on h1 with the job's secret is refused, and junk a third
+    host writes into the public door mark keeps nobody out. A running 2-host job: the same line
+    started again with another secret (on the store's host and on the other), with no secret, and
+    with the job's own secret (a second copy): each is refused at once with a named error, and
+    the job trains to the end untouched."""
     with cluster(3) as c:
         h1, h2, h3 = c.hosts
         stop = tmp_path / "stop"
-        job = start_job(c, [h1, h2], LINE, env=_env("the-jobs-secret", FAULT_LOOP_STOP_FILE=str(stop)))
+        env = _env("the-jobs-secret", FAULT_LOOP_STOP_FILE=str(stop))
+        job = start_job(c, [h1], LINE, env=env)
+        deadline = time.monotonic() + 60
+        while not _listening(h1, PORT) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _check_refused("a second copy on h1 before h2 came", *_knock(h1, "the-jobs-secret"),
+                       "already hosts its rendezvous")
+        junk = h3.run([sys.executable, "-c", JUNK.format(addr=h1.addr, port=PORT)], timeout=60)
+        assert junk.returncode == 0, junk.stderr
+        joiner = start_job(c, [h2], LINE, env=env)  # h2 comes after the junk
+        job.procs["h2"], job.lines["h2"] = joiner.procs["h2"], joiner.lines["h2"]
         assert job.wait_for("h1", "step 10 on h1", timeout=90), job.tail()
         tries = {
             "another secret on h2": (h2, "a-strangers-secret", (), "holds another secret"),
@@ -71,13 +105,7 @@ def test_strangers_are_refused_at_the_door_and_the_job_trains_on(tmp_path) -> No
             "a second copy on h2": (h2, "the-jobs-secret", (), "already running with all its 2 host(s)"),
         }
         for what, (host, secret, extra, reason) in tries.items():
-            code, out, took = _knock(host, secret, extra)
-            print(f"\n{what}: exit {code} after {took:.1f} s: {out.strip().splitlines()[-1]}")
-            assert code != 0, (what, out[-2000:])
-            assert "hvdrun: refused:" in out and reason in out, (what, out[-2000:])
-            assert "step 0" not in out and "Traceback" not in out, (what, out[-2000:])
-            assert took < 30, (what, took)
-            assert "the-jobs-secret" not in out and "a-strangers-secret" not in out
+            _check_refused(what, *_knock(host, secret, extra), reason)
         stop.touch()
         ended = job.exit_times(time.monotonic(), timeout=120)
         for name in ("h1", "h2"):

@@ -1,27 +1,45 @@
 """hvdrun's guarded rendezvous (hvd_trainer.launch.guarded_rdzv) on a real TCPStore in this process.
 
-A joining agent with another secret or run id is refused before it writes anything; a complete
-job without spares refuses a further agent, an elastic one lets it wait; a rendezvous state not
-written with the job's secret is never unpickled.
+A joining agent with another secret or run id is refused before it writes anything, whatever a
+stranger wrote into the public door mark; a second copy of a host's agent is refused; a complete
+job without spares refuses a further agent, an elastic one lets it wait; an agent that finds no
+host gives up at the start timeout; a rendezvous state not written with the job's secret is never
+unpickled.
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
+import time
+from datetime import timedelta
 
 import pytest
-from torch.distributed import HashStore
+from torch.distributed import HashStore, PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters, RendezvousStateError
 
 from hvd_trainer.comm.world.world import free_port
-from hvd_trainer.launch.errors import RendezvousRefusedError
-from hvd_trainer.launch.guarded_rdzv import SignedC10dBackend, _create_handler, admission_tag
+from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
+from hvd_trainer.launch.guarded_rdzv import (
+    UP_KEY,
+    DoorRecord,
+    SignedC10dBackend,
+    _create_handler,
+    _namespace,
+    _state_key,
+)
 
 
-def _params(port: int, *, is_host: bool, run_id: str = "job-1", nodes: int = 1) -> RendezvousParameters:
+def _params(port: int, *, is_host: bool, run_id: str = "job-1", nodes: int = 1, local_addr: str | None = None,
+            join_timeout: int = 10) -> RendezvousParameters:
     return RendezvousParameters(backend="hvdrun-c10d-test", endpoint=f"127.0.0.1:{port}", run_id=run_id,
-                                min_nodes=nodes, max_nodes=nodes, is_host=is_host, join_timeout=10,
-                                read_timeout=10)
+                                min_nodes=nodes, max_nodes=nodes, is_host=is_host, join_timeout=join_timeout,
+                                read_timeout=10, local_addr=local_addr)
+
+
+def _stranger(port: int) -> TCPStore:
+    """A plain store client on the job's port: what anyone who reaches it can do."""
+    return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
 
 
 @pytest.fixture
@@ -52,13 +70,84 @@ def test_a_complete_job_refuses_a_copy_unless_it_takes_spares(hosted) -> None:
 def test_an_agent_meant_to_host_whose_port_is_taken_knocks_like_the_others(hosted) -> None:
     with pytest.raises(RendezvousRefusedError, match="holds another secret"):
         _create_handler(_params(hosted, is_host=True), secret="wrong", spares=False)
+    # the same line again on the first host: its secret passes, but the port is the job's own
+    with pytest.raises(RendezvousRefusedError, match="already hosts its rendezvous"):
+        _create_handler(_params(hosted, is_host=True), secret="s3cret", spares=True)
 
 
-def test_admission_tag_depends_on_secret_run_id_and_nonce() -> None:
-    base = admission_tag("s", "r", "n")
-    assert len(base) == 64
-    assert len({base, admission_tag("t", "r", "n"), admission_tag("s", "q", "n"),
-                admission_tag("s", "r", "m"), admission_tag(None, "r", "n")}) == 5
+def test_what_a_stranger_writes_at_the_door_turns_no_agent_of_the_job_away(hosted) -> None:
+    stranger = _stranger(hosted)
+    for junk in (b"\xff\xfe-not-utf8", b"0" * 64):
+        stranger.set(UP_KEY, junk)
+        assert _create_handler(_params(hosted, is_host=False), secret="s3cret", spares=True)
+        with pytest.raises(RendezvousRefusedError, match="holds another secret"):
+            _create_handler(_params(hosted, is_host=False), secret="wrong", spares=True)
+    stranger.delete_key(UP_KEY)
+    assert _create_handler(_params(hosted, is_host=False), secret="s3cret", spares=True)
+
+
+def _waiting_spares(port: int, secret: str, run_id: str = "job-1") -> int:
+    """Agents in the job's redundancy list, read from its signed state as an agent would."""
+    store = PrefixStore(_namespace(secret, run_id), _stranger(port))
+    found = SignedC10dBackend(store, run_id, key=_state_key(secret, run_id)).get_state()
+    return 0 if found is None else len(pickle.loads(found[0]).redundancy_list)
+
+
+def test_a_spare_waiting_when_the_job_ends_is_told_the_job_ended(monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+    host = _create_handler(_params(port, is_host=True), secret="s", spares=True)
+    host.next_rendezvous()
+    record = DoorRecord()
+    spare = _create_handler(_params(port, is_host=False), secret="s", spares=True, record=record)
+    raised: list[BaseException] = []
+
+    def wait_as_a_spare() -> None:
+        try:
+            spare.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the test asserts which one
+            raised.append(exc)
+
+    waiting = threading.Thread(target=wait_as_a_spare)
+    waiting.start()
+    deadline = time.monotonic() + 20
+    while _waiting_spares(port, "s") == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _waiting_spares(port, "s") == 1
+    host.shutdown()  # the job ended: torch closes its rendezvous
+    waiting.join(timeout=20)
+    assert len(raised) == 1 and isinstance(raised[0], RendezvousEndedError), raised
+    assert record.endpoint == f"127.0.0.1:{port}" and not record.joined
+
+
+def test_a_second_agent_on_one_host_is_refused_before_the_rendezvous_completes(monkeypatch) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+
+    def agent(addr: str, *, is_host: bool = False, spares: bool = False):
+        params = _params(port, is_host=is_host, nodes=3, local_addr=addr)
+        return _create_handler(params, secret="s", spares=spares)
+
+    host = agent("10.0.0.1", is_host=True)
+    agent("10.0.0.2")
+    with pytest.raises(RendezvousRefusedError, match=r"already runs on this host \(10.0.0.2\)"):
+        agent("10.0.0.2")
+    assert agent("10.0.0.2", spares=True)  # an elastic job takes a host that comes back: no claims
+    assert host.get_run_id() == "job-1"
+
+
+def test_an_agent_that_finds_no_host_gives_up_at_the_start_timeout() -> None:
+    port = free_port()
+    began = time.monotonic()
+    with pytest.raises(RendezvousUnreachableError, match="nothing answered"):
+        _create_handler(_params(port, is_host=False, join_timeout=2), secret="s", spares=False)
+    assert time.monotonic() - began < 6
+    bare = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # up, no door
+    began = time.monotonic()
+    with pytest.raises(RendezvousUnreachableError, match="no agent of the job opened it"):
+        _create_handler(_params(port, is_host=False, join_timeout=2), secret="s", spares=False)
+    assert 1.5 < time.monotonic() - began < 6
+    del bare
 
 
 def test_the_state_is_signed_and_a_foreign_one_is_not_unpickled() -> None:
@@ -91,3 +180,19 @@ def _listening(port: int) -> set[str]:
 
 def test_a_loopback_rendezvous_listens_on_loopback_only(hosted) -> None:
     assert _listening(hosted) == {"0100007F"}  # 127.0.0.1, nothing on every interface
+
+
+def test_a_spare_that_ran_nothing_ends_0_and_any_other_lost_rendezvous_1(capsys) -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from hvd_trainer.launch.runner import _report_lost_rendezvous
+
+    waited = DoorRecord(endpoint="h1:29400", handler=object())  # type: ignore[arg-type]  # made, never joined
+    assert _report_lost_rendezvous(RendezvousEndedError("closed"), waited, spares=True) == 0
+    assert "waited as a spare (the job ended); nothing ran" in capsys.readouterr().err
+    assert _report_lost_rendezvous(RendezvousConnectionError("gone"), waited, spares=True) == 0
+    assert "(the job ended, or its first host stopped)" in capsys.readouterr().err
+    assert _report_lost_rendezvous(RendezvousConnectionError("gone"), waited, spares=False) == 1
+    waited.joined = True
+    assert _report_lost_rendezvous(RendezvousConnectionError("gone"), waited, spares=True) == 1
+    assert "could not start or finish: RendezvousConnectionError" in capsys.readouterr().err
