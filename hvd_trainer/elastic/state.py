@@ -69,6 +69,9 @@ class State:
             setattr(self, name, value)
 
     # -- subclass hooks -------------------------------------------------------------------
+    def _before_sync(self, world: World, root_rank: int) -> None:
+        """Every rank, at the start of :meth:`sync` (before the root captures): collectives a
+        subclass needs for the root's capture."""
     def _capture(self) -> dict[str, Any]:
         out = {}
         for name in self._names:
@@ -138,6 +141,7 @@ class State:
             NotInitializedError: no ``world`` and :func:`hvd_trainer.init` has not run.
         """
         world = get_world() if world is None else world
+        self._before_sync(world, root_rank)
         payload = (self._commit_count, self._capture()) if world.rank == root_rank else None
         self._commit_count, snapshot = broadcast_object(
             payload, root_rank=root_rank, name="elastic.State.sync", world=world
@@ -182,7 +186,11 @@ class TorchState(State):
     """Elastic state of a torch ``model`` and ``optimizer`` plus any extra values.
 
     ``commit()`` copies ``model.state_dict()`` and ``optimizer.state_dict()`` to CPU;
-    ``restore()``/``sync()`` load them back in place (parameters keep their device). As in
+    ``restore()``/``sync()`` load them back in place (parameters keep their device). With a
+    ZeRO ``DistributedOptimizer`` (``zero_stage`` 1 or 2) ``commit()`` is a collective: every
+    rank gathers the full optimizer state into its commit (CPU memory of an unsharded
+    optimizer's state), so the shards of a lost rank survive and a re-formed world plans its
+    shards again from it; ``sync()`` sends the root's last commit of it. As in
     Horovod both are optional: ``TorchState(sampler=sampler, epoch=0)`` tracks only a sampler
     and values. Further models, optimizers, schedulers and samplers may be passed by keyword;
     anything with ``state_dict()``/``load_state_dict()`` is restored in place.
@@ -205,14 +213,47 @@ class TorchState(State):
                 )
         self.model = model
         self.optimizer = optimizer
+        self._sync_source: str | None = None  # ZeRO: where the sync root's optimizer state comes from
         super().__init__(**extra)
+
+    def _sharding(self) -> Any | None:
+        """The optimizer's ZeRO sharding (``DistributedOptimizer(zero_stage=1|2)``), else None."""
+        return getattr(self.optimizer, "zero_sharding", None)
+
+    def _before_sync(self, world: World, root_rank: int) -> None:
+        self._sync_source = None
+        if self._sharding() is None:
+            return
+        # the root sends its commit's full optimizer state when it has one (a survivor after a
+        # re-form: its shards may be planned for a world that is gone); else the shards now
+        root = world.rank == root_rank
+        has_commit = self._saved is not None if root else None
+        if broadcast_object(has_commit, root_rank=root_rank, name="elastic.TorchState.zero", world=world):
+            source = "commit"
+        else:
+            self.optimizer.consolidate_state_dict(to=root_rank)
+            source = "gathered"
+        self._sync_source = source if root else None  # what the root's capture reads
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        sharding = self._sharding()
+        if sharding is None:
+            return self.optimizer.state_dict()
+        source, self._sync_source = self._sync_source, None
+        if source == "commit":
+            assert self._saved is not None
+            return self._saved["__optimizer__"]
+        if source is None:  # commit(): every rank keeps the full state, so a lost shard survives
+            self.optimizer.consolidate_state_dict(to=None)
+        return sharding.pop_state_dict()
 
     def _capture(self) -> dict[str, Any]:
         out = super()._capture()
-        if self.model is not None:
+        optimizer = None if self.optimizer is None else snapshot_to_cpu(self._optimizer_state())
+        if self.model is not None:  # after the optimizer's: ZeRO's gather finishes its exchange
             out["__model__"] = snapshot_to_cpu(self.model.state_dict())
-        if self.optimizer is not None:
-            out["__optimizer__"] = snapshot_to_cpu(self.optimizer.state_dict())
+        if optimizer is not None:
+            out["__optimizer__"] = optimizer
         return out
 
     def _apply(self, snapshot: dict[str, Any]) -> None:

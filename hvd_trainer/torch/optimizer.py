@@ -285,6 +285,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
         self._zero: ZeroSharding | None = make_sharding(self, zero_stage, OptimizerConfigError,
                                                         overlap_exchange=zero_overlap_exchange)
+        self._zero_world: World | None = self._world if self._zero is not None else None
+        self._zero_needs_state = False  # shards planned again for a new world, nothing loaded yet
 
     # -- delegation ---------------------------------------------------------------------------
     @property
@@ -346,6 +348,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_not_due("load_state_dict()")
         if self._zero is not None:
             self._zero.load_state_dict(self._inner, state_dict)
+            self._zero_needs_state = False
             self._reset_counts()
             return
         state_dict = dict(state_dict)
@@ -371,11 +374,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._pending_compression_state
         return self._reducer.compression_state_dict()
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """ZeRO: gather the sharded optimizer state on rank ``to`` (a collective: every rank
-        calls it); then ``state_dict()`` on rank ``to`` is the full state a plain torch optimizer
-        loads. Without ZeRO: nothing to gather (``state_dict()`` is full everywhere)."""
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """ZeRO: gather the sharded optimizer state on rank ``to`` (``None``: on every rank; a
+        collective: every rank calls it); then ``state_dict()`` there is the full state a plain
+        torch optimizer loads. Without ZeRO: nothing to gather (``state_dict()`` is full
+        everywhere)."""
         if self._zero is not None:
+            self._follow_world()
             self._zero.consolidate(self._inner, to)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -605,14 +610,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _follow_world(self) -> None:
         """After in-process recovery replaced the current world: drop the reducer built for the
         old one (its hooks and its broken in-flight work) and this step's pending counts; the
-        next synchronize() builds a reducer over the new world."""
-        if self._reducer is None or self._built_for is self._world:
+        next synchronize() builds a reducer over the new world. With ZeRO the shards are planned
+        again for the new world; the state of the parameters this rank now owns comes from the
+        next :meth:`load_state_dict` (``elastic.TorchState`` restores or syncs a full commit)."""
+        world = self._world
+        if self._zero is not None and self._zero_world is not world:
+            self._zero.abandon_exchange()  # its transfers ran on the old world's groups
+            self._zero = ZeroSharding(self._named, self._inner, stage=self._zero.stage, world=world,
+                                      config=self._fusion_config, process_set=self._process_set,
+                                      overlap_exchange=self._zero.overlap_exchange)
+            self._zero_world, self._zero_needs_state = world, True
+        if self._reducer is None or self._built_for is world:
             return
-        if self._zero is not None:
-            raise CommValueError(
-                "zero_stage with in-process recovery: the shards belong to the old world. HINT: use "
-                "hvdrun --recovery restart with zero_stage, or zero_stage=0."
-            )
         self._reducer.remove()
         self._reducer, self._reducer_ids = None, set()
         self._counts.clear()
@@ -620,6 +629,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _synchronize(self) -> None:
         self._follow_world()
+        if self._zero_needs_state:
+            raise CommValueError(
+                "zero_stage: the world changed (in-process recovery) and the shards were planned "
+                "again, but no optimizer state was loaded for the parameters this rank now owns. "
+                "HINT: keep the optimizer in hvd_trainer.elastic.TorchState(model, optimizer) "
+                "under @elastic.run, which restores it from the last commit."
+            )
         if self._op is ReduceOp.ADASUM:  # gradients stay local; step() combines weight changes
             self._reset_counts()
             self._synced = True

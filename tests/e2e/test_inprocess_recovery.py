@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.e2e.hvdrun_helpers import SCRIPTS, alive, clean_env, fail_time, hvdrun
@@ -22,13 +23,15 @@ IN_PROCESS = ["--min-np", "1", "--max-np", "2", "--recovery", "in-process"]
 N, BATCH, EPOCHS, KILL_STEP = 128, 4, 2, 10
 
 
-def replay(history: list[tuple[int, list[list[int]]]], n: int = N) -> dict[str, torch.Tensor]:
+def replay(history: list[tuple[int, list[list[int]]]], n: int = N, *,
+           adam: bool = False) -> dict[str, torch.Tensor]:
     """The committed steps in one process: each step averages the ranks' gradients over the
     samples each rank saw (sum in rank order, then divide: what the allreduce computes)."""
     torch.manual_seed(0)  # the worker's construction, in its order
     xs, ys = torch.randn(n, 4), torch.randn(n, 1)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    optimizer = (torch.optim.Adam(model.parameters(), lr=0.01) if adam else
+                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     for _, per_rank in history:
         grads = []
         for indices in per_rank:
@@ -101,6 +104,26 @@ def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path)
           f"{joined - imported:.2f} s, first step {first - joined:.2f} s later: "
           f"{first - boot:.2f} s from its start")
     assert killed < boot < imported < joined < first, res.explain()
+
+
+@pytest.mark.parametrize("zero_stage, kill_slot", [(1, "0"), (2, "1")])
+def test_zero_sharded_adam_goes_2_1_2_in_process(tmp_path: Path, zero_stage: int, kill_slot: str) -> None:
+    """ZeRO: each commit holds the full Adam state on every rank; the survivor plans the shards
+    again for the world of 1 (then of 2 with the joiner) from it, and the result equals one
+    process's Adam over exactly the committed steps."""
+    out = tmp_path / "out.pt"
+    res = hvdrun(["-np", "2", "--min-np", "1", "--max-np", "2", "python", WORKER, str(out), "6", "0.1", "64"],
+                 timeout=180, env=clean_env(KILL_SLOT=kill_slot, ZERO_STAGE=str(zero_stage)))
+    assert res.returncode == 0, res.explain()
+    assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
+    got = torch.load(out)
+    assert {len(r) for _, r in got["history"]} == {1, 2}, res.explain()  # steps at 2, 1 and 2 ranks
+    for epoch in range(EPOCHS):
+        seen = sorted(i for e, per_rank in got["history"] if e == epoch for r in per_rank for i in r)
+        assert seen == list(range(64)), (epoch, seen)
+    want = replay(got["history"], 64, adam=True)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got["model"][name], tensor, rtol=1e-6, atol=1e-7, msg=name)
 
 
 def test_user_error_still_fails_the_job_at_once(tmp_path: Path) -> None:

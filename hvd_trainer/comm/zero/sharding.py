@@ -334,13 +334,13 @@ class ZeroSharding:
             grads[0].view(-1)[:1] = float("nan")
 
     # -- state dict --------------------------------------------------------------------------
-    def consolidate(self, optimizer: torch.optim.Optimizer, to: int = 0) -> None:
+    def consolidate(self, optimizer: torch.optim.Optimizer, to: int | None = 0) -> None:
         """Gather every rank's optimizer state on rank ``to`` of the process set (a collective:
         every member calls it). Rank ``to`` then returns the full state from
-        :meth:`state_dict`; the others keep nothing extra.
+        :meth:`state_dict`; the others keep nothing extra. ``to=None``: every rank gets it.
 
-        The states travel as pickled CPU tensors (``torch.distributed.gather_object`` on the
-        gloo group); only rank ``to`` holds the full state.
+        The states travel as pickled CPU tensors (``torch.distributed.gather_object``, or
+        ``all_gather_object`` for ``to=None``, on the gloo group).
         """
         self.finish_exchange()
         self._consolidated = None
@@ -348,14 +348,17 @@ class ZeroSharding:
         if not self.active or self.pset is None or self.pset.size() == 1:
             self._consolidated = local
             return
-        if not 0 <= to < self.pset.size():
+        if to is not None and not 0 <= to < self.pset.size():
             raise CommValueError(f"to={to} is not a rank of the process set (size {self.pset.size()}).")
         cpu_state = {k: {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
                          for n, v in s.items()} for k, s in local["state"].items()}
         me = self.pset.rank()
-        gathered: list[Any] | None = [None] * self.pset.size() if me == to else None
-        dist.gather_object(cpu_state, gathered, dst=self.pset.ranks[to], group=self.pset.cpu_group)
-        if me == to:
+        gathered: list[Any] | None = [None] * self.pset.size() if to in (me, None) else None
+        if to is None:
+            dist.all_gather_object(gathered, cpu_state, group=self.pset.cpu_group)
+        else:
+            dist.gather_object(cpu_state, gathered, dst=self.pset.ranks[to], group=self.pset.cpu_group)
+        if to in (me, None):
             assert gathered is not None
             merged: dict[Any, Any] = {}
             for part in gathered:

@@ -2,7 +2,8 @@
 
 Usage: inprocess_worker.py OUT_FILE KILL_STEP [STEP_SLEEP_S [SAMPLES]]
 In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot ``KILL_SLOT`` (environment, default 1)
-SIGKILLs itself when ``state.step == KILL_STEP`` (-1: never). Every committed step records the
+SIGKILLs itself when ``state.step == KILL_STEP`` (-1: never). ``ZERO_STAGE`` (environment, default
+0): 1 or 2 shards Adam's state (lr 0.01) with ZeRO; else SGD with momentum. Every committed step records the
 world size and each rank's sample indices, so the test can replay the same steps in one process.
 Rank 0 saves the final weights, that history and the steps' completion times to OUT_FILE. A
 restarted worker prints ``JOINER boot= imported= joined= first_step=`` (epoch seconds): its
@@ -36,8 +37,10 @@ torch.manual_seed(0)
 N, BATCH, EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 128, 4, 2
 dataset = TensorDataset(torch.randn(N, 4), torch.randn(N, 1), torch.arange(N))
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                                     named_parameters=model.named_parameters())
+zero_stage = int(os.environ.get("ZERO_STAGE", "0"))  # with ZeRO: Adam, whose state is sharded
+inner = (torch.optim.Adam(model.parameters(), lr=0.01) if zero_stage else
+         torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), zero_stage=zero_stage)
 sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=1)
 loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = elastic.TorchState(model, optimizer, epoch=0, step=0, history=[], sampler=sampler)
