@@ -188,7 +188,7 @@ class _HorovodStrategyLogic:
             or fp16 compression, several optimizers, or parameters unfrozen during the fit);
             ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
-            an int >= 0; (at the start of ``fit``) ``zero_stage`` with in-process recovery.
+            an int >= 0.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
             training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
             shards), which would otherwise hang the job at the end of the first epoch; and at an
@@ -423,12 +423,6 @@ class _HorovodStrategyLogic:
                 previous.world = self._require_world()
             else:
                 self._elastic = ElasticFit(self._elastic_config, trainer, self._require_world())
-            if self._elastic.in_process and self._zero_stage:
-                raise StrategyConfigError(
-                    f"zero_stage={self._zero_stage} with in-process recovery: a commit holds the "
-                    "optimizer state on rank 0 only, which a survivor may not be. HINT: use hvdrun "
-                    "--recovery restart with zero_stage, or zero_stage=0."
-                )
             # before anything moves the model: a restored commit is loaded like fit(ckpt_path=...)
             self._elastic.start(trainer)
         self.accelerator.setup(trainer)
@@ -719,13 +713,16 @@ class _HorovodStrategyLogic:
 
     def _gathered_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """With ZeRO: the full state gathered on global rank 0 (``{}`` on the others), as
-        Lightning does for torch's ZeroRedundancyOptimizer; a collective. Else Lightning's."""
+        Lightning does for torch's ZeroRedundancyOptimizer; with in-process recovery on every
+        rank (each keeps its own commit, and a survivor plans the shards of the new world from
+        it); a collective. Else Lightning's."""
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
         zero = self._zero.get(id(inner))
         if zero is None:
             return super().optimizer_state(optimizer)
-        zero.consolidate(inner, to=0)
-        return zero.pop_state_dict() if self.is_global_zero else {}
+        everywhere = self._elastic is not None and self._elastic.in_process
+        zero.consolidate(inner, to=None if everywhere else 0)
+        return zero.pop_state_dict() if everywhere or self.is_global_zero else {}
 
     def _load_optimizer_states(self, checkpoint: Any) -> None:
         """With ZeRO: each rank keeps its own parameters' part of the full state (written at

@@ -77,8 +77,9 @@ broadcast from a survivor. A restarted worker must join in the script's same ``f
 ends with status 0 (:func:`hvd_trainer.comm.finish_job`). An exception of the user's code (not a
 peer's failure) still ends the job at once, as described above. Callbacks of the survivors see
 ``setup``/``on_fit_start``/``on_train_start`` again when ``fit`` runs again (as after any
-``fit`` resumed from a checkpoint), without ``teardown`` in between. ``zero_stage`` is refused
-with in-process recovery (a commit holds the sharded optimizer state on rank 0 only).
+``fit`` resumed from a checkpoint), without ``teardown`` in between. With ``zero_stage`` a
+commit holds the full optimizer state on every rank (the shards are gathered), and the next
+``fit``'s setup plans the shards for the new world before the commit is restored into them.
 
 Directory: ``elastic_checkpoint_dir`` if given (kept after the job); otherwise
 ``<tmp>/hvd_trainer_elastic/<TORCHELASTIC_RUN_ID>`` (what ``hvdrun`` gives: a fresh run id per

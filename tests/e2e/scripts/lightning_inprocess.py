@@ -1,6 +1,6 @@
 """In-process recovery of ``Trainer(strategy=HorovodStrategy())`` under ``hvdrun --recovery in-process``.
 
-Usage: lightning_inprocess.py OUT_DIR MODE   (MODE: kill | user | cli)
+Usage: lightning_inprocess.py OUT_DIR MODE   (MODE: kill | user | cli | zero)
 2 ranks, 64 samples, batch 4 per rank, 4 epochs (8 steps each on 2 ranks), commits every 2
 optimizer steps (elastic mode is on by itself under in-process recovery).
 ``kill``: in its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs itself before optimizer
@@ -9,7 +9,9 @@ a commit. ``user``: rank 1 raises ``ValueError`` in ``training_step`` at global 
 ``cli``: ``kill`` with the Trainer, model and data built by ``LightningCLI`` (``run=False``), so
 its config-saving callback (``SaveConfigCallback``) is in the fit: rank 0 saves
 ``OUT_DIR/config.yaml`` in the first fit; the restarted worker must not save or broadcast again.
-``kill``/``user`` scale the learning rate (0.05) by the world size (``scale_lr_by_world_size``);
+``zero``: ``kill`` of slot 0 (global rank 0) with ``zero_stage=2`` and Adam instead of SGD with
+momentum.
+``kill``/``user``/``zero`` scale the learning rate (0.05) by the world size (``scale_lr_by_world_size``);
 the first batch of every fit prints the rate; every training step prints a ``torch.rand`` draw.
 Every training step records ``(epoch, world size, global step, the indices all ranks trained)``
 in the module, which is committed with the checkpoints, so a recovered fit keeps only the
@@ -37,6 +39,7 @@ OUT_DIR, MODE = Path(sys.argv[1]), sys.argv[2]
 SLOT = int(os.environ["RANK"])  # the launch rank; the world's rank may differ after a recovery
 RESPAWN = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 N, BATCH, EPOCHS, COMMIT_EVERY, KILL_STEP = 64, 4, 4, 2, 5
+KILL_SLOT = 0 if MODE == "zero" else 1
 STEP_SLEEP = {1: 0.5, 2: 0.1}  # seconds per step by world size: slow alone, so the restarted worker
 # (a new Python importing torch and Lightning) joins before the fit ends
 
@@ -61,6 +64,8 @@ class Regressor(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
+        if MODE == "zero":
+            return torch.optim.Adam(self.parameters(), lr=0.05)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -81,7 +86,8 @@ class Report(pl.Callback):
             self.said_lr = True
             lr = trainer.optimizers[0].param_groups[0]["lr"]
             print(f"LR slot={SLOT} size={trainer.world_size} lr={lr:.4f}", flush=True)
-        if MODE in ("kill", "cli") and RESPAWN == 0 and SLOT == 1 and trainer.global_step == KILL_STEP:
+        if MODE in ("kill", "cli", "zero") and RESPAWN == 0 and SLOT == KILL_SLOT \
+                and trainer.global_step == KILL_STEP:
             print(f"FAIL_AT {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -119,7 +125,8 @@ def main() -> None:
         return
     data = _data()
     trainer = pl.Trainer(
-        strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY, scale_lr_by_world_size=True),
+        strategy=HorovodStrategy(elastic_commit_every_n_steps=COMMIT_EVERY, scale_lr_by_world_size=True,
+                                 zero_stage=2 if MODE == "zero" else 0),
         accelerator="cpu",
         devices=2, max_epochs=EPOCHS, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()],
