@@ -1,4 +1,5 @@
-"""BestModelCheckpoint writes on rank 0 of the world it is given (no global lookup then), in a
+"""BestModelCheckpoint writes on rank 0 of the world it is given (no global lookup then), else of
+the current world at each save (after in-process recovery the new world's rank 0 writes); in a
 subprocess on the torch backend so the backend choice does not leak into other tests."""
 
 from __future__ import annotations
@@ -41,6 +42,18 @@ SCRIPT = textwrap.dedent(
         written["no_world"] = None
     except ValueError as exc:
         written["no_world"] = str(exc)
+    # no world given: rank 1 when made; rank 0 of the world that replaced it (rank 0 was lost)
+    from hvd_trainer.comm.world.world import set_current
+    set_current(World(rank=1, size=2, local_rank=1, local_size=2, cross_rank=0, cross_size=1,
+                      device=torch.device("cpu"), backend="gloo"))
+    path = os.path.join(out_dir, "reformed.keras")
+    cb = BestModelCheckpoint(filepath=path, monitor="loss")
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[cb])
+    written["rank_1"] = os.path.exists(path)
+    set_current(World(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1,
+                      device=torch.device("cpu"), backend="gloo"))
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[cb])
+    written["reformed_rank_0"] = os.path.exists(path)
     print("JSON" + json.dumps(written))
     """
 )
@@ -57,3 +70,4 @@ def test_best_model_checkpoint_writes_on_rank_0_of_the_given_world(tmp_path: Pat
     assert got["0"] == [True, 0]
     assert got["1"] == [False, 1]  # rank 1 of its world: nothing written
     assert "has not been initialized" in got["no_world"] and "HINT" in got["no_world"]
+    assert got["rank_1"] is False and got["reformed_rank_0"] is True

@@ -20,7 +20,8 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         >>> BestModelCheckpoint(filepath="best.keras", monitor="val_loss")
 
     Args:
-        world: the world whose rank 0 writes (default: the initialised one, looked up here).
+        world: the world whose rank 0 writes (default: the current one, looked up at every save,
+            so after in-process recovery the new world's rank 0 writes).
 
     Raises:
         NotInitializedError: no ``world`` and ``hvd_trainer.init()`` has not run.
@@ -32,14 +33,23 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().__init__(filepath=filepath, monitor=monitor, verbose=verbose, save_best_only=True,
                          save_weights_only=save_weights_only, mode=mode, save_freq=save_freq,
                          initial_value_threshold=initial_value_threshold)
-        self.world = get_world() if world is None else world
-        self._is_writer = self.world.rank == 0
+        self._world = world
+        if world is None:
+            get_world()  # NotInitializedError now, not at the first save
+
+    @property
+    def world(self) -> World:
+        """The world whose rank 0 writes: the one given, else the current one."""
+        return get_world() if self._world is None else self._world
+
+    def _is_writer(self) -> bool:
+        return self.world.rank == 0
 
     # ModelCheckpoint saves only from these two hooks; other ranks skip them whole.
     def on_train_batch_end(self, batch, logs=None):
-        if self._is_writer:
+        if self._is_writer():
             super().on_train_batch_end(batch, logs)
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._is_writer:
+        if self._is_writer():
             super().on_epoch_end(epoch, logs)
