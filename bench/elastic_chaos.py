@@ -6,6 +6,7 @@ worker's replacement back 5 s later)::
     PYTHONPATH=. python bench/elastic_chaos.py
     PYTHONPATH=. python bench/elastic_chaos.py --duration 60 --kill-every 20 --baseline 20   # shorter
     PYTHONPATH=. python bench/elastic_chaos.py --phases recovery --modes inprocess,restart
+    PYTHONPATH=. python bench/elastic_chaos.py --phases chaos --modes inprocess,restart --rounds 3
 
 The workload (bench/chaos_worker.py): a 0.8 M-parameter GPT (recipes/_gpt_model.py, 4 layers,
 width 128, 64 tokens, batch 8 per rank) trained with the torch API, ``TorchState`` +
@@ -34,26 +35,27 @@ since the agent restarts all its workers together). Phases, each over the modes 
    step the killed process completed (redone steps count; target <= 3 s for ``inprocess``); the
    ``KILL`` line also gives ``resumed_s`` (the first step in the new world, whatever its number)
    and ``redone_steps``;
-2. ``chaos``: a failure-free run of ``--baseline`` s, then a run of ``--duration`` s with a kill
-   every ``--kill-every`` s (none in the last ``--restart-delay`` + 15 s, so every replacement
-   is back before the stop). ``RATIO chaos_efficiency_<mode>`` = committed steps per second of
-   the chaos run / the failure-free run's (the issue's measure; target >= 0.85 for
-   ``inprocess``), ``RATIO chaos_sample_efficiency_<mode>`` the same in committed samples per
-   second (a step of a lone survivor trains half the samples: on a 2-core machine it is not
-   much faster than a step of two, so this one is lower), and
-   ``RATIO failure_free_inprocess_vs_restart`` (steps/s; what committing through the in-process
-   machinery costs without faults).
+2. ``chaos``: ``--rounds`` rounds (default 1), each running every mode in turn (interleaved, so
+   a drift of the machine's speed reaches every mode alike): a failure-free run of ``--baseline``
+   s, then a run of ``--duration`` s with a kill every ``--kill-every`` s (none in the last
+   ``--restart-delay`` + 15 s, so every replacement is back before the stop).
+   ``RATIO chaos_efficiency_<mode>`` = committed steps per second of the chaos run / the
+   failure-free run's, ``RATIO chaos_sample_efficiency_<mode>`` the same in committed samples
+   per second (a step of a lone survivor trains its own samples only; target >= 0.90 for
+   ``inprocess``), each the median over the rounds with its spread, and
+   ``RATIO failure_free_inprocess_vs_restart`` (steps/s without faults, per round: what
+   committing through the in-process machinery costs).
 
 Joiner (both phases): from the replacement process's start (after its delay) to its first
 completed step, ``RATIO joiner_s_<mode>`` (median; target for ``inprocess``: 5 s plus the state
 transfer at link rate; the state is printed in MB, on one host the transfer is local). Nothing
 lost: after each chaos run every complete epoch saw every sample exactly once
-(``RATIO chaos_samples_exactly_once_<mode>``), and the ``inprocess`` final weights equal a
+(``RATIO chaos_samples_exactly_once_<mode>``, every round), and the ``inprocess`` final weights equal a
 one-process replay of the committed steps, bit for bit on CPU
 (``RATIO chaos_final_weights_equal_replay``; ``--replay-all`` checks the other modes too). The
-replay runs on one core (the workers' kernels, the same sums): it takes about as long as the
-chaos run (on an idle machine) - some 5 min after the default 300 s run. The load average is
-printed before and after: on a busy machine the step times and so the rates move, the recovery
+replay (the first round's only) runs on one core (the workers' kernels, the same sums): it takes
+about half as long as the chaos run on an idle machine. The load average is printed before and
+after, and after each run: on a busy machine the step times and so the rates move, the recovery
 times less. The workers' full output is kept under ``--keep DIR``.
 
 What the phases take with the defaults: about 1.5 min (recovery), then per mode the baseline,
@@ -363,40 +365,65 @@ def sample_rate(run: Run, final: dict | None) -> float | None:
     return samples / (steps[-1]["t"] - steps[0]["t"])
 
 
-def _report_chaos(name: str, base: Run, chaos: Run, args: argparse.Namespace) -> None:
+def _chaos_round(name: str, base: Run, chaos: Run, args: argparse.Namespace, replay: bool) -> dict:
+    """One round's figures of mode ``name`` (its ``KILL`` lines printed)."""
     rows = report_kills(chaos)
     final, base_final = load_final(chaos), load_final(base)
-    print(f"RATIO chaos_efficiency_{name}={rate(chaos) / rate(base):.3f}")
     samples, base_samples = sample_rate(chaos, final), sample_rate(base, base_final)
-    if samples is not None and base_samples is not None:
-        print(f"RATIO chaos_sample_efficiency_{name}={samples / base_samples:.3f}")
-    print(f"RATIO joiner_s_{name}={_fmt(_median([r['joiner'] for r in rows]))}")
-    ok = final is not None and samples_exactly_once(final, args.n_samples) and not chaos.hung
-    print(f"RATIO chaos_samples_exactly_once_{name}={int(ok)}", flush=True)
-    if final is not None and (name == "inprocess" or args.replay_all):
-        equal = weights_equal_replay(final)
+    got = {"steps": rate(chaos) / rate(base), "base_rate": rate(base),
+           "samples": None if samples is None or base_samples is None else samples / base_samples,
+           "joiner": [r["joiner"] for r in rows],
+           "once": final is not None and samples_exactly_once(final, args.n_samples) and not chaos.hung,
+           "replay": None}
+    if replay:
+        got["replay"] = final is not None and weights_equal_replay(final)
+    return got
+
+
+def _spread(name: str, values: list[float | None], target: str = "") -> str:
+    got = [v for v in values if v is not None]
+    if not got:
+        return f"RATIO {name}=-"
+    return (f"RATIO {name}={statistics.median(got):.3f} spread={min(got):.3f}-{max(got):.3f} "
+            f"rounds={len(got)}{target}")
+
+
+def _report_chaos(name: str, rounds: list[dict]) -> None:
+    target = {"inprocess": " target>=0.90"}.get(name, "")
+    print(_spread(f"chaos_efficiency_{name}", [r["steps"] for r in rounds]), flush=True)
+    print(_spread(f"chaos_sample_efficiency_{name}", [r["samples"] for r in rounds], target), flush=True)
+    print(f"RATIO joiner_s_{name}={_fmt(_median([j for r in rounds for j in r['joiner']]))}", flush=True)
+    print(f"RATIO chaos_samples_exactly_once_{name}={int(all(r['once'] for r in rounds))}", flush=True)
+    replays = [r["replay"] for r in rounds if r["replay"] is not None]
+    if replays:
         suffix = "" if name == "inprocess" else f"_{name}"
-        print(f"RATIO chaos_final_weights_equal_replay{suffix}={int(equal)}", flush=True)
-    elif name == "inprocess":
-        print("RATIO chaos_final_weights_equal_replay=0  (no final weights)", flush=True)
+        print(f"RATIO chaos_final_weights_equal_replay{suffix}={int(all(replays))} "
+              f"(rounds replayed: {len(replays)})", flush=True)
 
 
 def phase_chaos(args: argparse.Namespace, table: dict[str, Mode], tmp: Path, rng: random.Random) -> None:
-    runs: dict[str, tuple[Run, Run]] = {}
+    """``--rounds`` rounds; in each, every mode's failure-free run and chaos run, the modes in
+    turn (interleaved, so a drift of the machine's speed reaches every mode alike)."""
+    results: dict[str, list[dict]] = {name: [] for name in args.modes}
     kill_at = kill_offsets(args)
-    for name in args.modes:
-        base = launch(table[name], args, tmp / f"baseline-{name}", [], args.baseline, 0.0, rng)
-        chaos = launch(table[name], args, tmp / f"chaos-{name}", kill_at, args.duration, args.restart_delay,
-                       rng)
-        runs[name] = base, chaos
-        print(f"  {name}: failure-free {rate(base):.2f} steps/s, chaos {rate(chaos):.2f} steps/s "
-              f"({len(chaos.kills)} kills at {kill_at} s, restart delay {args.restart_delay:g} s), "
-              f"{chaos.timeline()[-1]['step']} steps", flush=True)
-    for name, (base, chaos) in runs.items():
-        _report_chaos(name, base, chaos, args)
-    if "inprocess" in runs and "restart" in runs:
-        ratio = rate(runs["inprocess"][0]) / rate(runs["restart"][0])
-        print(f"RATIO failure_free_inprocess_vs_restart={ratio:.3f}", flush=True)
+    for k in range(args.rounds):
+        for name in args.modes:
+            base = launch(table[name], args, tmp / f"baseline-{name}-{k}", [], args.baseline, 0.0, rng)
+            chaos = launch(table[name], args, tmp / f"chaos-{name}-{k}", kill_at, args.duration,
+                           args.restart_delay, rng)
+            print(f"  round {k + 1} {name}: failure-free {rate(base):.2f} steps/s, chaos {rate(chaos):.2f} "
+                  f"steps/s ({len(chaos.kills)} kills at {kill_at} s, restart delay "
+                  f"{args.restart_delay:g} s), {chaos.timeline()[-1]['step']} steps, load "
+                  f"{os.getloadavg()[0]:.2f}", flush=True)
+            # the one-process replay takes about as long as the run: the first round's only
+            replay = k == 0 and (name == "inprocess" or args.replay_all)
+            results[name].append(_chaos_round(name, base, chaos, args, replay))
+    for name, rounds in results.items():
+        _report_chaos(name, rounds)
+    if "inprocess" in results and "restart" in results:
+        ratios = [a["base_rate"] / b["base_rate"] for a, b in zip(results["inprocess"], results["restart"],
+                                                                  strict=True)]
+        print(_spread("failure_free_inprocess_vs_restart", ratios), flush=True)
 
 
 def _state_mb() -> float:
@@ -422,6 +449,8 @@ def parse_args() -> argparse.Namespace:
                         help="recovery phase: kill this long after the first step")
     parser.add_argument("--after-kill", type=float, default=12.0, help="recovery phase: run on this long")
     parser.add_argument("--seed", type=int, default=0, help="which slot each kill hits")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="chaos phase: rounds, each running every mode in turn (medians and spread)")
     parser.add_argument("--replay-all", action="store_true",
                         help="check the weights of every mode's chaos run (default: inprocess only)")
     parser.add_argument("--keep", help="keep the workers' output and files in this directory")
