@@ -27,7 +27,10 @@ class KerasState(State):
     ``Q``) committed and restored too (training state; ``sync()`` gives every rank rank 0's, as
     ``TorchState`` does with the torch optimizer's ``state_dict``). With
     ``backward_passes_per_step > 1`` loading a snapshot (``restore()``, ``sync()``) empties its
-    gradient-accumulation window, on every rank alike.
+    gradient-accumulation window, on every rank alike. Besides the process's random generators
+    (see :class:`~hvd_trainer.elastic.state.State`), a commit keeps the model's Keras seed
+    generator states (``Dropout`` and other random layers), which ``restore()`` sets back on
+    this rank only.
 
     Args:
         model: a built ``keras.Model``.
@@ -67,6 +70,24 @@ class KerasState(State):
             return []
         self._ensure_optimizer_built()
         return [np.array(v.numpy(), copy=True) for v in self.optimizer.variables]
+
+    def _seed_variables(self) -> list[Any]:
+        """The model's seed generator states (``keras.random.SeedGenerator``'s variable, named
+        ``seed_generator_state``; not among the weights)."""
+        weights = {id(w) for w in self.model.weights}
+        return [v for v in getattr(self.model, "variables", [])
+                if id(v) not in weights and str(getattr(v, "name", "")).endswith("seed_generator_state")]
+
+    def _capture_rng(self) -> Any:
+        seeds = [np.array(v.numpy(), copy=True) for v in self._seed_variables()]
+        return {"process": super()._capture_rng(), "keras_seeds": seeds}
+
+    def _restore_rng(self, states: Any) -> None:
+        super()._restore_rng(states["process"])
+        variables = self._seed_variables()
+        if len(variables) == len(states["keras_seeds"]):
+            for variable, value in zip(variables, states["keras_seeds"], strict=True):
+                variable.assign(value)
 
     def _capture(self) -> dict[str, Any]:
         out = super()._capture()

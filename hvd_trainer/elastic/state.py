@@ -31,6 +31,7 @@ from typing import Any
 from hvd_trainer.checkpoint import load_checkpoint
 from hvd_trainer.comm import HostsUpdatedInterrupt, World, broadcast_object, get_world, reform_due
 from hvd_trainer.elastic.persist import BackgroundWriter, snapshot_to_cpu
+from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states
 
 __all__ = ["State", "ObjectState", "TorchState", "STATE_FILENAME"]
 
@@ -50,6 +51,13 @@ class State:
     ``state_dict()``/``load_state_dict()`` (a sampler, a scheduler) is captured through them
     and restored in place; any other value is deep-copied and re-assigned.
 
+    Each commit also keeps this process's random-number generator states
+    (:mod:`hvd_trainer.elastic.rng_state`: torch, CUDA, numpy, Python; in memory only, never
+    sent to other ranks or written to the file), and :meth:`restore` sets them back, so the
+    steps a survivor of in-process recovery trains again draw the random numbers they drew the
+    first time (dropout masks, augmentation). :meth:`sync` leaves every rank's generators as
+    they are (each rank keeps drawing its own numbers).
+
     Raises:
         ValueError: a keyword shadows a method name (``commit``, ``sync``, ...).
     """
@@ -60,6 +68,7 @@ class State:
             raise ValueError(f"State keyword(s) {bad} shadow State methods. HINT: rename them.")
         self._names = list(extra)
         self._saved: dict[str, Any] | None = None
+        self._saved_rng: Any = None  # this process's generators at the last commit (or sync)
         self._commit_count = 0
         self._path: Path | None = None
         self._writer = True
@@ -72,6 +81,13 @@ class State:
     def _before_sync(self, world: World, root_rank: int) -> None:
         """Every rank, at the start of :meth:`sync` (before the root captures): collectives a
         subclass needs for the root's capture."""
+    def _capture_rng(self) -> Any:
+        """This process's random-number generator states (kept with a commit, never sent)."""
+        return capture_rng_states()
+
+    def _restore_rng(self, states: Any) -> None:
+        restore_rng_states(states)
+
     def _capture(self) -> dict[str, Any]:
         out = {}
         for name in self._names:
@@ -107,6 +123,7 @@ class State:
             HostsUpdatedInterrupt: a worker waits to join (in-process recovery; after the commit).
         """
         self._saved = self._capture()
+        self._saved_rng = self._capture_rng()
         self._commit_count += 1
         if self._path is not None and self._writer:
             self._persist.submit({"commit_count": self._commit_count, "state": self._saved}, self._path)
@@ -122,15 +139,18 @@ class State:
         return self._persist.flush(timeout)
 
     def restore(self) -> None:
-        """Return to the last commit (no-op before the first commit)."""
+        """Return to the last commit (no-op before the first commit), this process's random
+        generators included."""
         if self._saved is not None:
             self._apply(self._saved)
+        if self._saved_rng is not None:
+            self._restore_rng(self._saved_rng)
 
     def sync(self, world: World | None = None, *, root_rank: int = 0) -> None:
         """Make every rank's state equal to ``root_rank``'s (broadcast over ``hvd_trainer.comm``).
 
         The synced state also becomes the committed snapshot, so ``restore()`` after
-        ``sync()`` returns to it.
+        ``sync()`` returns to it (with each rank's random generators as they were at the sync).
 
         Args:
             world: the world to sync over (default: the initialised one).
@@ -147,7 +167,7 @@ class State:
             payload, root_rank=root_rank, name="elastic.State.sync", world=world
         )
         self._apply(snapshot)
-        self._saved = snapshot
+        self._saved, self._saved_rng = snapshot, self._capture_rng()
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions to call after the state was reloaded from a commit at a restart."""

@@ -37,6 +37,22 @@ def _state_checks(tmp: str) -> dict:
     out["restored_ok"] = torch.equal(model.weight, committed) and state.epoch == 5
     out["momentum_kept"] = "momentum_buffer" in opt.state[model.weight]
     out["note_after_restore"] = state.note
+    # random generators: restore() rewinds this process's; sync() leaves each rank its own
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(10 + rank)
+    random.seed(rank)
+    np.random.seed(rank)
+    state.commit()
+    first = (torch.rand(2).tolist(), random.random(), float(np.random.rand()))
+    state.restore()
+    out["draws_again"] = (torch.rand(2).tolist(), random.random(), float(np.random.rand())) == first
+    state.sync()
+    out["after_sync"] = torch.rand(1).item()
+    state.restore()  # back to the generators as they were at the sync
+    out["after_sync_again"] = torch.rand(1).item()
 
     # run(): rank 0 persists; a fresh state in the same processes resumes from the file
     @elastic.run(checkpoint_dir=tmp)
@@ -84,14 +100,18 @@ def test_elastic_state_sampler_and_run() -> None:
         r0, r1 = run_workers(_state_checks, 2, args=(tmp,), timeout_seconds=120)
     assert r0["synced_weight"] == r1["synced_weight"]
     assert r0["synced_extra"] == r1["synced_extra"] == (0, [0])
-    for r in (r0, r1):
+    import torch
+
+    for rank, r in enumerate((r0, r1)):
         assert r["restored_ok"] and r["momentum_kept"] and r["note_after_restore"] == [0]
+        assert r["draws_again"]  # the same numbers after restore()
+        torch.manual_seed(10 + rank)
+        own = torch.rand(3)[2].item()  # this rank's own stream: the sync sent no generator
+        assert r["after_sync"] == r["after_sync_again"] == own
         assert r["first"] == 1
         # resumed from rank 0's file (step 7, 1 commit), weights synced from rank 0
         assert r["second"] == (7, 1, True, ["reset"])
     assert r0["files"] == ["elastic_state.pt"]
-
-    import torch
 
     order = torch.randperm(20, generator=torch.Generator().manual_seed(3 + 1)).tolist()
     (t0, rest0, processed, n0), (t1, rest1, _, n1) = r0["sampler"], r1["sampler"]

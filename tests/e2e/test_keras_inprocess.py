@@ -71,3 +71,10 @@ def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str) -> None:
         assert np.array_equal(final[0][name], final[1][name]), name  # weights and history alike
     assert int(final[0]["epoch"]) == EPOCHS and int(final[0]["batch"]) == 0
     _check_history(final[0]["history"])
+    # the survivor's batch trained again after the kill drew what it drew the first time: the
+    # commit restored its dropout seed generator and numpy's generator
+    draws: dict[str, list[str]] = {}
+    for step, rest in re.findall(r"DRAW slot=0 step=(\d+) size=\d (.*)", res.output):
+        draws.setdefault(step, []).append(rest)
+    again = {k: v for k, v in draws.items() if len(v) > 1}
+    assert again and all(len(set(v)) == 1 for v in again.values()), (again, res.explain())

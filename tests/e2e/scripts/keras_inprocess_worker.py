@@ -8,7 +8,9 @@ rescaled by a reset callback. In its first start (``HVDRUN_RESPAWN_COUNT=0``) sl
 itself before its first batch once ``KILL_AT`` batches are committed (-1: never). Every
 committed batch records ``(epoch, batch, world size, learning rate)`` in the state, so the history
 rolls back with it. Each rank writes its final weights and that history to
-``OUT_DIR/final.<slot>.npz``.
+``OUT_DIR/final.<slot>.npz``. The model has a ``Dropout`` layer; every batch prints its seed
+generator's state and a ``numpy`` draw (``DRAW``): a batch trained again after a recovery must
+print what it printed the first time (the commit restores both on the survivor).
 
 Data: epoch ``e``'s batch ``k`` is the same global batch of ``GLOBAL_BATCH`` rows in any world,
 dealt over the ranks (rank ``r`` of ``n`` takes rows ``r::n``). After a recovery in the middle of
@@ -41,7 +43,8 @@ data_rng = np.random.default_rng(0)
 X = data_rng.normal(size=(STEPS * GLOBAL_BATCH, 4)).astype("float32")
 Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float32")
 keras.utils.set_random_seed(slot)  # different initial weights: only the state's sync makes them equal
-model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
+                          keras.layers.Dropout(0.1), keras.layers.Dense(1)])
 model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR * hvd.size(), momentum=0.9)),
               loss="mse")
 state = hvd.elastic.KerasState(model, batch=0, epoch=0, history=[])
@@ -77,6 +80,9 @@ class Record(keras.callbacks.Callback):
         if respawn == 0 and slot == 1 and 0 <= kill_at <= len(state.history):
             print(f"FAIL_AT {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        seed = keras.ops.convert_to_numpy(model.layers[1].seed_generator.state).tolist()
+        print(f"DRAW slot={slot} step={len(state.history)} size={hvd.size()} "  # step: batches committed
+              f"dropout_seed={seed} numpy={np.random.rand():.8f}", flush=True)
         time.sleep(ALONE_SLEEP_S if hvd.size() == 1 else PAIR_SLEEP_S)
 
     def on_train_batch_end(self, batch, logs=None) -> None:
