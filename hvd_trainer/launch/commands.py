@@ -17,7 +17,7 @@ import zlib
 from hvd_trainer.comm.world.world import free_port
 from hvd_trainer.launch.agent_identity import AgentIdentity
 from hvd_trainer.launch.errors import HvdrunError
-from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, HvdrunOptions
+from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, ELASTIC_TIMEOUT_SECONDS, HvdrunOptions
 from hvd_trainer.launch.ssh import carried_env
 from hvd_trainer.launch.worker_entry import TERMINAL_ENV
 
@@ -210,6 +210,9 @@ def torchrun_args(opts: HvdrunOptions, port: int, agent: AgentIdentity | None = 
     if opts.multi_host or max_restarts > 0:
         host = opts.hosts[0].host if opts.multi_host else "127.0.0.1"
         conf = f"join_timeout={timeout}"
+        if opts.elastic:  # the rendezvous rounds after the first (a re-form) wait longer
+            later = opts.elastic_timeout_seconds or ELASTIC_TIMEOUT_SECONDS
+            conf += f",rejoin_timeout={max(1, round(later))}"
         if agent is not None:
             conf += f",is_host={'true' if agent.index == 0 else 'false'}"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",

@@ -301,13 +301,18 @@ def _create_handler(params: RendezvousParameters, *, secret: str | None, spares:
         _claim(store, f"{prefix}claim/{params.local_addr}", params)
     handler = create_handler(job_store, backend, params)
     handler._hvdrun_listen_socket = sock  # type: ignore[attr-defined]  # open as long as the store
-    if record is not None:
-        record.endpoint, record.handler = params.endpoint, handler
-        handler.next_rendezvous = _noting_joins(handler.next_rendezvous, record)  # type: ignore[method-assign]
+    record = DoorRecord() if record is None else record
+    record.endpoint, record.handler = params.endpoint, handler
+    rejoin = params.get_as_int("rejoin_timeout")
+    handler.next_rendezvous = _noting_joins(handler, record, rejoin)  # type: ignore[method-assign]
     return handler
 
 
-def _noting_joins(next_rendezvous: Any, record: DoorRecord) -> Any:
+def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds: int | None) -> Any:
+    """``handler.next_rendezvous`` that notes a join in ``record`` and, after the first one,
+    lets the later rounds (re-forms) wait ``rejoin_seconds`` (torch has one join timeout for all)."""
+    next_rendezvous = handler.next_rendezvous
+
     @functools.wraps(next_rendezvous)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -316,6 +321,10 @@ def _noting_joins(next_rendezvous: Any, record: DoorRecord) -> Any:
             # torch's agent returns None for it, which its launcher then fails on
             # (AttributeError: 'NoneType' object has no attribute 'is_failed')
             raise RendezvousEndedError(f"the job's rendezvous at {record.endpoint} closed: {exc}") from None
+        if not record.joined and rejoin_seconds:
+            timeout = getattr(getattr(handler, "_settings", None), "timeout", None)  # torch's
+            if timeout is not None and hasattr(timeout, "_join"):
+                timeout._join = timedelta(seconds=rejoin_seconds)
         record.joined = True
         return info
     return wrapped

@@ -94,7 +94,8 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autotune-gaussian-process-noise", type=float, help="accepted, no effect")
     p.add_argument("--slots-per-host", type=int, help="accepted, no effect (slots come from -H)")
     p.add_argument("--elastic-timeout", type=float,
-                   help="elastic: seconds a (re)started rendezvous waits (overrides --start-timeout)")
+                   help="elastic: seconds a rendezvous waits, the first one included "
+                        "(default: --start-timeout for the first, 600 for later ones)")
     p.add_argument("--blacklist-cooldown-range", type=int, nargs=2, help="accepted, no effect")
     p.add_argument("--host-discovery-script", help="accepted with a note (not run)")
     p.add_argument("--timeline-mark-cycles", action="store_true", help="accepted, no effect")

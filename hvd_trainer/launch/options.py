@@ -12,6 +12,12 @@ from hvd_trainer.launch.hosts import HostSlots, assign_processes, parse_hosts, r
 
 __all__ = ["HvdrunOptions", "build_parser", "parse_options"]
 
+ELASTIC_TIMEOUT_SECONDS = 600.0
+"""How long a rendezvous after the first one (an elastic job re-forming after a lost or added
+host) waits, without ``--elastic-timeout``: Horovod's default. The first one waits
+``--start-timeout``; a re-form needs longer (torch notices a lost host's agent after its
+heartbeats stop, then waits its last-call time for more hosts: about 45 s in all)."""
+
 DEFAULT_RDZV_PORT = 29400
 """Rendezvous port of multi-host runs when ``--port`` is not given (torchrun's c10d default)."""
 
@@ -69,7 +75,8 @@ class HvdrunOptions:
     mpi_extra: list[str] = field(default_factory=list)
     """mpirun arguments from ``-p``/``-i``/``--tcp``/``--mpi-args``."""
     elastic_timeout_seconds: float | None = None
-    """``--elastic-timeout``: the rendezvous wait of an elastic job (else ``--start-timeout``)."""
+    """``--elastic-timeout``: the rendezvous wait of an elastic job (else ``--start-timeout``
+    for its first rendezvous and :data:`ELASTIC_TIMEOUT_SECONDS` for the later ones)."""
     prefix_timestamp: bool = False
     """``--prefix-output-with-timestamp``: every output line's prefix has a UTC time."""
     notes: list[str] = field(default_factory=list)

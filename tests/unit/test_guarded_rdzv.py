@@ -31,10 +31,10 @@ from hvd_trainer.launch.guarded_rdzv import (
 
 
 def _params(port: int, *, is_host: bool, run_id: str = "job-1", nodes: int = 1, local_addr: str | None = None,
-            join_timeout: int = 10) -> RendezvousParameters:
+            join_timeout: int = 10, **conf: int) -> RendezvousParameters:
     return RendezvousParameters(backend="hvdrun-c10d-test", endpoint=f"127.0.0.1:{port}", run_id=run_id,
                                 min_nodes=nodes, max_nodes=nodes, is_host=is_host, join_timeout=join_timeout,
-                                read_timeout=10, local_addr=local_addr)
+                                read_timeout=10, local_addr=local_addr, **conf)
 
 
 def _stranger(port: int) -> TCPStore:
@@ -196,3 +196,14 @@ def test_a_spare_that_ran_nothing_ends_0_and_any_other_lost_rendezvous_1(capsys)
     waited.joined = True
     assert _report_lost_rendezvous(RendezvousConnectionError("gone"), waited, spares=True) == 1
     assert "could not start or finish: RendezvousConnectionError" in capsys.readouterr().err
+
+
+def test_the_rounds_after_the_first_wait_the_rejoin_timeout(monkeypatch) -> None:
+    """An elastic job's re-form waits longer than its start (``rejoin_timeout``: hvdrun's
+    ``--elastic-timeout``, 600 s by default): torch keeps one join timeout for every round."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    handler = _create_handler(_params(free_port(), is_host=True, rejoin_timeout=77), secret="s", spares=True)
+    assert handler._settings.timeout.join == timedelta(seconds=10)  # the first round: --start-timeout
+    handler.next_rendezvous()
+    assert handler._settings.timeout.join == timedelta(seconds=77)
+    handler.shutdown()

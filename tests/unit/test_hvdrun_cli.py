@@ -37,6 +37,7 @@ DRY_RUNS = [
     ("multi-host-default-port", ["-np", "4", "-H", "h1:2,h2:2", "x.py"], ["--rdzv-endpoint=h1:29400"]),
     ("elastic-single-host", ["-np", "2", "--min-np", "2", "--max-np", "2", "x.py"],
      ["--nnodes=1:1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:", "--local-addr=127.0.0.1",
+      "join_timeout=30,rejoin_timeout=600",
       "--max-restarts=3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
     ("elastic-multi-host", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "2", "--max-np", "6",
                             "--max-restarts", "5", "x.py"],
