@@ -326,8 +326,23 @@ def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds
             if timeout is not None and hasattr(timeout, "_join"):
                 timeout._join = timedelta(seconds=rejoin_seconds)
         record.joined = True
+        _publish_bootstrap(info)
         return info
     return wrapped
+
+
+def _publish_bootstrap(info: Any) -> None:
+    """Rank 0 writes the workers' store address into this round's keys, every round.
+
+    torch's handler keeps the address of its shared store from its first round and writes it only
+    then, under that round's key prefix; an agent that joins a later round for the first time (a
+    host that came back) then waits for ``MASTER_ADDR`` under the new round's prefix until its
+    read timeout, and the whole job fails (``DistStoreError: wait timeout ... MASTER_ADDR``)."""
+    where = getattr(info, "bootstrap_store_info", None)
+    if info is None or info.rank != 0 or where is None:
+        return
+    info.store.set(type(where).MASTER_ADDR_KEY, where.master_addr.encode())
+    info.store.set(type(where).MASTER_PORT_KEY, str(where.master_port).encode())
 
 
 def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool,

@@ -32,10 +32,19 @@ WORKER = str(Path(__file__).resolve().parents[1] / "e2e" / "scripts" / "inproces
 SAMPLES, EPOCHS, TIMEOUT = 256, 2, 4
 
 
-def _line(out: Path) -> list[str]:
+def _line(out: Path, samples: int = SAMPLES) -> list[str]:
     return [HVDRUN, "-np", "2", "-H", "h1:1,h2:1", "--min-np", "1", "--max-np", "2", "--recovery",
             "in-process", "--port", "29400", "--no-ssh", "--start-timeout", "90",
-            sys.executable, WORKER, str(out), "-1", "0.1", str(SAMPLES)]
+            sys.executable, WORKER, str(out), "-1", "0.1", str(samples)]
+
+
+def _samples_once_and_replayed(out: Path, samples: int) -> None:
+    got = torch.load(out)
+    for epoch in range(EPOCHS):
+        seen = sorted(i for e, per_rank in got["history"] if e == epoch for r in per_rank for i in r)
+        assert seen == list(range(samples)), epoch
+    for name, tensor in replay(got["history"], samples).items():
+        assert torch.equal(got["model"][name], tensor), name
 
 
 def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> None:
@@ -49,12 +58,7 @@ def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> Non
     assert after is not None, job.tail()
     print(f"\nFAULT-TIME in-process {what}: h1's next step done {after - fault_at:.1f} s after the fault")
     assert after - fault_at < limit, job.tail()
-    got = torch.load(out)
-    for epoch in range(EPOCHS):
-        seen = sorted(i for e, per_rank in got["history"] if e == epoch for r in per_rank for i in r)
-        assert seen == list(range(SAMPLES)), epoch
-    for name, tensor in replay(got["history"], SAMPLES).items():
-        assert torch.equal(got["model"][name], tensor), name
+    _samples_once_and_replayed(out, SAMPLES)
 
 
 @pytest.mark.timeout(300)
@@ -66,6 +70,32 @@ def test_a_killed_host_leaves_the_survivor_training_in_its_own_process(tmp_path:
         killed_at = time.monotonic()
         c.kill_host(h2)
         _check(job, tmp_path / "out.pt", killed_at, "host killed", 3.0 + 1.0)
+        assert not any(c.pids().values()), c.pids()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_host_started_again_is_taken_back(tmp_path: Path) -> None:
+    """h2 killed, then its line started again: the agent joins through torchrun's rendezvous (h1's
+    agent restarts h1's worker, which resumes from the commit file) and both hosts end 0. Before,
+    torch's handler wrote the shared store's address only in its first round, the returning agent
+    waited for it under the new round's keys, and the job failed on both hosts 60 s later."""
+    samples = 1024  # long enough to go on at 2 ranks after h2 is back
+    with cluster(2) as c:
+        h1, h2 = c.hosts
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt", samples))
+        assert job.wait_for("h1", "STEP 10 rank=0 size=2", timeout=150), job.tail()
+        c.kill_host(h2)
+        assert job.wait_for("h1", "rank=0 size=1", timeout=60), job.tail()
+        back_at = time.monotonic()
+        back = start_job(c, [h2], _line(tmp_path / "out.pt", samples))
+        assert job.wait_exit("h1", 240) is not None, job.tail()
+        assert back.wait_exit("h2", 60) is not None, back.tail()
+        assert (job.procs["h1"].returncode, back.procs["h2"].returncode) == (0, 0), job.tail() + back.tail()
+        rejoined = job.first("h1", "rank=0 size=2", after=back_at)
+        assert rejoined is not None, job.tail()
+        print(f"\nFAULT-TIME in-process host back: 2 ranks again {rejoined - back_at:.1f} s after "
+              "h2's line was started again")
+        _samples_once_and_replayed(tmp_path / "out.pt", samples)
         assert not any(c.pids().values()), c.pids()
 
 
