@@ -227,7 +227,8 @@ def _knock(store: Store, door_key: str, params: RendezvousParameters, deadline: 
                 "exported on every host, or pick another --port for a separate job."
             )
         if time.monotonic() >= deadline:
-            raise _unreachable(params, "its store is up, but no agent of the job opened it")
+            raise _unreachable(params, "its store is up, but no agent of the job opened it (the port may "
+                                       "be held by a job with another secret or command line)")
         time.sleep(KNOCK_POLL_SECONDS)  # the host writes its marks right after it listens
 
 
