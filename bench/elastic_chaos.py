@@ -65,6 +65,7 @@ the chaos run and two start-ups, ~7 min: ~25 min in all, plus the replay.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import re
@@ -91,6 +92,7 @@ class Kill:
     slot: int
     pid: int
     t: float
+    kind: str = "worker"
 
 
 @dataclass
@@ -108,13 +110,14 @@ class Run:
     lines: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def take(self, line: str) -> None:
+    def take(self, line: str, host: str = "") -> None:
         self.lines.append(line)
         match = _LINE.search(line)
         if match is None:
             return
         values = dict(kv.split("=", 1) for kv in match.group(2).split())
-        record = {k: float(v) if "." in v else int(v) for k, v in values.items()}
+        record: dict = {k: float(v) if "." in v else int(v) for k, v in values.items()}
+        record["host"] = host
         with self.lock:
             if match.group(1) == "CHAOS_START":
                 self.starts.append(record)
@@ -132,6 +135,12 @@ class Run:
         with self.lock:
             mine = [s for s in self.starts if s["slot"] == slot]
         return mine[-1]["pid"] if mine else None
+
+    def latest_start(self, host: str) -> dict | None:
+        """The newest ``CHAOS_START`` record printed by ``host``'s hvdrun (the lab's runs)."""
+        with self.lock:
+            mine = [s for s in self.starts if s["host"] == host]
+        return mine[-1] if mine else None
 
     def first_step_time(self) -> float | None:
         steps = self.timeline()
@@ -161,7 +170,7 @@ def modes(args: argparse.Namespace) -> dict[str, Mode]:
     }
 
 
-def _env() -> dict[str, str]:
+def env_for_workers() -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
     env = {k: v for k, v in os.environ.items() if k not in drop}
@@ -176,7 +185,7 @@ def _sleep_until(t: float) -> None:
         time.sleep(min(left, 0.05))
 
 
-def _wait_first_step(run: Run, proc: subprocess.Popen, timeout: float) -> float:
+def wait_first_step(run: Run, proc: subprocess.Popen, timeout: float) -> float:
     deadline = time.time() + timeout
     while (t0 := run.first_step_time()) is None:
         if proc.poll() is not None or time.time() > deadline:
@@ -204,14 +213,17 @@ def _kill(run: Run, slot: int, delay: float) -> None:
 def launch(mode: Mode, args: argparse.Namespace, directory: Path, kill_at: list[float], duration: float,
            delay: float, rng: random.Random) -> Run:
     """Run the worker under ``mode``'s hvdrun for ``duration`` s after its first step, killing a
-    random non-zero slot at each offset of ``kill_at`` (seconds after the first step)."""
+    random non-zero slot at each offset of ``kill_at`` (seconds after the first step); with
+    ``--lab``, :func:`bench.chaos_lab.launch_lab` on the lab's two hosts instead."""
+    if args.lab is not None:
+        return args.lab_launch(mode, args, directory, kill_at, duration, delay)
     directory.mkdir(parents=True)
     run = Run(mode.name, directory)
     cmd = [*HVDRUN, "-np", str(args.np), *mode.flags, "python", str(WORKER), str(directory),
            str(mode.commit_every)]
     log = (directory / "output.log").open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env_for_workers(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def pump() -> None:
         for line in proc.stdout:  # type: ignore[union-attr]
@@ -221,7 +233,7 @@ def launch(mode: Mode, args: argparse.Namespace, directory: Path, kill_at: list[
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     try:
-        t0 = _wait_first_step(run, proc, args.start_timeout)
+        t0 = wait_first_step(run, proc, args.start_timeout)
         for offset in kill_at:
             _sleep_until(t0 + offset)
             _kill(run, rng.randrange(1, args.np), delay)
@@ -271,7 +283,7 @@ def per_kill(run: Run) -> list[dict]:
         start = next((s for s in run.starts if s["slot"] == kill.slot and s["t"] > kill.t), None)
         first = start and next((f for f in run.firsts if f["pid"] == start["pid"]), None)
         out.append({
-            "slot": kill.slot,
+            "slot": kill.slot, "kind": kill.kind,
             "resumed": resumed["t"] - kill.t if resumed else None,
             "recovery": past["t"] - kill.t if past else None,
             "redone": max(0, done - resumed["step"] + 1) if resumed else None,
@@ -287,7 +299,7 @@ def _fmt(x: float | None) -> str:
 def report_kills(run: Run) -> list[dict]:
     rows = per_kill(run)
     for i, r in enumerate(rows):
-        print(f"  KILL {run.mode} #{i + 1} slot={r['slot']} recovery_s={_fmt(r['recovery'])} "
+        print(f"  KILL {run.mode} #{i + 1} {r['kind']} slot={r['slot']} recovery_s={_fmt(r['recovery'])} "
               f"resumed_s={_fmt(r['resumed'])} redone_steps={r['redone']} joiner_s={_fmt(r['joiner'])}",
               flush=True)
     return rows
@@ -454,6 +466,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replay-all", action="store_true",
                         help="check the weights of every mode's chaos run (default: inprocess only)")
     parser.add_argument("--keep", help="keep the workers' output and files in this directory")
+    parser.add_argument("--lab", metavar="RATE", default=None,
+                        help="run on two namespace hosts whose ports are shaped to RATE (e.g. 1gbit, "
+                             "100mbit, unshaped; root, tc, iperf3): one worker per host, the faults on "
+                             "h2 in turn: worker killed, link cut, host killed (bench/chaos_lab.py)")
+    parser.add_argument("--faults", default="worker,cut,host",
+                        help="--lab: the faults on h2, in turn (worker, cut, host)")
+    parser.add_argument("--cut-seconds", type=float, default=40.0,
+                        help="--lab: how long a cut lasts (longer than the 30 s default peer timeout, "
+                             "HOROVOD_GLOO_TIMEOUT_SECONDS: a partition, not a blip)")
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--stop-timeout", type=float, default=120.0)
     args = parser.parse_args()
@@ -466,12 +487,36 @@ def parse_args() -> argparse.Namespace:
     args.n_samples = N_SAMPLES
     if args.np < 2:
         parser.error("--np must be at least 2 (slot 0 is never killed)")
+    args.faults = [f for f in args.faults.split(",") if f]
+    if not args.faults or any(f not in ("worker", "cut", "host") for f in args.faults):
+        parser.error(f"--faults {','.join(args.faults)}: choose from worker, cut, host")
+    if args.lab is not None and (args.np != 2 or any(m.startswith("ckpt") for m in args.modes)):
+        parser.error("--lab runs -np 2 (one worker per host) with the modes inprocess and restart")
     return args
 
 
 def main() -> None:
     args = parse_args()
-    table = modes(args)
+    if args.lab is None:
+        run_bench(args, modes(args))
+        return
+    from bench.chaos_lab import lab_modes, launch_lab
+    from bench.lab.net import measure_link, shape, skip_reason
+    from tests.multihost.netns import cluster
+
+    if (why := skip_reason()) is not None:
+        raise SystemExit(f"--lab cannot run here: {why}")
+    with cluster(2) as c:
+        shape(c, args.lab)
+        link = measure_link(c)
+        print(f"LAB rate={args.lab} iperf3_goodput_mbit={link.goodput_bytes_per_s * 8 / 1e6:.1f} "
+              f"wire_mbit={link.wire_bytes_per_s * 8 / 1e6:.1f} hosts=2 cut_s={args.cut_seconds:g}",
+              flush=True)
+        args.lab_launch = functools.partial(launch_lab, c=c)
+        run_bench(args, lab_modes(args.max_restarts))
+
+
+def run_bench(args: argparse.Namespace, table: dict[str, Mode]) -> None:
     unknown = [m for m in args.modes if m not in table]
     if unknown:
         raise SystemExit(f"unknown mode(s) {unknown}; choose from inprocess, restart, ckpt")

@@ -138,6 +138,14 @@ class CommRuntime:
         for pset in list(self.sets.values()):
             pset.coordinator.timeline = timeline
 
+    def group_handles(self) -> list[Any]:
+        """Every process group the live process sets hold (their own, CPU and side groups)."""
+        out: list[Any] = []
+        for pset in [*self.sets.values(), getattr(self, "global_set", None)]:
+            if pset is not None:
+                out.extend(pset.group_handles())
+        return out
+
     def close(self) -> None:
         """Stop the heartbeat, flush the timeline and drop every process set's group handles
         (see ``shutdown``)."""

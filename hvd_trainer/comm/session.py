@@ -298,10 +298,25 @@ def reform_due() -> bool:
     return _Recovery.current.quorum.reform_due()  # type: ignore[union-attr]
 
 
+_BROKEN_GROUPS: list[Any] = []
+"""Process groups of worlds that in-process recovery dropped, kept alive to the process's end."""
+
+
 def _drop_world() -> None:
     """Release the current world and destroy its process group without any collective (its
-    peers may be dead); errors of the broken group are ignored."""
+    peers may be dead); errors of the broken group are ignored.
+
+    The dropped groups stay referenced (:data:`_BROKEN_GROUPS`): a gloo group's destructor waits
+    for its work in flight, and a collective with a peer on the far side of a cut link is in
+    flight until the group's timeout, so destroying the last reference would hold this survivor
+    that long (past hvdrun's partition watch, which then stops the host)."""
     world = get_world() if is_initialized() else None
+    if world is not None:
+        _BROKEN_GROUPS.extend(g for g in (world.group, world.cpu_group) if g is not None)
+        if world.runtime is not None:
+            _BROKEN_GROUPS.extend(world.runtime.group_handles())
+    if dist.is_initialized() and dist.group.WORLD is not None:
+        _BROKEN_GROUPS.append(dist.group.WORLD)
     if world is not None and world.runtime is not None:
         world.runtime.close()
     if world is not None:

@@ -32,10 +32,10 @@ WORKER = str(Path(__file__).resolve().parents[1] / "e2e" / "scripts" / "inproces
 SAMPLES, EPOCHS, TIMEOUT = 256, 2, 4
 
 
-def _line(out: Path, samples: int = SAMPLES) -> list[str]:
+def _line(out: Path, samples: int = SAMPLES, kill_step: int = -1) -> list[str]:
     return [HVDRUN, "-np", "2", "-H", "h1:1,h2:1", "--min-np", "1", "--max-np", "2", "--recovery",
             "in-process", "--port", "29400", "--no-ssh", "--start-timeout", "90",
-            sys.executable, WORKER, str(out), "-1", "0.1", str(samples)]
+            sys.executable, WORKER, str(out), str(kill_step), "0.1", str(samples)]
 
 
 def _samples_once_and_replayed(out: Path, samples: int) -> None:
@@ -113,3 +113,21 @@ def test_a_cut_host_is_dropped_after_the_heartbeat_timeout(tmp_path: Path) -> No
         assert job.procs["h2"].returncode != 0, job.tail()
         assert "this host is cut off from h1" in job.text("h2"), job.tail()  # it stopped, did not re-form
         assert "re-formed" not in job.text("h2"), job.tail()
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_after_an_in_process_re_form_leaves_the_survivor_training(tmp_path: Path) -> None:
+    """h2's worker kills itself at step 10 and rejoins in process; then h2's link is cut. h1 must
+    re-form alone again. Before, dropping the re-formed world's gloo group waited for the
+    collective stuck on the cut peer (its destructor waits for work in flight) until the group's
+    timeout, past hvdrun's partition watch, which then stopped h1 too (exit 1)."""
+    timeout = 8  # the destroy would wait longer than the watch's 5 s grace after detection
+    with cluster(2) as c:
+        h1, h2 = c.hosts
+        env = {**os.environ, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(timeout)}
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt", kill_step=10), env=env)
+        assert job.wait_for("h1", "re-formed in process", timeout=150), job.tail()
+        assert job.wait_for("h1", "STEP 20 rank=0 size=2", timeout=60), job.tail()
+        cut_at = time.monotonic()
+        c.cut(h2)
+        _check(job, tmp_path / "out.pt", cut_at, "link cut after a re-form", 3.0 + timeout)

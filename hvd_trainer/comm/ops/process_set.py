@@ -167,6 +167,10 @@ class ProcessSet:
                                         f"hvd/ps{self.set_id}/by_name")
         return side
 
+    def group_handles(self) -> list[dist.ProcessGroup]:
+        """The process groups this set holds (its own, its CPU group, its side group)."""
+        return [g for g in (self._group, self._cpu_group, self.side_group) if g is not None]
+
     def release_groups(self) -> None:
         """Stop matching by name and drop this set's process-group handles (called by
         ``shutdown``; the set is unusable afterwards, as after Horovod's shutdown)."""
