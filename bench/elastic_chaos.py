@@ -58,6 +58,15 @@ about half as long as the chaos run on an idle machine. The load average is prin
 after, and after each run: on a busy machine the step times and so the rates move, the recovery
 times less. The workers' full output is kept under ``--keep DIR``.
 
+On the lab (``--lab RATE``, root: two namespace hosts whose ports are shaped to RATE with ``tc``,
+the link measured with ``iperf3`` first; see bench/chaos_lab.py): one worker per host,
+``-H h1:1,h2:1 --min-np 1 --max-np 2`` with ``--recovery in-process`` or ``restart``; the faults hit
+h2 in turn (``--faults worker,cut,host``: its worker SIGKILLed, its link cut for
+``--cut-seconds``, every process of it SIGKILLed), and the bench starts h2's hvdrun line again
+``--restart-delay`` s after it ended, once its link is up, as a node manager would::
+
+    PYTHONPATH=. python bench/elastic_chaos.py --lab 1gbit --phases chaos --modes inprocess,restart --rounds 3
+
 What the phases take with the defaults: about 1.5 min (recovery), then per mode the baseline,
 the chaos run and two start-ups, ~7 min: ~25 min in all, plus the replay.
 """

@@ -137,11 +137,14 @@ class AgentWatch:
         """Before torch's exit barrier: count this agent finished, then wait until every agent
         finished (``True``: torch's barrier then passes at once) or one left the failed mark
         (``False``: the barrier is skipped, a line names the host). Bounded by the agent's
-        barrier timeout; a lost store skips the barrier too (torch's would fail at once)."""
+        barrier timeout, after which the barrier is skipped with a line too (torch's would wait
+        that long again, then log a traceback; an agent that never came is a host that left the
+        job); a lost store skips the barrier too (torch's would fail at once)."""
         try:
             store, agents = agent._store, int(agent._worker_group.group_world_size)
             store.add(FINISHED_AGENTS_KEY, 1)
-            deadline = time.monotonic() + float(agent._exit_barrier_timeout)
+            waited, finished = float(agent._exit_barrier_timeout), 0
+            deadline = time.monotonic() + waited
             while time.monotonic() < deadline:
                 if store.check([FAILED_AGENT_KEY]):
                     host = bytes(store.get(FAILED_AGENT_KEY)).decode(errors="replace")
@@ -149,12 +152,16 @@ class AgentWatch:
                           "so hvdrun stops now instead of waiting for that host's agent.",
                           file=self.out, flush=True)
                     return False
-                if int(store.add(FINISHED_AGENTS_KEY, 0)) >= agents:
+                finished = int(store.add(FINISHED_AGENTS_KEY, 0))
+                if finished >= agents:
                     return True
                 time.sleep(BARRIER_POLL_SECONDS)  # two keys on a remote store: polled
         except Exception:  # noqa: BLE001 - the store's host is gone: nobody to wait for
             return False
-        return True
+        print(f"hvdrun: {agents - finished} of the {agents} hosts' agents did not finish within {waited:g} s "
+              "of this one (a host that left the job); this host's workers finished, so hvdrun ends now.",
+              file=self.out, flush=True)
+        return False
 
     def summary(self) -> str | None:
         """The closing line: ``hvdrun: 1 of 3 restarts used.``, or with in-process recovery

@@ -71,6 +71,9 @@ def test_a_killed_host_leaves_the_survivor_training_in_its_own_process(tmp_path:
         c.kill_host(h2)
         _check(job, tmp_path / "out.pt", killed_at, "host killed", 3.0 + 1.0)
         assert not any(c.pids().values()), c.pids()
+        # h2's agent never finishes: h1's hvdrun says so once and ends (no second wait, no traceback)
+        assert "1 of the 2 hosts' agents did not finish within 20 s" in job.text("h1"), job.tail()
+        assert "Error waiting on exit barrier" not in job.text("h1"), job.tail()
 
 
 @pytest.mark.timeout(300)
