@@ -22,6 +22,8 @@ What resolves to what:
 ``horovod.tensorflow``                          a package whose names are ``hvd_trainer.keras``'s
                                                 (``init``, ``rank``, ``allreduce``, ...)
 ``horovod.runner``                              a package with ``run``
+``horovod.runner.util.threads``                 ``hvd_trainer.horovod_threads`` (``in_thread``, ...;
+                                                Horovod's test helpers import it)
 ``horovod.common.exceptions``                   ``HorovodInternalError``, ``HostsUpdatedInterrupt``
 ==============================================  ===================================================
 
@@ -112,6 +114,10 @@ _SYNTHESIZED: dict[str, Callable[[], types.ModuleType]] = {
         {"run": _hvd_run, "__version__": importlib.import_module("hvd_trainer").__version__}),
     "horovod.runner": lambda: _package("horovod.runner", "horovod.runner.run = hvd_trainer.run.",
                                        {"run": _hvd_run}),
+    "horovod.runner.util": lambda: _package("horovod.runner.util", "Horovod's runner utilities.", {}),
+    "horovod.runner.util.threads": lambda: _package(
+        "horovod.runner.util.threads", "in_thread, on_event, execute_function_multithreaded.", {},
+        delegate="hvd_trainer.horovod_threads"),
     "horovod.tensorflow": lambda: _package(
         "horovod.tensorflow", "Horovod's TensorFlow names, served by hvd_trainer.keras.", {},
         delegate="hvd_trainer.keras"),

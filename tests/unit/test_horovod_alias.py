@@ -64,6 +64,32 @@ def test_alias_serves_horovod_modules_as_the_hvd_trainer_modules() -> None:
     assert _python(MAPPING).strip().endswith("OK")
 
 
+RUNNER_THREADS = """
+import threading
+import hvd_trainer.horovod_alias
+from horovod.runner.util.threads import execute_function_multithreaded, in_thread, on_event
+got = []
+in_thread(got.append, args=("a",)).join()
+in_thread(lambda: 1 / 0, silent=True).join()
+event = threading.Event()
+waiter = on_event(event, got.append, args=("b",), check_stop_interval_s=0.01)
+event.set()
+waiter.join()
+print(got, execute_function_multithreaded(lambda x, y: x * y, [(1, 2), (3, 4)], max_concurrent_executions=1))
+try:
+    in_thread(print, args="x")
+except ValueError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_horovod_runner_threads_for_horovods_test_helpers() -> None:
+    """Horovod's test/utils/common.py imports horovod.runner.util.threads (its tests did not load)."""
+    out = _python(RUNNER_THREADS)
+    assert "['a', 'b'] {0: 2, 1: 12}" in out, out
+    assert "refused: args must be a tuple, not str" in out, out
+
+
 def test_keras_names() -> None:
     code = ("import hvd_trainer.horovod_alias, hvd_trainer.keras\n"
             "import horovod.tensorflow.keras as a, horovod.keras as b, horovod.keras.callbacks as c\n"
