@@ -339,8 +339,8 @@ def _publish_bootstrap(info: Any) -> None:
     then, under that round's key prefix; an agent that joins a later round for the first time (a
     host that came back) then waits for ``MASTER_ADDR`` under the new round's prefix until its
     read timeout, and the whole job fails (``DistStoreError: wait timeout ... MASTER_ADDR``)."""
-    where = getattr(info, "bootstrap_store_info", None)
-    if info is None or info.rank != 0 or where is None:
+    where = info.bootstrap_store_info
+    if info.rank != 0 or where is None:
         return
     info.store.set(type(where).MASTER_ADDR_KEY, where.master_addr.encode())
     info.store.set(type(where).MASTER_PORT_KEY, str(where.master_port).encode())
