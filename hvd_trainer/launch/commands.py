@@ -213,6 +213,8 @@ def torchrun_args(opts: HvdrunOptions, port: int, agent: AgentIdentity | None = 
         if opts.elastic:  # the rendezvous rounds after the first (a re-form) wait longer
             later = opts.elastic_timeout_seconds or ELASTIC_TIMEOUT_SECONDS
             conf += f",rejoin_timeout={max(1, round(later))}"
+        if opts.multi_host and opts.recovery == "in-process":  # an agent arriving later takes a lost one's place
+            conf += ",in_process=true"
         if agent is not None:
             conf += f",is_host={'true' if agent.index == 0 else 'false'}"
         args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={host}:{port}",

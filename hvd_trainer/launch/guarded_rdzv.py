@@ -36,9 +36,11 @@ import functools
 import hashlib
 import hmac
 import itertools
+import os
 import pickle
 import secrets
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -61,10 +63,12 @@ from torch.distributed.elastic.rendezvous.utils import (
 
 from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 
-__all__ = ["BACKEND", "DoorRecord", "use_guarded_rendezvous", "SignedC10dBackend"]
+__all__ = ["BACKEND", "DoorRecord", "Places", "use_guarded_rendezvous", "SignedC10dBackend"]
 
 BACKEND = "hvdrun-c10d"
 UP_KEY = "hvdrun/door/up"
+ROUND_SIZE_KEY = "hvdrun/round_size"
+"""A round's number of agents (torch's group world size), under the round's own key prefix."""
 LOOPBACK = "127.0.0.1"
 MAC_BYTES = 32  # SHA-256
 KNOCK_POLL_SECONDS = 0.05
@@ -305,19 +309,25 @@ def _create_handler(params: RendezvousParameters, *, secret: str | None, spares:
     record = DoorRecord() if record is None else record
     record.endpoint, record.handler = params.endpoint, handler
     rejoin = params.get_as_int("rejoin_timeout")
-    handler.next_rendezvous = _noting_joins(handler, record, rejoin)  # type: ignore[method-assign]
+    places = Places(handler, params, deadline) if params.get_as_bool("in_process", False) else None
+    handler.next_rendezvous = _noting_joins(handler, record, rejoin, places)  # type: ignore[method-assign]
     return handler
 
 
-def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds: int | None) -> Any:
+def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds: int | None,
+                  places: Places | None = None) -> Any:
     """``handler.next_rendezvous`` that notes a join in ``record`` and, after the first one,
-    lets the later rounds (re-forms) wait ``rejoin_seconds`` (torch has one join timeout for all)."""
+    lets the later rounds (re-forms) wait ``rejoin_seconds`` (torch has one join timeout for all).
+    With ``places`` (an in-process job), an agent's first join takes a lost agent's place in the
+    running round when there is one (see :class:`Places`) instead of opening a new round."""
     next_rendezvous = handler.next_rendezvous
 
     @functools.wraps(next_rendezvous)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
-            info = next_rendezvous(*args, **kwargs)
+            info = None if record.joined or places is None else places.take()
+            if info is None:
+                info = next_rendezvous(*args, **kwargs)
         except RendezvousGracefulExitError as exc:
             # torch's agent returns None for it, which its launcher then fails on
             # (AttributeError: 'NoneType' object has no attribute 'is_failed')
@@ -333,17 +343,134 @@ def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds
 
 
 def _publish_bootstrap(info: Any) -> None:
-    """Rank 0 writes the workers' store address into this round's keys, every round.
+    """Rank 0 writes the workers' store address and the round's size into this round's keys,
+    every round.
 
     torch's handler keeps the address of its shared store from its first round and writes it only
     then, under that round's key prefix; an agent that joins a later round for the first time (a
     host that came back) then waits for ``MASTER_ADDR`` under the new round's prefix until its
-    read timeout, and the whole job fails (``DistStoreError: wait timeout ... MASTER_ADDR``)."""
+    read timeout, and the whole job fails (``DistStoreError: wait timeout ... MASTER_ADDR``). The
+    size (:data:`ROUND_SIZE_KEY`) tells :class:`Places` which ranks a round had."""
     where = info.bootstrap_store_info
     if info.rank != 0 or where is None:
         return
     info.store.set(type(where).MASTER_ADDR_KEY, where.master_addr.encode())
     info.store.set(type(where).MASTER_PORT_KEY, str(where.master_port).encode())
+    info.store.set(ROUND_SIZE_KEY, str(info.world_size))
+
+
+class Places:
+    """An in-process job's way in for an agent that arrives while the job runs: the place of a
+    lost agent, taken in the running rendezvous round instead of a new round.
+
+    torch's agents restart all their workers when an agent waits for a new round; with in-process
+    recovery the survivors' workers already re-formed without the lost host, and its workers (fixed
+    ranks, see :mod:`hvd_trainer.comm.world.quorum`) only need starting again. So an agent that
+    finds the round complete takes, in the signed rendezvous state, the place (torch's group rank)
+    of a participant that is gone — its heartbeat older than torch's dead-node limit, or its agent
+    process gone from this very host (a host's line started again) — and returns that round's
+    :class:`RendezvousInfo`: its workers get the lost host's ranks and join the survivors at their
+    next step. A round with room to grow (fewer hosts than ``--max-np`` allows) or no round
+    running goes through torch's rendezvous as before; a full round whose agents are all alive is
+    waited on (a spare) until a place is free, the round ends, or the start timeout passes.
+
+    Rank 0 (the host of the workers' store) is never taken: without it the job has ended.
+    This reads and writes torch's private rendezvous state (``_state_holder``, ``_this_node``);
+    a torch without them joins torch's way.
+    """
+
+    POLL_SECONDS = 0.5
+
+    def __init__(self, handler: Any, params: RendezvousParameters, deadline: float) -> None:
+        self.handler, self.deadline = handler, deadline
+        interval = params.get_as_int("keep_alive_interval", 5) or 5
+        self.dead_after = timedelta(seconds=interval * (params.get_as_int("keep_alive_max_attempt", 3) or 3))
+        self.max_nodes = params.max_nodes
+
+    def _supported(self) -> bool:
+        return all(hasattr(self.handler, name) for name in
+                   ("_state_holder", "_this_node", "_start_heartbeats", "_get_store"))
+
+    def take(self) -> Any:
+        """This agent's :class:`RendezvousInfo` in a lost agent's place, or ``None`` to join
+        through torch's rendezvous."""
+        if not self._supported():
+            return None
+        holder, me = self.handler._state_holder, self.handler._this_node
+        waited = False
+        while True:
+            holder.sync()
+            state = holder.state
+            if not state.complete or state.closed or me in state.participants:
+                return None
+            size = self._round_size()
+            if size is None or size < self.max_nodes:
+                return None
+            place = self._free_place(state, size)
+            if place is not None:
+                info = self._claim(place, size)
+                if info is not None:
+                    return info
+                continue  # another agent wrote the state first: read it again
+            if time.monotonic() >= self.deadline:
+                return None  # torch's rendezvous then says what it says at its own timeout
+            if not waited:
+                print("hvdrun: the job is running with all its hosts; this host waits as a spare and "
+                      "takes the place of the first host lost.", file=sys.stderr, flush=True)
+                waited = True
+            time.sleep(self.POLL_SECONDS)
+
+    def _round_size(self) -> int | None:
+        store = self.handler._get_store()
+        if not store.check([ROUND_SIZE_KEY]):
+            return None
+        return int(bytes(store.get(ROUND_SIZE_KEY)).decode())
+
+    def _gone(self, state: Any, node: Any) -> bool:
+        beat = state.last_heartbeats.get(node)
+        if beat is None or datetime.now(timezone.utc) - beat >= self.dead_after:
+            return True
+        me = self.handler._this_node
+        return node.addr == me.addr and node.pid != me.pid and not _pid_alive(node.pid)
+
+    def _free_place(self, state: Any, size: int) -> int | None:
+        held = {rank for node, rank in state.participants.items() if not self._gone(state, node)}
+        free = [rank for rank in range(1, size) if rank not in held]
+        return free[0] if free else None
+
+    def _claim(self, place: int, size: int) -> Any:
+        holder, me = self.handler._state_holder, self.handler._this_node
+        state = holder.state
+        lost = [node for node, rank in state.participants.items() if rank == place]
+        for node in lost:
+            del state.participants[node]
+            state.last_heartbeats.pop(node, None)
+        state.participants[me] = place
+        state.last_heartbeats[me] = datetime.now(timezone.utc)
+        holder.mark_dirty()
+        holder.sync()
+        if holder.state.participants.get(me) != place:
+            return None
+        from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
+
+        self.handler._start_heartbeats()
+        store = self.handler._get_store()
+        bootstrap = RendezvousStoreInfo.build(place, store, local_addr=me.addr)
+        self.handler._bootstrap_store_info = bootstrap
+        was = f" (that of {lost[0].addr})" if lost else ""
+        print(f"hvdrun: this host takes place {place} of {size}{was} in the running job; its workers "
+              "join the others in process.", file=sys.stderr, flush=True)
+        return RendezvousInfo(store, place, size, bootstrap)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool,

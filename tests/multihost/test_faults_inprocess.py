@@ -78,10 +78,11 @@ def test_a_killed_host_leaves_the_survivor_training_in_its_own_process(tmp_path:
 
 @pytest.mark.timeout(300)
 def test_a_killed_host_started_again_is_taken_back(tmp_path: Path) -> None:
-    """h2 killed, then its line started again: the agent joins through torchrun's rendezvous (h1's
-    agent restarts h1's worker, which resumes from the commit file) and both hosts end 0. Before,
-    torch's handler wrote the shared store's address only in its first round, the returning agent
-    waited for it under the new round's keys, and the job failed on both hosts 60 s later."""
+    """h2 killed, then its line started again: the new agent takes the lost agent's place in the
+    running rendezvous round, h2's worker joins h1's in process at a step boundary (h1's worker
+    keeps its process: no rendezvous round, no restart from the commit file) and both hosts end 0.
+    Before, the agent joined through a new torchrun round, for which h1's agent restarted h1's
+    worker from the commit file."""
     samples = 1024  # long enough to go on at 2 ranks after h2 is back
     with cluster(2) as c:
         h1, h2 = c.hosts
@@ -98,6 +99,9 @@ def test_a_killed_host_started_again_is_taken_back(tmp_path: Path) -> None:
         assert rejoined is not None, job.tail()
         print(f"\nFAULT-TIME in-process host back: 2 ranks again {rejoined - back_at:.1f} s after "
               "h2's line was started again")
+        assert "takes place 1 of 2" in back.text("h2"), back.tail()
+        assert len(set(re.findall(r"START slot=0 pid=(\d+)", job.text("h1")))) == 1, job.tail()
+        assert re.search(r"re-formed in process \(a worker joined\): 1 -> 2 ranks", job.text("h1")), job.tail()
         _samples_once_and_replayed(tmp_path / "out.pt", samples)
         assert not any(c.pids().values()), c.pids()
 

@@ -207,3 +207,49 @@ def test_the_rounds_after_the_first_wait_the_rejoin_timeout(monkeypatch) -> None
     handler.next_rendezvous()
     assert handler._settings.timeout.join == timedelta(seconds=77)
     handler.shutdown()
+
+
+def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(monkeypatch, capfd) -> None:
+    """In-process recovery (``in_process``): an agent arriving at a running job waits while every
+    agent is alive, then takes a lost agent's place (its rank, the round's size, the workers' store
+    address) in the same round; the survivor sees nobody waiting for a new round (torch's agents
+    would restart their workers for one)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    port = free_port()
+
+    def agent(addr: str, *, is_host: bool = False, record: DoorRecord | None = None):
+        params = _params(port, is_host=is_host, nodes=2, local_addr=addr, in_process="true",
+                         keep_alive_interval=1, keep_alive_max_attempt=2)
+        return _create_handler(params, secret="s", spares=True, record=record)
+
+    h1, h2 = agent("10.0.0.1", is_host=True), agent("10.0.0.2")
+    infos: dict[str, object] = {}
+    joining = [threading.Thread(target=lambda n=n, h=h: infos.__setitem__(n, h.next_rendezvous()))
+               for n, h in (("h1", h1), ("h2", h2))]
+    for t in joining:
+        t.start()
+    for t in joining:
+        t.join(timeout=30)
+    assert [infos[n].rank for n in ("h1", "h2")] == [0, 1], infos
+
+    record = DoorRecord()
+    spare = agent("10.0.0.3", record=record)
+    taken: list[object] = []
+    arriving = threading.Thread(target=lambda: taken.append(spare.next_rendezvous()))
+    arriving.start()
+    seen, deadline = "", time.monotonic() + 20
+    while "waits as a spare" not in seen and time.monotonic() < deadline:
+        seen += capfd.readouterr().err
+        time.sleep(0.05)
+    assert "waits as a spare" in seen and not taken and not record.joined
+    h2._stop_heartbeats()  # h2's agent is lost: its heartbeat goes stale after 2 s
+    arriving.join(timeout=30)
+    assert len(taken) == 1 and record.joined
+    info, first = taken[0], infos["h1"]
+    assert (info.rank, info.world_size) == (1, 2)
+    assert (info.bootstrap_store_info.master_addr, info.bootstrap_store_info.master_port) == (
+        first.bootstrap_store_info.master_addr, first.bootstrap_store_info.master_port)
+    assert "takes place 1 of 2 (that of 10.0.0.2)" in capfd.readouterr().err
+    assert h1.num_nodes_waiting() == 0
+    for handler in (spare, h1):
+        handler.shutdown()
