@@ -386,6 +386,8 @@ class Places:
         interval = params.get_as_int("keep_alive_interval", 5) or 5
         self.dead_after = timedelta(seconds=interval * (params.get_as_int("keep_alive_max_attempt", 3) or 3))
         self.max_nodes = params.max_nodes
+        self._seen: dict[int, str] = {}
+        """The address last seen at each place (for the line that names whose place is taken)."""
 
     def _supported(self) -> bool:
         return all(hasattr(self.handler, name) for name in
@@ -434,6 +436,7 @@ class Places:
         return node.addr == me.addr and node.pid != me.pid and not _pid_alive(node.pid)
 
     def _free_place(self, state: Any, size: int) -> int | None:
+        self._seen.update({rank: node.addr for node, rank in state.participants.items()})
         held = {rank for node, rank in state.participants.items() if not self._gone(state, node)}
         free = [rank for rank in range(1, size) if rank not in held]
         return free[0] if free else None
@@ -457,7 +460,7 @@ class Places:
         store = self.handler._get_store()
         bootstrap = RendezvousStoreInfo.build(place, store, local_addr=me.addr)
         self.handler._bootstrap_store_info = bootstrap
-        was = f" (that of {lost[0].addr})" if lost else ""
+        was = f" (that of {self._seen[place]})" if place in self._seen else ""
         print(f"hvdrun: this host takes place {place} of {size}{was} in the running job; its workers "
               "join the others in process.", file=sys.stderr, flush=True)
         return RendezvousInfo(store, place, size, bootstrap)
