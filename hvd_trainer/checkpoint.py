@@ -73,11 +73,14 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
 
 def discard(path: str | os.PathLike[str]) -> None:
     """Remove ``path`` and every ``.<name>.*.tmp`` that an interrupted :func:`atomic_save` of it
-    left next to it (a process killed mid-write). Call it only once nothing writes ``path``."""
+    left next to it (a process killed mid-write). Call it only once nothing writes ``path``. The
+    folder may vanish meanwhile (another host's rank cleaning the same shared folder): nothing is
+    raised for that."""
     target = Path(path)
     target.unlink(missing_ok=True)
-    for stray in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        stray.unlink(missing_ok=True)
+    with contextlib.suppress(FileNotFoundError):  # the folder removed while it was listed
+        for stray in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+            stray.unlink(missing_ok=True)
 
 
 def save_checkpoint(obj: Any, path: str | os.PathLike[str], *, rank: int | None = None) -> bool:

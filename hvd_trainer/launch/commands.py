@@ -166,10 +166,13 @@ def _nodes(opts: HvdrunOptions) -> str:
     ppn = opts.procs_per_host
     if not opts.elastic:
         return str(len(opts.hosts))
-    if opts.recovery == "in-process":  # membership changes by rank inside the job, not by host
-        return str(len(opts.hosts)) if not opts.multi_host else f"1:{len(opts.hosts)}"
     lo = opts.min_np if opts.min_np is not None else opts.num_proc
     hi = opts.max_np if opts.max_np is not None else opts.num_proc
+    if opts.recovery == "in-process":  # membership changes by rank inside the job, not by host
+        if not opts.multi_host:
+            return str(len(opts.hosts))
+        # at most the hosts --max-np needs: the other listed hosts wait as spares
+        return f"1:{min(len(opts.hosts), -(-hi // ppn))}"
     if lo % ppn or hi % ppn:
         raise HvdrunError(
             f"--min-np {lo}/--max-np {hi} are not multiples of the {ppn} process(es) per host; "
@@ -213,7 +216,7 @@ def torchrun_args(opts: HvdrunOptions, port: int, agent: AgentIdentity | None = 
         if opts.elastic:  # the rendezvous rounds after the first (a re-form) wait longer
             later = opts.elastic_timeout_seconds or ELASTIC_TIMEOUT_SECONDS
             conf += f",rejoin_timeout={max(1, round(later))}"
-        if opts.multi_host and opts.recovery == "in-process":  # an agent arriving later takes a lost one's place
+        if opts.multi_host and opts.recovery == "in-process":  # a later agent takes a lost one's place
             conf += ",in_process=true"
         if agent is not None:
             conf += f",is_host={'true' if agent.index == 0 else 'false'}"

@@ -32,8 +32,8 @@ WORKER = str(Path(__file__).resolve().parents[1] / "e2e" / "scripts" / "inproces
 SAMPLES, EPOCHS, TIMEOUT = 256, 2, 4
 
 
-def _line(out: Path, samples: int = SAMPLES, kill_step: int = -1) -> list[str]:
-    return [HVDRUN, "-np", "2", "-H", "h1:1,h2:1", "--min-np", "1", "--max-np", "2", "--recovery",
+def _line(out: Path, samples: int = SAMPLES, kill_step: int = -1, hosts: str = "h1:1,h2:1") -> list[str]:
+    return [HVDRUN, "-np", "2", "-H", hosts, "--min-np", "1", "--max-np", "2", "--recovery",
             "in-process", "--port", "29400", "--no-ssh", "--start-timeout", "90",
             sys.executable, WORKER, str(out), str(kill_step), "0.1", str(samples)]
 
@@ -59,6 +59,13 @@ def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> Non
     print(f"\nFAULT-TIME in-process {what}: h1's next step done {after - fault_at:.1f} s after the fault")
     assert after - fault_at < limit, job.tail()
     _samples_once_and_replayed(out, SAMPLES)
+
+
+def _joined_in_process(job: Job) -> None:
+    """h1's worker kept its process and took the joiner in without a new rendezvous round."""
+    text = job.text("h1")
+    assert len(set(re.findall(r"START slot=0 pid=(\d+)", text))) == 1, job.tail()
+    assert re.search(r"re-formed in process \(a worker joined\): 1 -> 2 ranks", text), job.tail()
 
 
 @pytest.mark.timeout(300)
@@ -100,8 +107,35 @@ def test_a_killed_host_started_again_is_taken_back(tmp_path: Path) -> None:
         print(f"\nFAULT-TIME in-process host back: 2 ranks again {rejoined - back_at:.1f} s after "
               "h2's line was started again")
         assert "takes place 1 of 2" in back.text("h2"), back.tail()
-        assert len(set(re.findall(r"START slot=0 pid=(\d+)", job.text("h1")))) == 1, job.tail()
-        assert re.search(r"re-formed in process \(a worker joined\): 1 -> 2 ranks", job.text("h1")), job.tail()
+        _joined_in_process(job)
+        _samples_once_and_replayed(tmp_path / "out.pt", samples)
+        assert not any(c.pids().values()), c.pids()
+
+
+@pytest.mark.timeout(300)
+def test_a_spare_host_takes_a_killed_hosts_place_in_process(tmp_path: Path) -> None:
+    """-H h1:1,h2:1,h3:1 -np 2: h3's line, started while the job runs with h1 and h2, waits as a
+    spare; h2 killed, h3 takes its place in the running round and its worker joins h1's in process
+    (h1's worker keeps its process); h1 and h3 end 0, every sample once per epoch."""
+    samples = 1024
+    line = _line(tmp_path / "out.pt", samples, hosts="h1:1,h2:1,h3:1")
+    with cluster(3) as c:
+        h1, h2, h3 = c.hosts
+        job = start_job(c, [h1, h2], line)
+        assert job.wait_for("h1", "STEP 10 rank=0 size=2", timeout=150), job.tail()
+        spare = start_job(c, [h3], line)
+        assert spare.wait_for("h3", "waits as a spare", timeout=60), spare.tail()
+        c.kill_host(h2)
+        killed_at = time.monotonic()
+        assert spare.wait_for("h3", "takes place 1 of 2", timeout=60), spare.tail()
+        assert job.wait_exit("h1", 240) is not None, job.tail()
+        assert spare.wait_exit("h3", 60) is not None, spare.tail()
+        assert (job.procs["h1"].returncode, spare.procs["h3"].returncode) == (0, 0), job.tail() + spare.tail()
+        rejoined = job.first("h1", "rank=0 size=2", after=job.first("h1", "rank=0 size=1") or killed_at)
+        assert rejoined is not None, job.tail()
+        print(f"\nFAULT-TIME in-process spare: 2 ranks again {rejoined - killed_at:.1f} s after h2 was "
+              "killed")
+        _joined_in_process(job)
         _samples_once_and_replayed(tmp_path / "out.pt", samples)
         assert not any(c.pids().values()), c.pids()
 
