@@ -409,8 +409,10 @@ def _spread(name: str, values: list[float | None], target: str = "") -> str:
             f"rounds={len(got)}{target}")
 
 
-def _report_chaos(name: str, rounds: list[dict]) -> None:
-    target = {"inprocess": " target>=0.90"}.get(name, "")
+def _report_chaos(name: str, rounds: list[dict], lab: bool = False) -> None:
+    """The figures of ``rounds`` of one mode; the in-process target is 0.90 on one host, 0.85 on
+    the lab."""
+    target = {"inprocess": " target>=0.85" if lab else " target>=0.90"}.get(name, "")
     print(_spread(f"chaos_efficiency_{name}", [r["steps"] for r in rounds]), flush=True)
     print(_spread(f"chaos_sample_efficiency_{name}", [r["samples"] for r in rounds], target), flush=True)
     print(f"RATIO joiner_s_{name}={_fmt(_median([j for r in rounds for j in r['joiner']]))}", flush=True)
@@ -440,7 +442,7 @@ def phase_chaos(args: argparse.Namespace, table: dict[str, Mode], tmp: Path, rng
             replay = k == 0 and (name == "inprocess" or args.replay_all)
             results[name].append(_chaos_round(name, base, chaos, args, replay))
     for name, rounds in results.items():
-        _report_chaos(name, rounds)
+        _report_chaos(name, rounds, lab=args.lab is not None)
     if "inprocess" in results and "restart" in results:
         ratios = [a["base_rate"] / b["base_rate"] for a, b in zip(results["inprocess"], results["restart"],
                                                                   strict=True)]
