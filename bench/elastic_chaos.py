@@ -16,8 +16,8 @@ width 128, 64 tokens, batch 8 per rank) trained with the torch API, ``TorchState
 - ``inprocess``: ``hvdrun -np 2 --min-np 1 --max-np 2 --recovery in-process``, commit every step:
   the survivors keep their processes and go on alone from their in-memory commit; hvdrun restarts
   only the killed worker, which joins at their next commit;
-- ``restart``: ``hvdrun -np 2 --min-np 2 --max-np 2`` (``--recovery restart``, the default; one
-  host, so torchrun, which counts whole hosts, needs ``--min-np`` = ``--max-np``),
+- ``restart``: ``hvdrun -np 2 --min-np 2 --max-np 2 --recovery restart`` (one host, so torchrun,
+  which counts whole hosts, needs ``--min-np`` = ``--max-np``),
   commit every step: torchrun's agent stops every worker and starts them all again; they resume
   from the commit file;
 - ``ckptN``: plain torchrun restarts (``hvdrun -np 2 --max-restarts R``, not elastic) with a
@@ -174,7 +174,7 @@ def modes(args: argparse.Namespace) -> dict[str, Mode]:
         "inprocess": Mode("inprocess", ["--min-np", "1", "--max-np", np_, "--recovery", "in-process",
                                         *restarts], 1),
         # torchrun grows and shrinks by whole hosts: one host, so --min-np = --max-np
-        "restart": Mode("restart", ["--min-np", np_, "--max-np", np_, *restarts], 1),
+        "restart": Mode("restart", ["--min-np", np_, "--max-np", np_, "--recovery", "restart", *restarts], 1),
         ckpt: Mode(ckpt, restarts, args.ckpt_every),
     }
 

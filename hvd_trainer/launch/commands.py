@@ -171,8 +171,9 @@ def _nodes(opts: HvdrunOptions) -> str:
     if opts.recovery == "in-process":  # membership changes by rank inside the job, not by host
         if not opts.multi_host:
             return str(len(opts.hosts))
-        # at most the hosts --max-np needs: the other listed hosts wait as spares
-        return f"1:{min(len(opts.hosts), -(-hi // ppn))}"
+        # from the hosts --min-np needs to those --max-np needs: the other listed hosts are spares
+        most = min(len(opts.hosts), -(-hi // ppn))
+        return f"{min(most, -(-lo // ppn))}:{most}"
     if lo % ppn or hi % ppn:
         raise HvdrunError(
             f"--min-np {lo}/--max-np {hi} are not multiples of the {ppn} process(es) per host; "

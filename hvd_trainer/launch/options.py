@@ -58,9 +58,9 @@ class HvdrunOptions:
     recovery: str | None = None
     """Elastic recovery from a lost worker: ``restart`` (torchrun restarts every worker, which
     resume from the last commit on disk) or ``in-process`` (the survivors keep their processes and
-    re-form the world; the lost worker is restarted alone and joins). ``None``: ``in-process``
-    when ``--min-np``/``--max-np`` count single processes rather than whole hosts (torchrun's
-    restart path cannot), else ``restart``; resolved at construction."""
+    re-form the world; the lost worker is restarted alone and joins, a host that comes back or a
+    spare takes a lost host's place). ``None``: ``in-process`` for an elastic job, else
+    ``restart`` (the non-elastic path's ``--max-restarts``); resolved at construction."""
     port: int | None = None
     """Rendezvous port; ``None`` = a free one (single host) or 29400 (several hosts)."""
     rdzv_id: str | None = None
@@ -121,20 +121,10 @@ class HvdrunOptions:
         self._resolve_recovery()
 
     def _resolve_recovery(self) -> None:
-        if self.recovery is not None:
-            return
-        self.recovery = "restart"
-        lo = self.min_np if self.min_np is not None else self.num_proc
-        hi = self.max_np if self.max_np is not None else self.num_proc
-        ppn = self.procs_per_host
-        if self.elastic and (lo % ppn or hi % ppn):
+        if self.recovery is None and self.elastic:  # as Horovod's elastic mode: the survivors go on
             self.recovery = "in-process"
-            self.notes.append(
-                f"hvdrun: --min-np {lo}/--max-np {hi} count single processes, not whole hosts of "
-                f"{ppn}, so a lost worker is recovered in process: the others keep their processes "
-                "and it is started again alone (--recovery in-process). HINT: --recovery restart with "
-                f"multiples of {ppn} restarts every worker from the last commit on disk instead."
-            )
+        elif self.recovery is None:
+            self.recovery = "restart"
 
     def _assign_hosts(self) -> None:
         given = self.hosts or [HostSlots(host="localhost", slots=self.num_proc)]
@@ -211,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-restarts", "--reset-limit", type=int, dest="max_restarts",
                    help="restarts of all workers after a failure (elastic default 3)")
     p.add_argument("--recovery", choices=("restart", "in-process"), default=None,
-                   help="elastic: restart every worker after a loss, or keep the survivors' processes "
-                        "and restart only the lost one (in-process; the default when --min-np/--max-np "
-                        "are not whole hosts)")
+                   help="elastic: keep the survivors' processes and restart only the lost worker "
+                        "(in-process, the default), or restart every worker from the last commit on "
+                        "disk (restart)")
     p.add_argument("--port", type=int, help="rendezvous port (default: a free one)")
     p.add_argument("--rdzv-id", help="job id shared by all hosts of a multi-host run")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"),

@@ -12,7 +12,7 @@ from hvd_trainer.launch.commands import find_mpirun
 from tests.e2e.hvdrun_helpers import SCRIPTS, Result, clean_env, hvdrun, last_line
 from tests.e2e.shared_launches import PROBE_PREFIXES
 
-ELASTIC = ["--min-np", "2", "--max-np", "2", "--max-restarts", "2"]
+ELASTIC = ["--min-np", "2", "--max-np", "2", "--max-restarts", "2", "--recovery", "restart"]
 
 
 def test_horovod_variables_reach_every_worker(plain_probe: Result) -> None:

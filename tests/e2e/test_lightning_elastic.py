@@ -20,7 +20,7 @@ def test_killed_rank_resumes_fit_mid_epoch_with_identical_weights(tmp_path: Path
     ref = hvdrun(["-np", "2", "python", SCRIPT, str(tmp_path / "ref.pt"), "-1"], timeout=150)
     assert ref.returncode == 0, ref.explain()
     assert "resumed from" not in ref.output, ref.explain()  # not elastic without restarts
-    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "python", SCRIPT,
+    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart", "python", SCRIPT,
                   str(tmp_path / "run.pt"), str(KILL_STEP)], timeout=240)
     assert res.returncode == 0, res.explain()
     assert "START rank=1 attempt=0 step=0" in res.output, res.explain()

@@ -35,13 +35,15 @@ DRY_RUNS = [
      ["--nproc-per-node=2", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=h1:1234",
       "--rdzv-id=job7", "--rdzv-conf=join_timeout=30"]),
     ("multi-host-default-port", ["-np", "4", "-H", "h1:2,h2:2", "x.py"], ["--rdzv-endpoint=h1:29400"]),
-    ("elastic-single-host", ["-np", "2", "--min-np", "2", "--max-np", "2", "x.py"],
+    ("elastic-single-host", ["-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart", "x.py"],
      ["--nnodes=1:1", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:", "--local-addr=127.0.0.1",
       "join_timeout=30,rejoin_timeout=600",
       "--max-restarts=3", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"]),
     ("elastic-multi-host", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "2", "--max-np", "6",
-                            "--max-restarts", "5", "x.py"],
+                            "--max-restarts", "5", "--recovery", "restart", "x.py"],
      ["--nnodes=1:3", "--max-restarts=5"]),
+    ("elastic-whole-hosts-in-process", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "4", "--max-np", "4", "x.py"],
+     ["HVDRUN_RECOVERY=in-process", "--nnodes=2:2", "--max-restarts=0", ",in_process=true"]),
     ("mpirun", ["--mpi", "-np", "4", "-H", "h1:2,h2:2", "--fusion-threshold-mb", "1", "x.py"],
      ["-np 4 -H h1:2,h2:2 --bind-to none --map-by slot", "-x MASTER_ADDR=h1",
       "-x MASTER_PORT=29400", "-x HOROVOD_FUSION_THRESHOLD=1048576", f"{RUN} x.py"]),
@@ -162,12 +164,16 @@ def test_early_exit_note_counts_ranks_the_agent_sigtermed_as_victims() -> None:
     assert "on another host" in _early_exit_note({0: peer, 1: term}, 0, None, multi_host=True)
 
 
-def test_elastic_by_process_says_it_recovers_in_process(capsys, monkeypatch) -> None:
-    """Horovod's ``--min-np 1 --max-np 2`` on one host of 2 slots works as is: in process, said once."""
+def test_elastic_jobs_recover_in_process_unless_told_to_restart(capsys, monkeypatch) -> None:
+    """Horovod's elastic mode kept the survivors' processes; so does every elastic hvdrun job, by
+    process or by whole hosts, unless ``--recovery restart`` asks for torchrun's restart path."""
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert cli.main(["--dry-run", "-np", "2", "--min-np", "1", "--max-np", "2", "x.py"]) == 0
-    err = capsys.readouterr().err
-    assert err.count("recovered in process") == 1 and "--recovery restart with multiples of 2" in err, err
-    assert cli.main(["--dry-run", "-np", "2", "--min-np", "2", "--max-np", "2", "x.py"]) == 0
-    assert "in process" not in capsys.readouterr().err  # whole hosts: the restart path, as before
+    for np_range in (("1", "2"), ("2", "2")):
+        assert cli.main(["--dry-run", "-np", "2", "--min-np", np_range[0], "--max-np", np_range[1], "x.py"]) == 0
+        assert "HVDRUN_RECOVERY=in-process" in capsys.readouterr().out, np_range
+    assert cli.main(["--dry-run", "-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart",
+                     "x.py"]) == 0
+    assert "HVDRUN_RECOVERY" not in capsys.readouterr().out
+    assert cli.main(["--dry-run", "-np", "2", "x.py"]) == 0  # not elastic: no recovery at all
+    assert "HVDRUN_RECOVERY" not in capsys.readouterr().out
