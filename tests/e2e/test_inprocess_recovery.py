@@ -66,7 +66,6 @@ def test_survivor_keeps_its_process_and_the_restarted_rank_joins(tmp_path: Path)
     res = hvdrun(["-np", "2", "--min-np", "1", "--max-np", "2", "python", WORKER, str(out), str(KILL_STEP),
                   "0.15"], timeout=180)
     assert res.returncode == 0, res.explain()
-    assert "a lost worker is recovered in process" in res.output, res.explain()
     pattern = r"START slot=(\d) pid=(\d+) rank=(\d) size=(\d) respawn=(\d) step=(\d+)"
     starts = re.findall(pattern, res.output)
     survivor = {pid for slot, pid, *_ in starts if slot == "0"}
