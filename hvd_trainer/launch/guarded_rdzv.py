@@ -309,7 +309,7 @@ def _create_handler(params: RendezvousParameters, *, secret: str | None, spares:
     record = DoorRecord() if record is None else record
     record.endpoint, record.handler = params.endpoint, handler
     rejoin = params.get_as_int("rejoin_timeout")
-    places = Places(handler, params, deadline) if params.get_as_bool("in_process", False) else None
+    places = Places(handler, params) if params.get_as_bool("in_process", False) else None
     handler.next_rendezvous = _noting_joins(handler, record, rejoin, places)  # type: ignore[method-assign]
     return handler
 
@@ -372,7 +372,7 @@ class Places:
     :class:`RendezvousInfo`: its workers get the lost host's ranks and join the survivors at their
     next step. A round with room to grow (fewer hosts than ``--max-np`` allows) or no round
     running goes through torch's rendezvous as before; a full round whose agents are all alive is
-    waited on (a spare) until a place is free, the round ends, or the start timeout passes.
+    waited on (a spare, as in Horovod's elastic mode) until a place is free or the job ends.
 
     Rank 0 (the host of the workers' store) is never taken: without it the job has ended.
     This reads and writes torch's private rendezvous state (``_state_holder``, ``_this_node``);
@@ -381,8 +381,8 @@ class Places:
 
     POLL_SECONDS = 0.5
 
-    def __init__(self, handler: Any, params: RendezvousParameters, deadline: float) -> None:
-        self.handler, self.deadline = handler, deadline
+    def __init__(self, handler: Any, params: RendezvousParameters) -> None:
+        self.handler = handler
         interval = params.get_as_int("keep_alive_interval", 5) or 5
         self.dead_after = timedelta(seconds=interval * (params.get_as_int("keep_alive_max_attempt", 3) or 3))
         self.max_nodes = params.max_nodes
@@ -414,8 +414,6 @@ class Places:
                 if info is not None:
                     return info
                 continue  # another agent wrote the state first: read it again
-            if time.monotonic() >= self.deadline:
-                return None  # torch's rendezvous then says what it says at its own timeout
             if not waited:
                 print("hvdrun: the job is running with all its hosts; this host waits as a spare and "
                       "takes the place of the first host lost.", file=sys.stderr, flush=True)
