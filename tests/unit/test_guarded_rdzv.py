@@ -251,5 +251,24 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
         first.bootstrap_store_info.master_addr, first.bootstrap_store_info.master_port)
     assert "takes place 1 of 2 (that of 10.0.0.2)" in capfd.readouterr().err
     assert h1.num_nodes_waiting() == 0
+    # a second spare waits for as long as the job runs, then is told the job ended
+    late = agent("10.0.0.4")
+    raised: list[BaseException] = []
+
+    def wait_for_a_place() -> None:
+        try:
+            late.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the test asserts which one
+            raised.append(exc)
+
+    waiting = threading.Thread(target=wait_for_a_place)
+    waiting.start()
+    seen, deadline = "", time.monotonic() + 20
+    while "waits as a spare" not in seen and time.monotonic() < deadline:
+        seen += capfd.readouterr().err
+        time.sleep(0.05)
+    assert "waits as a spare" in seen and not raised
     for handler in (spare, h1):
         handler.shutdown()
+    waiting.join(timeout=20)
+    assert len(raised) == 1 and isinstance(raised[0], RendezvousEndedError), raised
