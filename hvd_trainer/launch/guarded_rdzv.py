@@ -36,7 +36,6 @@ import functools
 import hashlib
 import hmac
 import itertools
-import os
 import pickle
 import secrets
 import socket
@@ -61,6 +60,7 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
+from hvd_trainer.comm.base.fatal import pid_alive
 from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 
 __all__ = ["BACKEND", "DoorRecord", "Places", "use_guarded_rendezvous", "SignedC10dBackend"]
@@ -431,7 +431,7 @@ class Places:
         if beat is None or datetime.now(timezone.utc) - beat >= self.dead_after:
             return True
         me = self.handler._this_node
-        return node.addr == me.addr and node.pid != me.pid and not _pid_alive(node.pid)
+        return node.addr == me.addr and node.pid != me.pid and not pid_alive(node.pid)
 
     def _free_place(self, state: Any, size: int) -> int | None:
         self._seen.update({rank: node.addr for node, rank in state.participants.items()})
@@ -463,15 +463,6 @@ class Places:
               "join the others in process.", file=sys.stderr, flush=True)
         return RendezvousInfo(store, place, size, bootstrap)
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def use_guarded_rendezvous(args: Any, secret: str | None, *, spares: bool,

@@ -37,8 +37,9 @@ def killed_run(tmp_path_factory: pytest.TempPathFactory) -> KilledRun:
     base = tmp_path_factory.mktemp("elastic")
     tmp = base / "tmp"
     tmp.mkdir()
-    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart", "python", WORKER, "default",
-                  str(base / "run.pt"), str(KILL_STEP)], timeout=240, env=clean_env(TMPDIR=str(tmp)))
+    res = hvdrun(["-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart", "python", WORKER,
+                  "default", str(base / "run.pt"), str(KILL_STEP)], timeout=240,
+                 env=clean_env(TMPDIR=str(tmp)))
     return KilledRun(res, base / "run.pt", tmp, alive(pids_from(res.output)))
 
 

@@ -34,7 +34,8 @@ def _line(hosts: str, np_range: tuple[int, int], run_dir: Path, out: Path,
           start_timeout: str | None = "90") -> list[str]:
     timeout = [] if start_timeout is None else ["--start-timeout", start_timeout]
     return [HVDRUN, "-np", "4", "-H", hosts, "--min-np", str(np_range[0]), "--max-np", str(np_range[1]),
-            "--recovery", "restart", "--port", "29400", "--no-ssh", *timeout, sys.executable, WORKER, str(run_dir), str(out)]
+            "--recovery", "restart", "--port", "29400", "--no-ssh", *timeout, sys.executable, WORKER,
+            str(run_dir), str(out)]
 
 
 def _last_commit(job: Job, host: str, before: float) -> int:

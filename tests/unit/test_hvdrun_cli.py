@@ -42,7 +42,8 @@ DRY_RUNS = [
     ("elastic-multi-host", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "2", "--max-np", "6",
                             "--max-restarts", "5", "--recovery", "restart", "x.py"],
      ["--nnodes=1:3", "--max-restarts=5"]),
-    ("elastic-whole-hosts-in-process", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "4", "--max-np", "4", "x.py"],
+    ("elastic-whole-hosts-in-process", ["-np", "4", "-H", "a:2,b:2,c:2", "--min-np", "4", "--max-np", "4",
+                                        "x.py"],
      ["HVDRUN_RECOVERY=in-process", "--nnodes=2:2", "--max-restarts=0", ",in_process=true"]),
     ("mpirun", ["--mpi", "-np", "4", "-H", "h1:2,h2:2", "--fusion-threshold-mb", "1", "x.py"],
      ["-np 4 -H h1:2,h2:2 --bind-to none --map-by slot", "-x MASTER_ADDR=h1",
@@ -169,9 +170,9 @@ def test_elastic_jobs_recover_in_process_unless_told_to_restart(capsys, monkeypa
     process or by whole hosts, unless ``--recovery restart`` asks for torchrun's restart path."""
     for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         monkeypatch.delenv(name, raising=False)
-    for np_range in (("1", "2"), ("2", "2")):
-        assert cli.main(["--dry-run", "-np", "2", "--min-np", np_range[0], "--max-np", np_range[1], "x.py"]) == 0
-        assert "HVDRUN_RECOVERY=in-process" in capsys.readouterr().out, np_range
+    for lo, hi in (("1", "2"), ("2", "2")):
+        assert cli.main(["--dry-run", "-np", "2", "--min-np", lo, "--max-np", hi, "x.py"]) == 0
+        assert "HVDRUN_RECOVERY=in-process" in capsys.readouterr().out, (lo, hi)
     assert cli.main(["--dry-run", "-np", "2", "--min-np", "2", "--max-np", "2", "--recovery", "restart",
                      "x.py"]) == 0
     assert "HVDRUN_RECOVERY" not in capsys.readouterr().out
