@@ -47,6 +47,7 @@ from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousGracefulExitError,
     RendezvousHandler,
     RendezvousParameters,
@@ -331,6 +332,11 @@ def _noting_joins(handler: RendezvousHandler, record: DoorRecord, rejoin_seconds
         except RendezvousGracefulExitError as exc:
             # torch's agent returns None for it, which its launcher then fails on
             # (AttributeError: 'NoneType' object has no attribute 'is_failed')
+            raise RendezvousEndedError(f"the job's rendezvous at {record.endpoint} closed: {exc}") from None
+        except RendezvousClosedError as exc:
+            if record.joined:
+                raise
+            # a spare that waited for a place (Places) finds the job ended
             raise RendezvousEndedError(f"the job's rendezvous at {record.endpoint} closed: {exc}") from None
         if not record.joined and rejoin_seconds:
             timeout = getattr(getattr(handler, "_settings", None), "timeout", None)  # torch's
