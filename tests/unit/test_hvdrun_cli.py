@@ -52,7 +52,7 @@ DRY_RUNS = [
     ("elastic-by-process-recovers-in-process", ["-np", "2", "--min-np", "1", "--max-np", "2", "x.py"],
      ["HVDRUN_RECOVERY=in-process", "HVDRUN_MIN_NP=1", "--nnodes=1", "--max-restarts=0"]),
     ("elastic-by-process-across-hosts", ["-np", "4", "-H", "a:2,b:2", "--min-np", "3", "x.py"],
-     ["HVDRUN_RECOVERY=in-process", "--nnodes=1:2", "--max-restarts=0", ",in_process=true"]),
+     ["HVDRUN_RECOVERY=in-process", "--nnodes=2:2", "--max-restarts=0", ",in_process=true"]),
 ]
 
 
