@@ -37,6 +37,21 @@ def _params(port: int, *, is_host: bool, run_id: str = "job-1", nodes: int = 1, 
                                 read_timeout=10, local_addr=local_addr, **conf)
 
 
+def _join_in_a_thread(handler) -> tuple[threading.Thread, list[BaseException]]:
+    """``handler.next_rendezvous()`` started in a thread, and the list its exception lands in."""
+    raised: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            handler.next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the test asserts which one
+            raised.append(exc)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    return thread, raised
+
+
 def _stranger(port: int) -> TCPStore:
     """A plain store client on the job's port: what anyone who reaches it can do."""
     return TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
@@ -100,16 +115,7 @@ def test_a_spare_waiting_when_the_job_ends_is_told_the_job_ended(monkeypatch) ->
     host.next_rendezvous()
     record = DoorRecord()
     spare = _create_handler(_params(port, is_host=False), secret="s", spares=True, record=record)
-    raised: list[BaseException] = []
-
-    def wait_as_a_spare() -> None:
-        try:
-            spare.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - the test asserts which one
-            raised.append(exc)
-
-    waiting = threading.Thread(target=wait_as_a_spare)
-    waiting.start()
+    waiting, raised = _join_in_a_thread(spare)
     deadline = time.monotonic() + 20
     while _waiting_spares(port, "s") == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -252,17 +258,7 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
     assert "takes place 1 of 2 (that of 10.0.0.2)" in capfd.readouterr().err
     assert h1.num_nodes_waiting() == 0
     # a second spare waits for as long as the job runs, then is told the job ended
-    late = agent("10.0.0.4")
-    raised: list[BaseException] = []
-
-    def wait_for_a_place() -> None:
-        try:
-            late.next_rendezvous()
-        except Exception as exc:  # noqa: BLE001 - the test asserts which one
-            raised.append(exc)
-
-    waiting = threading.Thread(target=wait_for_a_place)
-    waiting.start()
+    waiting, raised = _join_in_a_thread(agent("10.0.0.4"))
     seen, deadline = "", time.monotonic() + 20
     while "waits as a spare" not in seen and time.monotonic() < deadline:
         seen += capfd.readouterr().err
