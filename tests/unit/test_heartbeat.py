@@ -96,9 +96,10 @@ def server():
     del store
 
 
-def _watch(port: int, rank: int, tmp_path, exits: _Exits, prefix: str = "t") -> PeerWatch:
+def _watch(port: int, rank: int, tmp_path, exits: _Exits, prefix: str = "t",
+           timeout: float = 1.0) -> PeerWatch:
     return PeerWatch(store_host="127.0.0.1", store_port=port, key_prefix=prefix, rank=rank, size=2,
-                     timeout_seconds=1.0, grace_seconds=0.5, job_dir=str(tmp_path), hard_exit=exits)
+                     timeout_seconds=timeout, grace_seconds=0.5, job_dir=str(tmp_path), hard_exit=exits)
 
 
 def test_watches_that_beat_find_nothing_and_a_stopped_peer_stays_quiet(server, tmp_path) -> None:
@@ -157,14 +158,17 @@ def test_a_store_that_closes_ends_the_watch_without_a_report(tmp_path) -> None:
     exits = _Exits()
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
-    a = _watch(port, 0, tmp_path, exits, prefix="gone")
-    b = _watch(port, 1, tmp_path, exits, prefix="gone")
+    # A watch's store calls time out after half its timeout, and a call that fails ends the watch
+    # as "store gone": with 1 s, a loaded CI machine's 0.5 s stall once ended a watch before the
+    # other had seen it (the wait below failed). 4 s leaves 2 s per call.
+    a = _watch(port, 0, tmp_path, exits, prefix="gone", timeout=4.0)
+    b = _watch(port, 1, tmp_path, exits, prefix="gone", timeout=4.0)
     a.start(), b.start()
     try:
         assert _wait_for(lambda: 1 in a.peers)
         del store  # the server closes: the next round fails at once
         assert _wait_for(lambda: a.store_gone and b.store_gone)
-        time.sleep(1.5)  # more than the timeout: still nothing reported
+        time.sleep(4.5)  # more than the timeout: still nothing reported
         assert a.failure is None and b.failure is None and exits.codes == []
     finally:
         a.stop(), b.stop()
