@@ -6,7 +6,8 @@
 * world size changes (2 hosts, ``--min-np 2 --max-np 4``, the default ``--start-timeout``): h1
   continues alone from the last commit (the re-form outlasts the start timeout: it waits
   ``--elastic-timeout``); a copy of the line with another secret on h2 is refused without
-  restarting h1's workers; h2's hvdrun is started again and is taken in at the next rendezvous.
+  restarting h1's workers; h2's hvdrun is started again and is taken in at the next rendezvous
+  (h1 alone holds after step 18 until then).
 
 Both print the seconds from the kill to the resumed start (``FAULT-TIME ...``, pytest ``-s``).
 """
@@ -124,7 +125,12 @@ def test_training_continues_on_the_remaining_host_and_a_host_that_comes_back_is_
         # the default --start-timeout (30 s): the re-form after the loss takes longer (~45 s: torch
         # notices the lost agent, then waits its last call) and waits --elastic-timeout (600 s)
         line = _line("h1:2,h2:2", (2, 4), tmp_path / "run", tmp_path / "run.pt", start_timeout=None)
-        job = start_job(c, [h1, h2], line)
+        # h1 alone (world 2) holds after step 18 until h2 is back: alone it would finish its last
+        # steps in ~10 s, sooner than a loaded machine runs the stranger and h2's line
+        hold = tmp_path / "hold"
+        hold.touch()
+        job = start_job(c, [h1, h2], line, env={**os.environ, "ELASTIC_HOLD_FILE": str(hold),
+                                                 "ELASTIC_HOLD_STEP": "18", "ELASTIC_HOLD_WORLD": "2"})
         killed_at = _kill_mid_epoch(c, job)
         last = _last_commit(job, "h1", killed_at)
         assert _wait(lambda: _resumed(job, "h1", killed_at, world=2) is not None, 150), job.tail()
@@ -140,6 +146,7 @@ def test_training_continues_on_the_remaining_host_and_a_host_that_comes_back_is_
         assert _resumed(job, "h1", knocked_at, world=2) is None, job.tail()  # h1 was not restarted
         back = start_job(c, [h2], line)  # the host comes back
         assert _wait(lambda: _resumed(job, "h1", back_at, world=4) is not None, 150), job.tail() + back.tail()
+        hold.unlink()
         grown_at, grown_step = _resumed(job, "h1", back_at, world=4)
         print(f"FAULT-TIME elastic grow: h2 taken in {grown_at - back_at:.1f} s after its hvdrun started, "
               f"at step {grown_step}")

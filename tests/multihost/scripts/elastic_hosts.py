@@ -4,9 +4,10 @@ Usage: elastic_hosts.py RUN_DIR OUT_FILE
 Each host keeps its commits in ``RUN_DIR/<hostname>`` (its own "disk"). Every step prints
 ``STEP <step> rank=<r> world=<n> host=<h>``; a short sleep per step leaves time to kill a host
 mid-epoch (``ELASTIC_STEP_SLEEP`` seconds, default 0.15; 0 for a reference run that nobody
-interrupts). ``ELASTIC_HOLD_FILE``: in the first attempt every rank waits after step
-``ELASTIC_HOLD_STEP`` (default 14) while that file exists (the test holds the job until its spare
-has joined). Rank 0 saves the final weights and the per-step sample indices to OUT_FILE.
+interrupts). ``ELASTIC_HOLD_FILE``: every rank waits after step ``ELASTIC_HOLD_STEP`` (default
+14) while that file exists, in a world of ``ELASTIC_HOLD_WORLD`` ranks only if that is set (the
+test holds the job until a spare or a returning host has reached it). Rank 0 saves the final
+weights and the per-step sample indices to OUT_FILE.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ N, BATCH, EPOCHS, COMMIT_EVERY = 192, 4, 3, 3
 STEP_SLEEP = float(os.environ.get("ELASTIC_STEP_SLEEP", "0.15"))
 HOLD_FILE = os.environ.get("ELASTIC_HOLD_FILE")
 HOLD_STEP = int(os.environ.get("ELASTIC_HOLD_STEP", "14"))
+HOLD_WORLD = int(os.environ.get("ELASTIC_HOLD_WORLD", "0"))  # 0: any world size
 dataset = TensorDataset(torch.randn(N, 4), torch.randn(N, 1), torch.arange(N))
 model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -58,7 +60,8 @@ def train(state: elastic.TorchState) -> None:
             if state.step % COMMIT_EVERY == 0:
                 state.commit()
                 print(f"COMMIT {state.step} rank={world.rank}", flush=True)
-            while HOLD_FILE and attempt == 0 and state.step == HOLD_STEP and os.path.exists(HOLD_FILE):
+            held = HOLD_FILE and state.step == HOLD_STEP and HOLD_WORLD in (0, world.size)
+            while held and os.path.exists(HOLD_FILE):
                 time.sleep(0.05)
             if STEP_SLEEP > 0:
                 time.sleep(STEP_SLEEP)
