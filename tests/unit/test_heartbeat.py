@@ -174,6 +174,44 @@ def test_a_store_that_closes_ends_the_watch_without_a_report(tmp_path) -> None:
         a.stop(), b.stop()
 
 
+_STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, True, timedelta(seconds=30),
+                      wait_for_workers=False)
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_store_that_stalls_past_a_calls_timeout_keeps_the_watch_beating(tmp_path) -> None:
+    """A store frozen for longer than one call's timeout (3 s of a 6 s watch) but less than the
+    peer timeout: the timed-out call is silence, not a store that is gone; the beater connects
+    again and the rounds go on once the store answers, with nothing reported."""
+    exits = _Exits()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    a = _watch(port, 0, tmp_path, exits, prefix="stall", timeout=6.0)
+    b = _watch(port, 1, tmp_path, exits, prefix="stall", timeout=6.0)
+    try:
+        assert server.stdout.readline().strip() == "up"
+        a.start(), b.start()
+        assert _wait_for(lambda: 1 in a.peers and 0 in b.peers)
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(3.8)  # the fault's length: past a call's 3 s timeout, short of the 6 s silence
+        os.kill(server.pid, signal.SIGCONT)
+        thawed_at = time.monotonic()
+        assert _wait_for(lambda: a.last_round_at > thawed_at and b.last_round_at > thawed_at, timeout=10)
+        assert not a.store_gone and not b.store_gone
+        assert a.failure is None and b.failure is None and exits.codes == []
+    finally:
+        a.stop(), b.stop()
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
 def test_a_store_that_stops_answering_is_reported_as_cut_off(tmp_path) -> None:
     """A listener that accepts and never answers: what a cut link looks like from this side."""
     exits = _Exits()

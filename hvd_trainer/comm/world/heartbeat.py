@@ -17,11 +17,12 @@ two daemon threads:
    * a peer's count has not changed for ``timeout_seconds`` (and it did not stop cleanly):
      that peer's host is unreachable, or the process is frozen.
 
-A store call that *fails* (connection refused or closed: the store's process ended, e.g. rank 0
-hosting it finished first) is no partition: the watch ends quietly and the dead-rank checks of
-:mod:`~hvd_trainer.comm.ops.checks` report it. The first such finding is kept as
-:attr:`PeerWatch.failure`. A rank blocked in a gloo
-collective polls it every few milliseconds (``Coordinator._guarded_wait``) and raises
+A store call that *fails* because the store's process ended (the connection closed, and a new one
+is refused: e.g. rank 0 hosting it finished first) is no partition: the watch ends quietly and the
+dead-rank checks of :mod:`~hvd_trainer.comm.ops.checks` report it. A call that times out is
+silence: the beater connects again and the judge goes on measuring. The judge's first finding is
+kept as :attr:`PeerWatch.failure`. A rank blocked in a gloo collective polls it every few
+milliseconds (``Coordinator._guarded_wait``) and raises
 :class:`~hvd_trainer.comm.base.errors.HostUnreachableError`. A rank stuck where it cannot poll
 (a store call to the unreachable host, an NCCL wait) is ended by the judge after
 ``grace_seconds``: it prints the message and leaves with
@@ -230,20 +231,42 @@ class PeerWatch:
         return dist.TCPStore(host, port, None, False, wait, wait_for_workers=False)
 
     def _beat_loop(self) -> None:
-        """Beat until stopped. A store call that *fails* (refused, closed: the store's process
-        ended, e.g. rank 0 hosting it finished first) ends the watch without a report; only a
-        store that stops answering is a partition. Leaves no store call running at exit (a
-        daemon thread inside one at interpreter exit aborts the process)."""
-        try:
-            client = self._connect()
-            while not self._stop.is_set():
+        """Beat until stopped. A store call that *fails* because the store refuses or closes
+        connections (its process ended, e.g. rank 0 hosting it finished first) ends the watch
+        without a report. A call that times out (a store that stalls, a cut link) does not: the
+        beater connects again and beats on, and the judge measures the silence. Leaves no store
+        call running at exit (a daemon thread inside one at interpreter exit aborts the process)."""
+        client = None
+        while not self._stop.is_set():
+            try:
+                if client is None:
+                    client = self._connect()
                 self._round(client)
-                # quick rounds until every peer has beaten once, so every host is known early
-                self._stop.wait(self.interval_seconds if self._all_seen else 0.1)
-            if self.failure is None:
+            except Exception:  # noqa: BLE001 - refused, closed or timed out: the probe tells which
+                client = None
+                if self.failure is not None:  # judged already: nothing more to learn
+                    return
+                if self._store_refuses():
+                    self.store_gone = True
+                    return
+                self._stop.wait(self.interval_seconds)
+                continue
+            # quick rounds until every peer has beaten once, so every host is known early
+            self._stop.wait(self.interval_seconds if self._all_seen else 0.1)
+        if self.failure is None and client is not None:
+            with contextlib.suppress(Exception):  # the store may have ended meanwhile
                 client.set(self._keys[self.rank], f"{_STOPPED}|{self.host}|{os.getpid()}")
-        except Exception:  # noqa: BLE001 - the store is gone, not silent: nothing to judge
-            self.store_gone = True
+
+    def _store_refuses(self) -> bool:
+        """Whether the store's host answers that nothing listens on its port any more (connection
+        refused: the store's process ended). A timeout or an unreachable network is silence."""
+        try:
+            with socket.create_connection(self._endpoint, timeout=min(5.0, self.timeout_seconds / 2)):
+                return False
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
 
     def _round(self, client: Any) -> None:
         self._count += 1
