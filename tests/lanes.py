@@ -1,22 +1,25 @@
-"""``make test``: the whole suite as two pytest runs side by side, then the 30 slowest tests.
+"""``make test``: the whole suite as three pytest runs side by side, then the 30 slowest tests.
 
 * lane ``wait`` (``tests/multihost``, ``tests/engines``): namespace hosts, cut links, heartbeat
   timeouts, Ray/Slurm/Spark daemons. Mostly waiting, and holding the suite's tightest timing
   assertions (a survivor's next step within seconds of a fault), so it runs at normal priority.
-* lane ``cpu`` (``tests/unit``, ``tests/dist``, ``tests/e2e``, ``tests/gpu``): interpreters
-  importing torch, Lightning and Keras, rank pools computing; it runs at ``nice`` +5 and takes the
-  CPU the other lane leaves idle. (``tests/gpu`` skips itself where there is no GPU.)
+* lane ``e2e`` (``tests/e2e``, ``tests/gpu``): hvdrun launches end to end, faults and recoveries
+  with timing assertions of their own (a survivor's next step within 3 s); ``nice`` +5.
+* lane ``cpu`` (``tests/unit``, ``tests/dist``): one process, or rank pools computing values
+  against closed forms, with no timing assertion tighter than minutes; ``nice`` +10, so it takes
+  the CPU the other two leave idle.
 
-One run of the whole suite keeps a 2-core machine about half idle (most tests of the wait lane
-sleep on a timeout or a link); side by side, the suite takes about as long as its CPU lane. The
-lanes share nothing: the wait lane's hosts are network namespaces of their own, and every rank pool
-takes a fresh port.
+One lane after the other, the suite keeps a 2-core machine about half idle (the wait lane's tests
+sleep on a timeout or a link, a launch waits on its rendezvous); side by side, the suite takes about
+as long as its longest lane. The lanes share nothing: the wait lane's hosts are network namespaces
+of their own, every rank pool and launch takes a fresh port, and every test its own temporary
+folder.
 
 Usage: ``python -m tests.lanes [--reverse] [PYTEST_ARGS...]`` from the repository root; extra
-arguments go to both pytest runs. ``--reverse`` gives each lane its test files in reverse order
-(the tests must not depend on order). Exit status: 0 when both lanes passed, else the first
-non-zero of (cpu, wait); a lane where extra arguments selected nothing (pytest's 5) counts as
-passed unless neither lane ran a test.
+arguments go to every pytest run. ``--reverse`` gives each lane its test files in reverse order
+(the tests must not depend on order). Exit status: 0 when every lane passed, else the first
+non-zero of (cpu, e2e, wait); a lane where extra arguments selected nothing (pytest's 5) counts as
+passed unless no lane ran a test.
 """
 
 from __future__ import annotations
@@ -46,9 +49,12 @@ class Lane:
 
 
 LANES = (
-    Lane(name="cpu", folders=("unit", "dist", "e2e", "gpu"), nice=5),
+    Lane(name="cpu", folders=("unit", "dist"), nice=10),
+    Lane(name="e2e", folders=("e2e", "gpu"), nice=5),
     Lane(name="wait", folders=("multihost", "engines"), nice=0),
 )
+STREAMED = "cpu"
+"""The lane whose output is shown as it runs; the others' logs are printed when all have ended."""
 
 
 def _targets(lane: Lane, reverse: bool) -> list[str]:
@@ -60,7 +66,7 @@ def _targets(lane: Lane, reverse: bool) -> list[str]:
 
 def _start(lane: Lane, args: list[str], reverse: bool, junit: Path, log: Path | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pytest", "-q", *_targets(lane, reverse), f"--junitxml={junit}", *args]
-    if lane.name != "cpu":  # one lane keeps pytest's cache (last failures); two writers would race
+    if lane.name != STREAMED:  # one lane keeps pytest's cache (last failures); two writers would race
         cmd += ["-p", "no:cacheprovider"]
     out = open(log, "w") if log is not None else None  # noqa: SIM115 - closed with the process
     return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT if out else None,
@@ -86,29 +92,31 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hvd-test-lanes-") as tmp:
         junits = {lane.name: Path(tmp) / f"{lane.name}.xml" for lane in LANES}
-        wait_log = Path(tmp) / "wait.log"
-        procs = {
-            lane.name: _start(lane, pytest_args, opts.reverse, junits[lane.name],
-                              None if lane.name == "cpu" else wait_log)
-            for lane in LANES
-        }
+        logs = {lane.name: None if lane.name == STREAMED else Path(tmp) / f"{lane.name}.log"
+                for lane in LANES}
+        procs = {lane.name: _start(lane, pytest_args, opts.reverse, junits[lane.name], logs[lane.name])
+                 for lane in LANES}
         try:
             codes = {name: proc.wait() for name, proc in procs.items()}
         except KeyboardInterrupt:
             for proc in procs.values():
                 proc.terminate()
             raise
-        print(f"\n========== lane wait ({', '.join(LANES[1].folders)}) ==========", flush=True)
-        print(wait_log.read_text(), end="", flush=True)
-        print(f"\n========== {SLOWEST} slowest tests, both lanes (setup + call + teardown) ==========")
+        for lane in LANES:
+            log = logs[lane.name]
+            if log is not None:
+                print(f"\n========== lane {lane.name} ({', '.join(lane.folders)}) ==========", flush=True)
+                print(log.read_text(), end="", flush=True)
+        print(f"\n========== {SLOWEST} slowest tests, all lanes (setup + call + teardown) ==========")
         for seconds, test_id in slowest(list(junits.values())):
             print(f"{seconds:8.2f}s {test_id}")
-    print(f"lanes: cpu exit {codes['cpu']}, wait exit {codes['wait']}; {time.monotonic() - start:.1f} s "
-          "in all (each lane's own time is on its pytest summary line)", flush=True)
-    # 5: pytest selected no test in that lane (``-k`` naming tests of the other lane only)
+    exits = ", ".join(f"{name} exit {code}" for name, code in codes.items())
+    print(f"lanes: {exits}; {time.monotonic() - start:.1f} s in all (each lane's own time is on its "
+          "pytest summary line)", flush=True)
+    # 5: pytest selected no test in that lane (``-k`` naming tests of other lanes only)
     if all(c == NO_TESTS for c in codes.values()):
         return NO_TESTS
-    return next((c for c in (codes["cpu"], codes["wait"]) if c not in (0, NO_TESTS)), 0)
+    return next((c for c in codes.values() if c not in (0, NO_TESTS)), 0)
 
 
 if __name__ == "__main__":
