@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from hvd_trainer.comm import World, broadcast_object
 from hvd_trainer.elastic.state import State
 
 __all__ = ["KerasState"]
@@ -27,10 +28,14 @@ class KerasState(State):
     ``Q``) committed and restored too (training state; ``sync()`` gives every rank rank 0's, as
     ``TorchState`` does with the torch optimizer's ``state_dict``). With
     ``backward_passes_per_step > 1`` loading a snapshot (``restore()``, ``sync()``) empties its
-    gradient-accumulation window, on every rank alike. Besides the process's random generators
-    (see :class:`~hvd_trainer.elastic.state.State`), a commit keeps the model's Keras seed
-    generator states (``Dropout`` and other random layers), which ``restore()`` sets back on
-    this rank only.
+    gradient-accumulation window, on every rank alike. With ``zero_stage`` a commit gathers every
+    rank's shard of the optimizer state (a collective), and loading it plans the shards for the
+    world of that moment (see ``DistributedOptimizer.load_full_state``): a commit made by 2 ranks
+    is restored by 1 after an in-process re-form, and by 2 again when a worker joins; ``sync()``
+    sends the root's last commit of it (or the shards gathered then, before any commit). Besides the
+    process's random generators (see :class:`~hvd_trainer.elastic.state.State`), a commit keeps
+    the model's Keras seed generator states (``Dropout`` and other random layers), which
+    ``restore()`` sets back on this rank only.
 
     Args:
         model: a built ``keras.Model``.
@@ -52,6 +57,8 @@ class KerasState(State):
             )
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self._sync_full: dict[str, np.ndarray] | None = None
+        """ZeRO: the full optimizer state the sync root's capture sends (see :meth:`_before_sync`)."""
         super().__init__(**extra)
 
     def _ensure_optimizer_built(self) -> None:
@@ -65,10 +72,36 @@ class KerasState(State):
         if opt is not None and not opt.built and self.model.trainable_variables:
             opt.build(self.model.trainable_variables)
 
-    def _optimizer_values(self) -> list[np.ndarray]:
+    def _sharding(self) -> bool:
+        """The optimizer is an hvd_trainer ``DistributedOptimizer`` built with ``zero_stage``."""
+        return bool(getattr(self.optimizer, "zero_stage", 0))
+
+    def _before_sync(self, world: World, root_rank: int) -> None:
+        """ZeRO: gathering the shards is a collective, and ``sync()`` captures on the root only.
+        So the root sends its last commit's full state when it has one (a survivor after a
+        re-form: its shards are planned for a world that is gone); else every rank gathers the
+        shards now, for the root's capture."""
+        self._sync_full = None
+        if self.optimizer is None or not self._sharding():
+            return
+        root = world.rank == root_rank
+        has_commit = self._saved is not None if root else None
+        if broadcast_object(has_commit, root_rank=root_rank, name="elastic.KerasState.zero", world=world):
+            if root:
+                assert self._saved is not None
+                self._sync_full = self._saved["__optimizer__"]
+            return
+        self._ensure_optimizer_built()
+        full = self.optimizer.full_state()
+        self._sync_full = full if root else None
+
+    def _optimizer_values(self) -> list[np.ndarray] | dict[str, np.ndarray]:
         if self.optimizer is None:
             return []
         self._ensure_optimizer_built()
+        if self._sharding():  # every rank's shard, by name: loadable in a world of any size
+            full, self._sync_full = self._sync_full, None
+            return self.optimizer.full_state() if full is None else full
         return [np.array(v.numpy(), copy=True) for v in self.optimizer.variables]
 
     def _seed_variables(self) -> list[Any]:
@@ -108,6 +141,20 @@ class KerasState(State):
         if self.optimizer is None or not values:
             return
         self._ensure_optimizer_built()
+        if isinstance(values, dict):  # a ZeRO optimizer's full state: sharded anew for this world
+            if not self._sharding():
+                raise ValueError(
+                    "KerasState snapshot holds a zero_stage optimizer's state, the optimizer has no "
+                    "zero_stage. HINT: restore into the same model/optimizer configuration."
+                )
+            self.optimizer.load_full_state(values)
+        else:
+            self._assign_optimizer(values, snapshot.get("__compression__"))
+        clear = getattr(self.optimizer, "clear_accumulated_gradients", None)
+        if callable(clear):  # a partly filled window holds gradients of steps after the commit
+            clear()
+
+    def _assign_optimizer(self, values: list[np.ndarray], feedback: dict[str, Any] | None) -> None:
         variables = self.optimizer.variables
         if len(variables) != len(values):
             raise ValueError(
@@ -116,9 +163,5 @@ class KerasState(State):
             )
         for variable, value in zip(variables, values, strict=True):
             variable.assign(value)
-        feedback = snapshot.get("__compression__")
         if feedback is not None and callable(getattr(self.optimizer, "load_compression_state_dict", None)):
             self.optimizer.load_compression_state_dict(feedback)
-        clear = getattr(self.optimizer, "clear_accumulated_gradients", None)
-        if callable(clear):  # a partly filled window holds gradients of steps after the commit
-            clear()

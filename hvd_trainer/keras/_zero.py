@@ -10,7 +10,9 @@ variables (``variable.value``). What is Keras-specific lives here:
 * :meth:`KerasZero.consolidate` gathers every rank's slot variables on one rank into a *shadow*
   optimizer: a plain optimizer of the inner one's class and config built on every variable, so
   its ``save_own_variables`` writes exactly what an unwrapped optimizer would;
-* :meth:`KerasZero.load_full` reads such a full store and keeps this rank's part.
+* :meth:`KerasZero.load_full` reads such a full store and keeps this rank's part;
+* :meth:`KerasZero.gather_all` gives every rank the full state by name (an elastic commit, which
+  must load into a world of another size after an in-process re-form).
 
 Slot variables are matched across optimizers by their Keras ``name`` (``add_variable_from_reference``
 names them ``<variable path with "_" for "/">_<slot>``), which depends only on the model variable
@@ -124,6 +126,24 @@ class KerasZero:
         shadow = self._shadow(inner, var_list)
         self._fill(shadow, inner, merged)
         self.consolidated = shadow
+
+    def gather_all(self, inner: Any) -> dict[str, np.ndarray]:
+        """Every rank's slot variables and the replicated ones, by Keras ``name``, on every rank
+        of the set (a collective: every member calls it). What an unwrapped optimizer of the
+        inner class would hold, whatever the world it is loaded into later."""
+        local = {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in slot_variables(inner)}
+        gathered: list[Any] = [None] * self.pset.size()
+        dist.all_gather_object(gathered, local, group=self.pset.cpu_group)
+        merged: dict[str, np.ndarray] = {}
+        for part in gathered:
+            clash = sorted(set(merged) & set(part))
+            if clash:
+                raise ValueError(f"ZeRO: slot variable names {clash[:3]} come from two ranks "
+                                 "(model variables with the same path?).")
+            merged.update(part)
+        for v in replicated(inner):
+            merged[v.name] = np.array(keras.ops.convert_to_numpy(v))
+        return merged
 
     @staticmethod
     def _fill(target: Any, source: Any, slots: dict[str, np.ndarray]) -> None:

@@ -511,6 +511,75 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         except ValueError as exc:
             raise DistributedOptimizerError(f"consolidate_variables(to={to}): {exc}") from exc
 
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Every optimizer variable (``iterations``, the learning rate, every slot) by its Keras
+        ``name``, as numpy arrays: what an unwrapped optimizer of the inner class would hold.
+        With ZeRO sharding active the shards of every rank are gathered on every rank (a
+        collective: call it on every rank of the process set); otherwise this rank's own.
+        :meth:`load_full_state` takes it back in a world of any size (``KerasState`` commits it).
+
+        Raises:
+            DistributedOptimizerError: the optimizer is not built yet, or two ranks hold a
+                variable of the same name.
+        """
+        if not self.built:
+            raise DistributedOptimizerError(
+                "full_state() before the optimizer was built: there is no state yet. HINT: call "
+                "optimizer.build(model.trainable_variables) first."
+            )
+        if self._zero is None:
+            return {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in self.inner_optimizer.variables}
+        try:
+            return self._zero.gather_all(self.inner_optimizer)
+        except ValueError as exc:
+            raise DistributedOptimizerError(f"full_state(): {exc}") from exc
+
+    def load_full_state(self, full: dict[str, np.ndarray]) -> None:
+        """Load :meth:`full_state`'s variables into the current world.
+
+        With ``zero_stage`` the ownership is planned again for the current world (or process
+        set): after an in-process re-form the ranks that held the old shards are not the ranks
+        of now. A fresh inner optimizer of the same class and config is built on this rank's
+        share (on every variable in a world of one), the gradient reducer is built again over
+        the world, and every variable takes its value from ``full`` by name. Without
+        ``zero_stage`` the inner optimizer's variables are assigned by name.
+
+        Raises:
+            DistributedOptimizerError: the optimizer is not built yet, or ``full`` lacks one of
+                its variables (saved from another model or optimizer).
+        """
+        if not self.built:
+            raise DistributedOptimizerError(
+                "load_full_state() before the optimizer was built. HINT: call "
+                "optimizer.build(model.trainable_variables) first."
+            )
+        if self._zero_stage:
+            self._replan_zero()
+        missing = [v.name for v in self.inner_optimizer.variables if v.name not in full]
+        if missing:
+            raise DistributedOptimizerError(
+                f"load_full_state(): no value for the optimizer variables {missing[:3]} (of "
+                f"{len(missing)}). HINT: load a state saved from this model and optimizer class."
+            )
+        for v in self.inner_optimizer.variables:
+            v.assign(full[v.name])
+
+    def _replan_zero(self) -> None:
+        """A fresh inner optimizer, reducer and ZeRO plan for the current world (see
+        :meth:`load_full_state`); the old shards' values are dropped."""
+        var_list = list(built_trainable_variables(self))
+        if self._reducer is not None:
+            self._release_reducer()
+        self._zero = None
+        inner = self.inner_optimizer
+        self.inner_optimizer = type(inner).from_config(inner.get_config())
+        if self._reduces():
+            if self._passes == 1:  # as build(): an accumulation window reduces by allreduce
+                self._build_torch_reducer(var_list)
+            self._build_zero(var_list)
+        else:
+            self.inner_optimizer.build(var_list)
+
     def scale_loss(self, loss):
         self._follow_world()  # torch: before backward, whose hooks start the reduction
         return self.inner_optimizer.scale_loss(loss)
@@ -540,7 +609,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         :meth:`_reduces_in_graph`).
 
         Raises:
-            DistributedOptimizerError: ZeRO sharding is active (its shards belong to the old world).
+            DistributedOptimizerError: ZeRO sharding is active and no commit was restored in the
+                new world (its shards belong to the old world; see :meth:`load_full_state`).
         """
         if self._tf or not self.built or self._passes > 1:
             return
@@ -549,9 +619,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return
         if self._zero is not None:
             raise DistributedOptimizerError(
-                f"zero_stage={self._zero_stage} with in-process recovery: the optimizer state is "
-                "sharded over the old world's ranks, some of which are gone. HINT: use hvdrun "
-                "--recovery restart with zero_stage, or zero_stage=0."
+                f"zero_stage={self._zero_stage}: the world changed (in-process recovery) but the "
+                "optimizer state is still sharded over the old world's ranks, some of which are "
+                "gone. HINT: restore a commit first: hvd.elastic.KerasState with @hvd.elastic.run "
+                "does it (load_full_state plans the shards for the new world)."
             )
         if self._reducer is not None:
             self._feedback = self._feedback_state()

@@ -6,8 +6,10 @@ the largest variable's slot bytes, and they add up to the unsharded figure; afte
 ``consolidate_variables(to=0)`` rank 0's ``save_own_variables`` / ``model.save`` hold exactly the
 slots of the unsharded run (a plain Keras ``Adam`` loads them), saving unconsolidated raises and
 leaves no loadable file, and loading the full state into a fresh sharded optimizer gives each rank its
-shard back. ``model.fit`` with ``zero_stage=2`` trains with ranks equal (and equal to stage 0).
-The unsupported combinations are refused with errors naming the option.
+shard back. ``full_state()`` gives every rank the unsharded state by name, and
+``load_full_state`` plans the shards anew and trains on as stage 0 does. ``model.fit`` with
+``zero_stage=2`` trains with ranks equal (and equal to stage 0). The unsupported combinations are
+refused with errors naming the option.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def _train(stage: int, tmp: str) -> dict:
            "var_bytes": [2 * int(np.prod(v.shape)) * 4 for v in model.trainable_variables]}
     if stage == 0:
         out["slots"] = _slots(opt.inner_optimizer)
+        out.update(_reloaded(stage, rank))
         return out
     # saving before consolidation: refused on every rank, nothing written
     path = os.path.join(tmp, f"s{stage}_r{rank}.keras")
@@ -130,7 +133,31 @@ def _train(stage: int, tmp: str) -> dict:
     out["reloaded_iterations"] = int(np.array(fresh.iterations))
     out["reloaded_names"] = [v.name for v in fresh.inner_optimizer.variables] == \
         [v.name for v in opt.inner_optimizer.variables]
+    out.update(_reloaded(stage, rank))
     return out
+
+
+def _reloaded(stage: int, rank: int) -> dict:
+    """K steps on a model of its own, then the full state (every rank's shards by name, on every
+    rank; listed in a plain Adam's variable order), loaded back (with ZeRO: a fresh inner
+    optimizer and plan, as after an in-process re-form), then 2 more steps."""
+    import keras
+
+    import hvd_trainer.keras as hk
+
+    model = _model(11)
+    opt = hk.DistributedOptimizer(keras.optimizers.Adam(LR), zero_stage=stage)
+    for k in range(STEPS):
+        _step(opt, model, *_batch(rank, k))
+    full = opt.full_state()
+    plain = keras.optimizers.Adam(LR)
+    plain.build(model.trainable_variables)
+    ordered = [np.array(full[v.name]).tolist() for v in plain.variables]
+    opt.load_full_state(full)
+    for k in range(2):
+        _step(opt, model, *_batch(rank, STEPS + k))
+    return {"full": ordered, "names": len(full) == len(plain.variables),
+            "after_reload": [w.tolist() for w in model.get_weights()]}
 
 
 def _accumulated(stage: int) -> dict:
@@ -279,6 +306,21 @@ def test_consolidated_save_is_the_unsharded_state(results, stage: int) -> None:
         assert run["reloaded_equal"] and run["reloaded_names"], (size, stage, rank)
         assert run["load_weights_equal"], (size, stage, rank)
         assert run["reloaded_iterations"] == STEPS
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_full_state_is_the_unsharded_state_and_loads_back_planned_anew(results, stage: int) -> None:
+    size, ranks = results
+    ref = ranks[0]["runs"][0]
+    assert len(ref["full"]) == 2 + 12  # iterations, learning rate, Adam's two slots per variable
+    for r in ranks:
+        run = r["runs"][stage]
+        assert run["names"], (size, stage)  # every rank holds every shard, nothing more
+        assert _close(run["full"], ref["full"]), (size, stage)
+        assert run["after_reload"] == ranks[0]["runs"][stage]["after_reload"]  # ranks bit-equal
+        assert _close(run["after_reload"], ref["after_reload"]), (size, stage)  # = unsharded Adam
+    assert not _close(ref["after_reload"], ref["weights"], atol=1e-4)  # the 2 steps moved them
 
 
 @pytest.mark.timeout(300)

@@ -1,6 +1,7 @@
 """In-process recovery of Keras 3 elastic training (``hvd_trainer.keras.elastic``) end to end:
 ``hvdrun -np 2 --min-np 1 --max-np 2`` (in process without --recovery) on the torch backend, and on
-TensorFlow when it is installed.
+TensorFlow when it is installed; on torch also with ZeRO stage 2 (the momentum sharded: each
+commit gathers the shards, and each re-form plans them for the new world, 2 -> 1 -> 2).
 
 Slot 1 is SIGKILLed in the middle of an epoch, inside ``model.fit``. The survivor keeps its
 process (same pid): the peer's failure leaves ``fit`` (on TensorFlow as the ``UnknownError`` of
@@ -30,6 +31,7 @@ IN_PROCESS = ["--min-np", "1", "--max-np", "2"]  # Horovod's line: in process wi
 STEPS, EPOCHS, LR, KILL_AT = 8, 3, 0.02, 10  # the worker's constants; the kill: once 10 batches are committed
 
 BACKENDS = ["torch"] + (["tensorflow"] if importlib.util.find_spec("tensorflow") else [])
+CASES = [(backend, 0) for backend in BACKENDS] + [("torch", 2)]  # (backend, zero_stage)
 
 
 def _check_history(history: np.ndarray) -> None:
@@ -50,11 +52,11 @@ def _check_history(history: np.ndarray) -> None:
     assert np.allclose(history[:, 3], LR * history[:, 2]), history  # the reset callback rescaled it
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "zero_stage"), CASES)
+def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str, zero_stage: int) -> None:
     env = clean_env(KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(tmp_path), str(KILL_AT)], timeout=150,
-                 env=env)
+    res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(tmp_path), str(KILL_AT), str(zero_stage)],
+                 timeout=150, env=env)
     assert res.returncode == 0, res.explain()
     pattern = r"START slot=(\d) pid=(\d+) rank=\d size=(\d) respawn=(\d) epoch=\d+ batch=\d+ commits=\d+"
     starts = re.findall(pattern, res.output)
@@ -67,8 +69,11 @@ def test_keras_fit_recovers_in_process(tmp_path: Path, backend: str) -> None:
     assert alive([int(p) for _, p, _, _ in starts]) == [], res.explain()
 
     final = [np.load(tmp_path / f"final.{slot}.npz") for slot in (0, 1)]
-    for name in final[0].files:
-        assert np.array_equal(final[0][name], final[1][name]), name  # weights and history alike
+    for name in final[0].files:  # weights, history and the optimizer's full state alike
+        assert np.array_equal(final[0][name], final[1][name]), name
+    # the momentum of every weight is there and was trained (with ZeRO: gathered from both shards)
+    momentum = [n for n in final[0].files if n.startswith("momentum:") and n.endswith("_momentum")]
+    assert len(momentum) == 4 and all(np.abs(final[0][n]).max() > 0 for n in momentum), final[0].files
     assert int(final[0]["epoch"]) == EPOCHS and int(final[0]["batch"]) == 0
     _check_history(final[0]["history"])
     # the survivor's batch trained again after the kill drew what it drew the first time: the

@@ -1,7 +1,7 @@
 """In-process recovery worker, Keras 3 (``KERAS_BACKEND`` torch or tensorflow), written like Horovod's
 ``examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py``.
 
-Usage: keras_inprocess_worker.py OUT_DIR KILL_AT
+Usage: keras_inprocess_worker.py OUT_DIR KILL_AT [ZERO_STAGE]
 ``@hvd.elastic.run def train(state): model.fit(...)`` with ``MetricAverageCallback`` and the three
 elastic callbacks (a commit after every batch), the learning rate scaled by the world size and
 rescaled by a reset callback. In its first start (``HVDRUN_RESPAWN_COUNT=0``) slot 1 SIGKILLs
@@ -33,6 +33,7 @@ import numpy as np
 import hvd_trainer.keras as hvd
 
 out_dir, kill_at = Path(sys.argv[1]), int(sys.argv[2])
+zero_stage = int(sys.argv[3]) if len(sys.argv) > 3 else 0  # the optimizer's momentum sharded (torch)
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
 STEPS, EPOCHS, GLOBAL_BATCH, LR = 8, 3, 8, 0.02
@@ -45,8 +46,8 @@ Y = (X @ np.array([[1.0], [-2.0], [0.5], [3.0]], dtype="float32")).astype("float
 keras.utils.set_random_seed(slot)  # different initial weights: only the state's sync makes them equal
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"),
                           keras.layers.Dropout(0.1), keras.layers.Dense(1)])
-model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR * hvd.size(), momentum=0.9)),
-              loss="mse")
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR * hvd.size(), momentum=0.9),
+                                                 zero_stage=zero_stage), loss="mse")
 state = hvd.elastic.KerasState(model, batch=0, epoch=0, history=[])
 
 
@@ -109,7 +110,8 @@ def train(state: hvd.elastic.KerasState) -> None:
 
 
 train(state)
+momentum = {f"momentum:{name}": value for name, value in model.optimizer.full_state().items()}
 np.savez(out_dir / f"final.{slot}.npz", *model.get_weights(), history=np.array(state.history),
-         epoch=state.epoch, batch=state.batch)
+         epoch=state.epoch, batch=state.batch, **momentum)
 print(f"DONE slot={slot} pid={os.getpid()} rank={hvd.rank()} size={hvd.size()} epoch={state.epoch}",
       flush=True)
