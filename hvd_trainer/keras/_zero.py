@@ -57,6 +57,22 @@ def state_bytes(optimizer: Any) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in slot_variables(optimizer))
 
 
+def _merged(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The ranks' slot variables in one dict by name.
+
+    Raises:
+        ValueError: two ranks hold a variable of the same name.
+    """
+    merged: dict[str, np.ndarray] = {}
+    for part in parts:
+        clash = sorted(set(merged) & set(part))
+        if clash:
+            raise ValueError(f"ZeRO: slot variable names {clash[:3]} come from two ranks (model "
+                             "variables with the same path?).")
+        merged.update(part)
+    return merged
+
+
 class KerasZero:
     """Ownership of the sharded variables and the ZeRO step / checkpoint logic.
 
@@ -116,13 +132,7 @@ class KerasZero:
         if me != to:
             return
         assert gathered is not None
-        merged: dict[str, np.ndarray] = {}
-        for part in gathered:
-            clash = sorted(set(merged) & set(part))
-            if clash:
-                raise ValueError(f"ZeRO consolidation: slot variable names {clash[:3]} come from two "
-                                 "ranks (model variables with the same path?).")
-            merged.update(part)
+        merged = _merged(gathered)
         shadow = self._shadow(inner, var_list)
         self._fill(shadow, inner, merged)
         self.consolidated = shadow
@@ -134,13 +144,7 @@ class KerasZero:
         local = {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in slot_variables(inner)}
         gathered: list[Any] = [None] * self.pset.size()
         dist.all_gather_object(gathered, local, group=self.pset.cpu_group)
-        merged: dict[str, np.ndarray] = {}
-        for part in gathered:
-            clash = sorted(set(merged) & set(part))
-            if clash:
-                raise ValueError(f"ZeRO: slot variable names {clash[:3]} come from two ranks "
-                                 "(model variables with the same path?).")
-            merged.update(part)
+        merged = _merged(gathered)
         for v in replicated(inner):
             merged[v.name] = np.array(keras.ops.convert_to_numpy(v))
         return merged
