@@ -173,6 +173,16 @@ def _nodes(opts: HvdrunOptions) -> str:
             return str(len(opts.hosts))
         # from the hosts --min-np needs to those --max-np needs: the other listed hosts are spares
         most = min(len(opts.hosts), -(-hi // ppn))
+        if most * ppn > hi:  # the last host's workers past --max-np would have no rank
+            left = hi - (most - 1) * ppn
+            raise HvdrunError(
+                f"--max-np {hi} is not a multiple of the {ppn} processes per host: hosts join whole "
+                f"(torchrun starts {ppn} workers on each), so the host taking the job past "
+                f"{hi - left} ranks would bring {ppn} workers for the {left} rank"
+                f"{'s' if left > 1 else ''} left under --max-np. HINT: --max-np "
+                f"{hi - left if hi - left >= opts.num_proc else hi - left + ppn}, or give each host "
+                "1 slot (-H h1:1,h2:1,...) to grow by single processes."
+            )
         return f"{min(most, -(-lo // ppn))}:{most}"
     if lo % ppn or hi % ppn:
         raise HvdrunError(

@@ -81,6 +81,10 @@ ERRORS = [
     ("elastic-restart-not-whole-hosts", ["-np", "4", "-H", "a:2,b:2", "--min-np", "3", "--recovery",
                                          "restart", "x.py"], {},
      "not multiples of the 2 process(es) per host"),
+    # in process: ranks come and go singly, hosts whole; a host past --max-np would have rankless workers
+    ("elastic-in-process-max-np-not-whole-hosts", ["-np", "2", "-H", "a:2,b:2", "--min-np", "1", "--max-np",
+                                                   "3", "x.py"], {},
+     "--max-np 3 is not a multiple of the 2 processes per host"),
     ("cuda-without-gpu", ["-np", "1", "--device", "cuda", "x.py"], {}, "--device cuda was requested"),
     ("bad-timeout", ["-np", "1", "--start-timeout", "0", "x.py"], {}, "--start-timeout must be > 0"),
     ("inside-torchrun-worker", ["-np", "2", "x.py"], {"TORCHELASTIC_RUN_ID": "x"},
