@@ -537,12 +537,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def load_full_state(self, full: dict[str, np.ndarray]) -> None:
         """Load :meth:`full_state`'s variables into the current world.
 
-        With ``zero_stage`` the ownership is planned again for the current world (or process
-        set): after an in-process re-form the ranks that held the old shards are not the ranks
-        of now. A fresh inner optimizer of the same class and config is built on this rank's
-        share (on every variable in a world of one), the gradient reducer is built again over
-        the world, and every variable takes its value from ``full`` by name. Without
-        ``zero_stage`` the inner optimizer's variables are assigned by name.
+        With ``zero_stage``, when the world is not the one the shards were planned for (after an
+        in-process re-form the ranks that held the old shards are not the ranks of now), the
+        ownership is planned again for the current world (or process set): a fresh inner
+        optimizer of the same class and config is built on this rank's share (on every variable
+        in a world of one) and the gradient reducer is built again over the world. Then every
+        variable takes its value from ``full`` by name (without ``zero_stage``: the inner
+        optimizer's variables).
 
         Raises:
             DistributedOptimizerError: the optimizer is not built yet, or ``full`` lacks one of
@@ -553,7 +554,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "load_full_state() before the optimizer was built. HINT: call "
                 "optimizer.build(model.trainable_variables) first."
             )
-        if self._zero_stage:
+        if self._zero_stage and not self._shards_fit_world():
             self._replan_zero()
         missing = [v.name for v in self.inner_optimizer.variables if v.name not in full]
         if missing:
@@ -563,6 +564,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         for v in self.inner_optimizer.variables:
             v.assign(full[v.name])
+
+    def _shards_fit_world(self) -> bool:
+        """Whether the ZeRO plan (or its absence, in a world of one) is the current world's."""
+        if not self._reduces():
+            return self._zero is None
+        return self._zero is not None and \
+            self._zero.pset is resolve_set(self._process_set, self.world, "ZeRO sharding")
 
     def _replan_zero(self) -> None:
         """A fresh inner optimizer, reducer and ZeRO plan for the current world (see
