@@ -52,7 +52,7 @@ def test_rank_0_lost_and_restarted_the_survivor_reports_both_re_forms(tmp_path: 
     the restarted slot 0 joins; it reports both re-forms (the joiner, rank 0 again, does not)."""
     out = tmp_path / "out.pt"
     res = hvdrun(["-np", "2", *IN_PROCESS, "python", WORKER, str(out), "6", "0.1", "64"], timeout=180,
-                 env=clean_env(KILL_SLOT="0"))
+                 env=clean_env(KILL_SLOT="0", WAIT_FOR_JOINER="1"))
     assert res.returncode == 0, res.explain()
     assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
     assert "hvdrun: 1 lost worker started again in process (rank 0: 1; at most" in res.output, res.explain()
@@ -112,7 +112,8 @@ def test_zero_sharded_adam_goes_2_1_2_in_process(tmp_path: Path, zero_stage: int
     process's Adam over exactly the committed steps."""
     out = tmp_path / "out.pt"
     res = hvdrun(["-np", "2", "--min-np", "1", "--max-np", "2", "python", WORKER, str(out), "6", "0.1", "64"],
-                 timeout=180, env=clean_env(KILL_SLOT=kill_slot, ZERO_STAGE=str(zero_stage)))
+                 timeout=180,
+                 env=clean_env(KILL_SLOT=kill_slot, ZERO_STAGE=str(zero_stage), WAIT_FOR_JOINER="1"))
     assert res.returncode == 0, res.explain()
     assert "2 -> 1 ranks" in res.output and "(a worker joined): 1 -> 2 ranks" in res.output, res.explain()
     got = torch.load(out)

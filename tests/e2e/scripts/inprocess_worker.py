@@ -8,7 +8,9 @@ world size and each rank's sample indices, so the test can replay the same steps
 Rank 0 saves the final weights, that history and the steps' completion times to OUT_FILE. A
 restarted worker prints ``JOINER boot= imported= joined= first_step=`` (epoch seconds): its
 interpreter's start of this script, torch and hvd_trainer imported, ``hvd.init()`` returned (it
-joined), its first step done.
+joined), its first step done. ``WAIT_FOR_JOINER=1``: a survivor alone (a world smaller than the
+launch's) waits after its next commit until the restarted worker has arrived (at most 90 s), so
+a short job cannot end before a loaded machine has started the joiner.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import hvd_trainer.torch as hvd  # noqa: E402
 from hvd_trainer import elastic  # noqa: E402
+from hvd_trainer.comm import HostsUpdatedInterrupt, reform_due  # noqa: E402
 
 out_file, kill_step = sys.argv[1], int(sys.argv[2])
 step_sleep = float(sys.argv[3]) if len(sys.argv) > 3 else 0.05
 respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
 kill_slot = int(os.environ.get("KILL_SLOT", "1"))
+launch_size = int(os.environ["WORLD_SIZE"])
+wait_for_joiner = os.environ.get("WAIT_FOR_JOINER") == "1"
 IMPORTED = time.time()
 hvd.init()  # as in Horovod's elastic examples (a restarted worker joins here)
 JOINED = time.time()
@@ -45,6 +50,16 @@ sampler = elastic.ElasticSampler(dataset, shuffle=True, seed=1)
 loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = elastic.TorchState(model, optimizer, epoch=0, step=0, history=[], sampler=sampler)
 done_at: list[float] = []
+
+
+def _await_joiner() -> None:
+    """Alone: poll the step-boundary check until the restarted worker has arrived, then leave
+    for the re-form as a commit would."""
+    deadline = time.monotonic() + 90.0
+    while time.monotonic() < deadline:
+        if reform_due():
+            raise HostsUpdatedInterrupt(skip_sync=False)
+        time.sleep(0.05)
 
 
 @elastic.run
@@ -70,6 +85,8 @@ def train(state: elastic.TorchState) -> None:
                       f"first_step={done_at[0]:.3f}", flush=True)
             print(f"STEP {state.step} rank={hvd.rank()} size={hvd.size()}", flush=True)
             state.commit()
+            if wait_for_joiner and hvd.size() < launch_size:
+                _await_joiner()
         state.epoch = epoch + 1
         state.commit()
 
