@@ -57,6 +57,11 @@ def state_bytes(optimizer: Any) -> int:
     return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in slot_variables(optimizer))
 
 
+def _local_slots(inner: Any) -> dict[str, np.ndarray]:
+    """This rank's slot variables by Keras ``name``, as numpy copies."""
+    return {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in slot_variables(inner)}
+
+
 def _merged(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """The ranks' slot variables in one dict by name.
 
@@ -125,7 +130,7 @@ class KerasZero:
         self.consolidated = None
         if not 0 <= to < self.pset.size():
             raise ValueError(f"to={to} is not a rank of the process set (size {self.pset.size()}).")
-        local = {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in slot_variables(inner)}
+        local = _local_slots(inner)
         me = self.pset.rank()
         gathered: list[Any] | None = [None] * self.pset.size() if me == to else None
         dist.gather_object(local, gathered, dst=self.pset.ranks[to], group=self.pset.cpu_group)
@@ -141,7 +146,7 @@ class KerasZero:
         """Every rank's slot variables and the replicated ones, by Keras ``name``, on every rank
         of the set (a collective: every member calls it). What an unwrapped optimizer of the
         inner class would hold, whatever the world it is loaded into later."""
-        local = {v.name: np.array(keras.ops.convert_to_numpy(v)) for v in slot_variables(inner)}
+        local = _local_slots(inner)
         gathered: list[Any] = [None] * self.pset.size()
         dist.all_gather_object(gathered, local, group=self.pset.cpu_group)
         merged = _merged(gathered)

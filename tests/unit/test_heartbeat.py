@@ -175,13 +175,13 @@ def test_a_store_that_closes_ends_the_watch_without_a_report(tmp_path) -> None:
 
 
 _STORE = """
-import sys, time
+import signal, sys
 from datetime import timedelta
 import torch.distributed as dist
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, True, timedelta(seconds=30),
                       wait_for_workers=False)
 print("up", flush=True)
-time.sleep(120)
+signal.pause()  # serve until the test kills this process
 """
 
 
