@@ -484,7 +484,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--faults", default="worker,cut,host",
                         help="--lab: the faults on h2, in turn (worker, cut, host)")
     parser.add_argument("--cut-seconds", type=float, default=40.0,
-                        help="--lab: how long a cut lasts (longer than the 30 s default peer timeout, "
+                        help="--lab: how long a cut lasts (longer than the default peer timeout, "
                              "HOROVOD_GLOO_TIMEOUT_SECONDS: a partition, not a blip)")
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--stop-timeout", type=float, default=120.0)

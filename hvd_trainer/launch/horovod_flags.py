@@ -109,7 +109,7 @@ def add_horovod_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-nccl-streams", type=int, help="accepted, no effect")
     p.add_argument("--thread-affinity", type=int, help="accepted, no effect")
     p.add_argument("--gloo-timeout-seconds", type=float,
-                   help="several hosts: a peer silent S seconds is unreachable (default 20; 0: never)")
+                   help="several hosts: a peer silent S seconds is unreachable (default 10; 0: never)")
     p.add_argument("--log-level", choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"),
                    help="exported as HOROVOD_LOG_LEVEL")
     p.add_argument("--log-without-timestamp", "--log-hide-timestamp", dest="log_without_timestamp",

@@ -64,7 +64,7 @@ def test_interval_is_a_tenth_of_the_timeout_within_bounds() -> None:
 
 
 def test_the_timeout_comes_from_horovods_gloo_timeout_variable() -> None:
-    assert CommConfig.from_env({}).peer_timeout_seconds == 20.0
+    assert CommConfig.from_env({}).peer_timeout_seconds == 10.0
     assert CommConfig.from_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "7.5"}).peer_timeout_seconds == 7.5
     assert CommConfig.from_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "0"}).peer_timeout_seconds == 0.0
     with pytest.raises(ValueError, match="peer_timeout_seconds"):

@@ -28,10 +28,16 @@ MiB had the best mean, smaller buckets start communicating earlier in backward, 
 buckets the per-collective cost (~0.5 ms for a tiny gloo allreduce here) stays negligible.
 Horovod's default is 128 MiB, DDP's 25 MiB; ``HOROVOD_FUSION_THRESHOLD`` overrides it."""
 
-DEFAULT_PEER_TIMEOUT_SECONDS = 20.0
-"""Silence after which a peer on another host counts as unreachable. Horovod's
-``HOROVOD_GLOO_TIMEOUT_SECONDS`` defaults to 30 s for one gloo operation; ours is the silence
-alone, so detection plus the processes' exit stay within 30 s."""
+DEFAULT_PEER_TIMEOUT_SECONDS = 10.0
+"""Seconds of heartbeat silence after which a peer on another host counts as unreachable.
+
+Only the heartbeat (:mod:`hvd_trainer.comm.world.heartbeat`, its own thread and store
+connection) measures it, so a collective that runs long while its peers beat on is never cut
+short. Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS`` bounds one gloo operation (30 s); torchft's
+lighthouse counts a replica dead after 5 s without a heartbeat; torchrun's c10d rendezvous after
+its keep-alive's 3 x 5 s. Ten beats of one second each sit between those: a partition found in
+10 s, while a process stalled under load (a long call that holds the GIL) has 10 s before it is
+judged lost."""
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
