@@ -12,6 +12,11 @@ finds failed workers:
 * otherwise, with restarts left: one line ``hvdrun: rank R (...) failed with ...; restarting
   all workers (attempt k of n)``.
 
+With in-process recovery every monitor step also forwards the worker entry's ``lost.<rank>``
+records (a worker process killed and being started again) to the workers' store
+(:func:`~hvd_trainer.comm.world.quorum.gone_key`): the ranks on other hosts, which cannot see
+this host's processes, then re-form without waiting for it.
+
 An agent whose workers failed for good (no restart left) also leaves a mark in the
 rendezvous store (:data:`FAILED_AGENT_KEY`). torchrun's agent whose workers all finished waits in
 an exit barrier for every other agent (up to 300 s); a failed agent never arrives there, so the
@@ -30,9 +35,13 @@ import socket
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from torch.distributed import TCPStore
+
+from hvd_trainer.comm.world.quorum import gone_key
 from hvd_trainer.launch.failures import describe_exit, root_failure, script_pid
 from hvd_trainer.launch.partition_watch import forget_partition_records
 
@@ -112,6 +121,8 @@ class AgentWatch:
         self.out = out or sys.stderr
         self.restarts_used = 0
         self.user_error: dict[str, Any] | None = None
+        self._reported: set[tuple[int, int]] = set()
+        self._client: tuple[tuple[str, int], Any] | None = None
 
     def on_failure(self, agent: Any, failures: dict[int, Any]) -> None:
         """Called by the wrapped monitor step when it found failed workers."""
@@ -132,6 +143,34 @@ class AgentWatch:
         print(f"hvdrun: rank {rank} (local rank {first.local_rank}, pid {pid}) failed with "
               f"{describe_exit(first.exitcode)}; restarting all workers "
               f"(attempt {self.restarts_used} of {self.max_restarts})", file=self.out, flush=True)
+
+    def report_lost(self, agent: Any) -> None:
+        """Write each new ``lost.<rank>`` record of the job directory into the workers' store
+        (``MASTER_ADDR:MASTER_PORT`` of the agent's worker group, a client opened once) as
+        :func:`~hvd_trainer.comm.world.quorum.gone_key` (rank = launch slot). Silent when that
+        store cannot be reached within 5 s: the other ranks then wait their settle time instead."""
+        new = []
+        for path in self.job_dir.glob("lost.*"):
+            rank = path.name.split(".", 1)[1]
+            with contextlib.suppress(OSError, ValueError):
+                record = (int(rank), int(path.read_text()))
+                if record not in self._reported:
+                    new.append(record)
+        if not new:
+            return
+        with contextlib.suppress(Exception):  # noqa: BLE001 - the store's host may be gone
+            group = agent._worker_group
+            run_id = group.spec.rdzv_handler.get_run_id()
+            store = self._workers_store(group.master_addr, int(group.master_port))
+            for rank, pid in new:
+                store.set(gone_key(run_id, rank, pid), socket.gethostname())
+                self._reported.add((rank, pid))
+
+    def _workers_store(self, host: str, port: int) -> Any:
+        if self._client is None or self._client[0] != (host, port):
+            client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+            self._client = ((host, port), client)
+        return self._client[1]
 
     def await_agents(self, agent: Any) -> bool:
         """Before torch's exit barrier: count this agent finished, then wait until every agent
@@ -198,6 +237,8 @@ class AgentWatch:
             if watch.exit_barrier_seconds is not None:
                 agent._exit_barrier_timeout = watch.exit_barrier_seconds
             result = original(agent, worker_group)
+            if watch.respawn_budget > 0:
+                watch.report_lost(agent)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
                 watch.on_failure(agent, result.failures)
             return result

@@ -33,7 +33,9 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
    when the child is killed by a signal (SIGKILL, SIGSEGV, the OOM killer; not the launcher's
    SIGTERM/SIGINT), starts the command again at once, alone, up to ``HVDRUN_RESPAWNS`` times
    (``HVDRUN_RESPAWN_COUNT`` tells it which start it is). torchrun's agent never sees the loss,
-   so it does not stop the survivors; the new process joins them at their next commit. A child
+   so it does not stop the survivors; the new process joins them at their next commit. The
+   killed process's pid goes to ``$HVDRUN_JOB_DIR/lost.<rank>`` first: hvdrun's agent on this
+   host tells the job's store, so ranks on other hosts know at once that it is gone. A child
    that *exits* (0, a user error, a peer's failure it could not recover from) ends the entry.
 """
 
@@ -281,6 +283,12 @@ def _write_count(job_dir: str | None, rank: str, respawns: int) -> None:
     _write_job_file(job_dir, f"respawns.{rank}", str(respawns))
 
 
+def _write_lost(job_dir: str | None, rank: str, pid: int) -> None:
+    """``<job_dir>/lost.<rank>``: the pid of this rank's command that was killed and is being
+    started again; hvdrun's agent writes it into the job's store (``AgentWatch.report_lost``)."""
+    _write_job_file(job_dir, f"lost.{rank}", str(pid))
+
+
 def _exit_like(returncode: int) -> None:
     if returncode < 0:
         with contextlib.suppress(OSError, ValueError):  # SIGKILL/SIGSTOP cannot be handled anyway
@@ -306,6 +314,18 @@ def _respawn_budget(env: Mapping[str, str]) -> int:
 def _killed(returncode: int, stopping: bool) -> bool:
     """The child died of a signal that was not the launcher's stop request."""
     return returncode < 0 and not stopping and -returncode not in (signal.SIGTERM, signal.SIGINT)
+
+
+def _started_pumps(child: subprocess.Popen[bytes], rank: str, logs: tuple[BinaryIO | None, BinaryIO | None],
+                   timestamp: bool, interval: float, live: list[str]) -> list[_Pump]:
+    """The child's stdout and stderr copied, line by line, by two started threads."""
+    pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp,  # type: ignore[arg-type]
+                   interval, "stdout" in live),
+             _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp,  # type: ignore[arg-type]
+                   interval, "stderr" in live)]
+    for pump in pumps:
+        pump.start()
+    return pumps
 
 
 def main(argv: list[str]) -> None:
@@ -340,16 +360,14 @@ def main(argv: list[str]) -> None:
             sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
         current.append(child)
         _write_pid(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
-        pumps = [_Pump(child.stdout, sys.stdout.buffer, rank, "stdout", logs[0], timestamp,  # type: ignore[arg-type]
-                       interval, "stdout" in live),
-                 _Pump(child.stderr, sys.stderr.buffer, rank, "stderr", logs[1], timestamp,  # type: ignore[arg-type]
-                       interval, "stderr" in live)]
-        for pump in pumps:
-            pump.start()
+        pumps = _started_pumps(child, rank, logs, timestamp, interval, live)
         returncode = child.wait()
+        again = _killed(returncode, bool(stopping)) and respawns < budget
+        if again:  # first, so the other hosts' membership round need not wait for it
+            _write_lost(env.get("HVDRUN_JOB_DIR"), rank, child.pid)
         for pump in pumps:
             pump.join(timeout=5.0)  # a grandchild may keep a pipe open; do not wait for it forever
-        if not (_killed(returncode, bool(stopping)) and respawns < budget):
+        if not again:
             _exit_like(returncode)
         respawns += 1
         _write_count(env.get("HVDRUN_JOB_DIR"), rank, respawns)

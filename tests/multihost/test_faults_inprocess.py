@@ -3,6 +3,8 @@
 * h2 is killed (SIGKILL of everything on it): h1's rank keeps its process, re-forms the world
   alone (the missing rank is on another host: the round waits ``HVD_ELASTIC_SETTLE_SECONDS``)
   and goes on from its in-memory commit; the job ends with status 0 on h1.
+* h2's worker is killed (h2's hvdrun lives on): h2's agent reports the lost process in the job's
+  store, so h1 re-forms without the settle wait, and the worker, started again, joins in process.
 * h2's link is cut: h1's heartbeat finds h2 silent after ``HOROVOD_GLOO_TIMEOUT_SECONDS`` and
   h1 goes on at once (the round does not wait for a rank the heartbeat lost); h2, cut off from
   the job's store, stops instead of re-forming a world of its own.
@@ -81,6 +83,26 @@ def test_a_killed_host_leaves_the_survivor_training_in_its_own_process(tmp_path:
         # h2's agent never finishes: h1's hvdrun says so once and ends (no second wait, no traceback)
         assert "1 of the 2 hosts' agents did not finish within 20 s" in job.text("h1"), job.tail()
         assert "Error waiting on exit barrier" not in job.text("h1"), job.tail()
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_on_another_host_is_not_waited_for(tmp_path: Path) -> None:
+    """h2's worker SIGKILLs itself at step 10; h2's worker entry starts it again (it sleeps 30 s
+    first: a replacement that comes back late) and h2's agent writes the lost pid into the job's
+    store. h1 cannot check a pid on h2; with the settle time at 120 s, only that report lets h1
+    re-form alone at once (a round that waited would take 30 s, until the replacement arrived,
+    and never be 2 -> 1). The replacement then joins h1 in process; both hosts end 0."""
+    env = {**os.environ, "HVD_ELASTIC_SETTLE_SECONDS": "120", "RESTART_DELAY_S": "30", "WAIT_FOR_JOINER": "1"}
+    with cluster(2) as c:
+        h1, h2 = c.hosts
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt", kill_step=10), env=env)
+        assert job.wait_for("h2", "FAIL_AT", timeout=150), job.tail()
+        killed_at = job.first("h2", "FAIL_AT")
+        assert killed_at is not None, job.tail()
+        _check(job, tmp_path / "out.pt", killed_at, "worker killed on another host", 15.0)
+        assert job.wait_exit("h2", 60) is not None, job.tail()
+        assert job.procs["h2"].returncode == 0, job.tail()
+        _joined_in_process(job)
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from hvd_trainer.comm import RankFailedError
-from hvd_trainer.comm.world.quorum import JobFinished, Membership, Quorum
+from hvd_trainer.comm.world.quorum import JobFinished, Membership, Quorum, gone_key
 
 
 @pytest.fixture
@@ -99,6 +99,28 @@ def test_a_rank_the_heartbeat_lost_is_not_waited_for(store: Any) -> None:
     start = time.monotonic()
     m = qs[0].reform(lost_ranks=[1])
     assert _slots(m) == [0] and time.monotonic() - start < 1.0
+
+
+def test_a_worker_on_another_host_reported_gone_by_its_agent_is_not_waited_for(store: Any) -> None:
+    """hvdrun's agent on h2 writes ``gone/<slot>/<pid>`` when the worker entry starts the slot
+    again: the round closes without the settle wait (60 s here)."""
+    qs = [_quorum(store, 0, settle=60.0, slots=2),
+          _quorum(store, 1, host="h2", pid=4242, settle=60.0, slots=2)]
+    _in_threads([q.join for q in qs])
+    _client(store).set(gone_key("job", 1, 4242), "h2")
+    start = time.monotonic()
+    m = qs[0].reform()
+    assert _slots(m) == [0] and time.monotonic() - start < 30.0
+
+
+def test_a_gone_mark_for_another_process_of_the_slot_is_not_this_member(store: Any) -> None:
+    """The mark names a pid: one for the slot's earlier process leaves its new one waited for."""
+    qs = [_quorum(store, 0, settle=1.0, slots=2), _quorum(store, 1, host="h2", pid=4242, settle=1.0, slots=2)]
+    _in_threads([q.join for q in qs])
+    _client(store).set(gone_key("job", 1, 4241), "h2")
+    start = time.monotonic()
+    m = qs[0].reform()
+    assert _slots(m) == [0] and time.monotonic() - start >= 0.9
 
 
 def test_a_live_slow_member_on_this_host_is_waited_for(store: Any) -> None:

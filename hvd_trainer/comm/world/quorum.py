@@ -14,16 +14,19 @@ Keys (torchrun's agent store, which outlives every worker; all under ``hvd/quoru
 * ``<E>/members``: the closed membership, ``slot|host|pid`` entries joined by ``,``, written
   once (``compare_set`` from absent: the first closer wins, every other reader adopts it);
 * ``<E>/reform_at``: the check count (:meth:`Quorum.reform_due`) at which the members of ``E``
-  leave it together to admit a joiner.
+  leave it together to admit a joiner;
+* ``gone/<slot>/<pid>``: the host name of a worker process that ended, written by hvdrun's agent
+  on that host when hvdrun's worker entry started the slot again (:func:`gone_key`).
 
 When a round closes (any arrived member may close it; a joiner only by rules 1-2; the first round,
 where everyone is a first-timer, only when every launched worker arrived):
 
 1. every member of the previous round has arrived; or
 2. at least ``min_np`` have arrived and every missing one is known dead (a process on this host
-   whose pid is gone, or a rank the heartbeat found unreachable); or
+   whose pid is gone, a process on another host whose agent wrote it ``gone``, or a rank the
+   heartbeat found unreachable); or
 3. at least ``min_np`` have arrived and ``settle_seconds`` passed since this worker arrived (a
-   missing rank on another host: its pid cannot be checked from here).
+   missing rank on another host that nobody reported gone: a killed host, whose agent died too).
 
 A worker that arrives after its round closed without it is not lost: it stays arrived for the
 next round, which the members open at their next step boundary (``reform_due``).
@@ -44,7 +47,8 @@ from hvd_trainer.comm.base.errors import RankFailedError
 from hvd_trainer.comm.base.fatal import pid_alive
 from hvd_trainer.comm.base.store import try_get
 
-__all__ = ["Member", "Membership", "Quorum", "JobFinished", "SETTLE_ENV", "DEFAULT_SETTLE_SECONDS"]
+__all__ = ["Member", "Membership", "Quorum", "JobFinished", "SETTLE_ENV", "DEFAULT_SETTLE_SECONDS",
+           "gone_key"]
 
 SETTLE_ENV = "HVD_ELASTIC_SETTLE_SECONDS"
 """Seconds a round waits for a missing member on another host before closing without it."""
@@ -52,6 +56,13 @@ SETTLE_ENV = "HVD_ELASTIC_SETTLE_SECONDS"
 DEFAULT_SETTLE_SECONDS = 2.0
 
 _POLL_SECONDS = 0.005
+
+
+def gone_key(run_id: str, slot: int, pid: int) -> str:
+    """The store key saying that process ``pid`` of launch slot ``slot`` in job ``run_id`` has
+    ended (its value: the host's name). A round does not wait for a missing member whose key is
+    set (rule 2 of the module docstring)."""
+    return f"hvd/quorum/{run_id}/gone/{slot}/{pid}"
 
 
 class JobFinished(Exception):  # noqa: N818 - a state, not an error
@@ -128,7 +139,7 @@ class Quorum:
         self.store, self.slot, self.max_slots = store, slot, max_slots
         self.launched = max_slots if launched is None else launched
         self.min_np, self.settle_seconds, self.timeout_seconds = min_np, settle_seconds, timeout_seconds
-        self._prefix = f"hvd/quorum/{run_id}"
+        self._prefix, self._run_id = f"hvd/quorum/{run_id}", run_id
         self.me = Member(slot, host or socket.gethostname(), os.getpid() if pid is None else pid)
         self.current: Membership | None = None
         self._before: Membership | None = None
@@ -257,7 +268,9 @@ class Quorum:
             return False
         if member.slot in self._lost:  # asked only while it has not arrived
             return True
-        return member.host == self.me.host and not pid_alive(member.pid)
+        if member.host == self.me.host:
+            return not pid_alive(member.pid)
+        return bool(self.store.check([gone_key(self._run_id, member.slot, member.pid)]))
 
     def _read_members(self, epoch: int) -> Membership:
         text = try_get(self.store, self._key(epoch, "members"))

@@ -10,7 +10,8 @@ restarted worker prints ``JOINER boot= imported= joined= first_step=`` (epoch se
 interpreter's start of this script, torch and hvd_trainer imported, ``hvd.init()`` returned (it
 joined), its first step done. ``WAIT_FOR_JOINER=1``: a survivor alone (a world smaller than the
 launch's) waits after its next commit until the restarted worker has arrived (at most 90 s), so
-a short job cannot end before a loaded machine has started the joiner.
+a short job cannot end before a loaded machine has started the joiner. ``RESTART_DELAY_S``: a
+restarted worker first sleeps that long (a replacement that comes back late).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import signal
 import sys
 import time
 
+if int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0")) > 0:  # a replacement that comes back late
+    time.sleep(float(os.environ.get("RESTART_DELAY_S", "0")))
 BOOT = time.time()  # a restarted worker reports where its time went before its first step
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402

@@ -38,7 +38,10 @@ respawn = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 slot = int(os.environ["RANK"])
 STEPS, EPOCHS, GLOBAL_BATCH, LR = 8, 3, 8, 0.02
 ALONE_SLEEP_S, PAIR_SLEEP_S = 2.5, 0.1  # alone the survivor waits for the restarted worker to join
+JOINER_WAIT_S = 120.0  # alone, first wait (event: the restarted worker's ``started.1`` file)
 
+if respawn > 0:  # the restarted worker has imported Keras; hvd.init() below makes it arrive
+    (out_dir / f"started.{slot}").write_text(str(os.getpid()))
 hvd.init()
 data_rng = np.random.default_rng(0)
 X = data_rng.normal(size=(STEPS * GLOBAL_BATCH, 4)).astype("float32")
@@ -74,6 +77,14 @@ class Batches(keras.utils.PyDataset):
         return X[rows][self.rank::self.size], Y[rows][self.rank::self.size]
 
 
+def _await_joiner() -> None:
+    """Alone: wait until slot 1's new process has imported Keras (under a loaded CI host that
+    can take longer than the paced steps left)."""
+    marker, deadline = out_dir / "started.1", time.monotonic() + JOINER_WAIT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 class Record(keras.callbacks.Callback):
     """Slot 1's kill, the pace, and one history entry per batch (committed by the next callback)."""
 
@@ -84,6 +95,8 @@ class Record(keras.callbacks.Callback):
         seed = keras.ops.convert_to_numpy(model.layers[1].seed_generator.state).tolist()
         print(f"DRAW slot={slot} step={len(state.history)} size={hvd.size()} "  # step: batches committed
               f"dropout_seed={seed} numpy={np.random.rand():.8f}", flush=True)
+        if hvd.size() == 1 and kill_at >= 0:
+            _await_joiner()
         time.sleep(ALONE_SLEEP_S if hvd.size() == 1 else PAIR_SLEEP_S)
 
     def on_train_batch_end(self, batch, logs=None) -> None:

@@ -41,7 +41,10 @@ RESPAWN = int(os.environ.get("HVDRUN_RESPAWN_COUNT", "0"))
 N, BATCH, EPOCHS, COMMIT_EVERY, KILL_STEP = 64, 4, 4, 2, 5
 KILL_SLOT = 0 if MODE == "zero" else 1
 STEP_SLEEP = {1: 0.5, 2: 0.1}  # seconds per step by world size: slow alone, so the restarted worker
-# (a new Python importing torch and Lightning) joins before the fit ends
+# joins before the fit ends; and alone, the survivor first waits (event: the restarted worker's
+# ``fit.<slot>`` file, written just before its fit) for the new Python to have imported torch and
+# Lightning, which under a loaded CI host can take longer than the steps left
+JOINER_WAIT_S = 120.0
 
 
 class Regressor(pl.LightningModule):
@@ -58,6 +61,8 @@ class Regressor(pl.LightningModule):
         draw = torch.rand(1).item()  # a redone step must draw what it drew the first time
         print(f"DRAW slot={SLOT} step={self.global_step} size={self.trainer.world_size} value={draw:.8f}",
               flush=True)
+        if self.trainer.world_size == 1 and MODE != "user":
+            _await_joiner()
         time.sleep(STEP_SLEEP.get(self.trainer.world_size, 0.1))
         indices = sorted(self.all_gather(idx).flatten().tolist())
         self.seen.append((self.current_epoch, self.trainer.world_size, self.global_step, indices))
@@ -92,6 +97,19 @@ class Report(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _await_joiner() -> None:
+    """Alone: wait until the lost slot's new process is about to call ``fit``."""
+    marker, deadline = OUT_DIR / f"fit.{KILL_SLOT}", time.monotonic() + JOINER_WAIT_S
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _announce_fit() -> None:
+    print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
+    if RESPAWN > 0:
+        (OUT_DIR / f"fit.{SLOT}").write_text(str(os.getpid()))
+
+
 def _data() -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(N, 4, generator=g), torch.randn(N, 1, generator=g), torch.arange(N))
@@ -119,7 +137,7 @@ def _cli() -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule]:
 def main() -> None:
     if MODE == "cli":
         trainer, model, data = _cli()
-        print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
+        _announce_fit()
         trainer.fit(model, datamodule=data)
         _finish(trainer, model)
         return
@@ -132,7 +150,7 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Report()],
     )
     model = Regressor()
-    print(f"FIT slot={SLOT} pid={os.getpid()} respawn={RESPAWN}", flush=True)
+    _announce_fit()
     trainer.fit(model, DataLoader(data, batch_size=BATCH, shuffle=True))
     _finish(trainer, model)
 
