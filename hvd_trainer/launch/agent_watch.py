@@ -148,7 +148,8 @@ class AgentWatch:
         """Write each new ``lost.<rank>`` record of the job directory into the workers' store
         (``MASTER_ADDR:MASTER_PORT`` of the agent's worker group, a client opened once) as
         :func:`~hvd_trainer.comm.world.quorum.gone_key` (rank = launch slot). Silent when that
-        store cannot be reached within 5 s: the other ranks then wait their settle time instead."""
+        store cannot be reached within 5 s (each record is tried once): the other ranks then wait
+        their settle time instead."""
         new = []
         for path in self.job_dir.glob("lost.*"):
             rank = path.name.split(".", 1)[1]
@@ -158,13 +159,13 @@ class AgentWatch:
                     new.append(record)
         if not new:
             return
+        self._reported.update(new)  # tried once: a store out of reach must not stall every monitor step
         with contextlib.suppress(Exception):  # noqa: BLE001 - the store's host may be gone
             group = agent._worker_group
             run_id = group.spec.rdzv_handler.get_run_id()
             store = self._workers_store(group.master_addr, int(group.master_port))
             for rank, pid in new:
                 store.set(gone_key(run_id, rank, pid), socket.gethostname())
-                self._reported.add((rank, pid))
 
     def _workers_store(self, host: str, port: int) -> Any:
         if self._client is None or self._client[0] != (host, port):

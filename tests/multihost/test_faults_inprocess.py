@@ -49,7 +49,7 @@ def _samples_once_and_replayed(out: Path, samples: int) -> None:
         assert torch.equal(got["model"][name], tensor), name
 
 
-def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> None:
+def _check(job: Job, out: Path, fault_at: float, what: str, limit: float, samples: int = SAMPLES) -> None:
     assert job.wait_exit("h1", 240) is not None, job.tail()
     assert job.procs["h1"].returncode == 0, job.tail()
     text = job.text("h1")
@@ -60,7 +60,7 @@ def _check(job: Job, out: Path, fault_at: float, what: str, limit: float) -> Non
     assert after is not None, job.tail()
     print(f"\nFAULT-TIME in-process {what}: h1's next step done {after - fault_at:.1f} s after the fault")
     assert after - fault_at < limit, job.tail()
-    _samples_once_and_replayed(out, SAMPLES)
+    _samples_once_and_replayed(out, samples)
 
 
 def _joined_in_process(job: Job) -> None:
@@ -187,10 +187,13 @@ def test_a_cut_after_an_in_process_re_form_leaves_the_survivor_training(tmp_path
     timeout = 8  # the destroy would wait longer than the watch's 5 s grace after detection
     with cluster(2) as c:
         h1, h2 = c.hosts
+        # h1 re-forms alone at once (h2's hvdrun reports the killed worker; 2 -> 1, then 1 -> 2),
+        # or with the restarted worker if it arrives first (2 -> 2): either way the restarted
+        # worker's first step is done in a 2-rank world when it prints JOINER. 512 samples: h1
+        # alone cannot finish before a slow restart arrives.
         env = {**os.environ, "HOROVOD_GLOO_TIMEOUT_SECONDS": str(timeout)}
-        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt", kill_step=10), env=env)
-        assert job.wait_for("h1", "re-formed in process", timeout=150), job.tail()
-        assert job.wait_for("h1", "STEP 20 rank=0 size=2", timeout=60), job.tail()
+        job = start_job(c, [h1, h2], _line(tmp_path / "out.pt", 512, kill_step=10), env=env)
+        assert job.wait_for("h2", "JOINER", timeout=150), job.tail()
         cut_at = time.monotonic()
         c.cut(h2)
-        _check(job, tmp_path / "out.pt", cut_at, "link cut after a re-form", 3.0 + timeout)
+        _check(job, tmp_path / "out.pt", cut_at, "link cut after a re-form", 3.0 + timeout, samples=512)
