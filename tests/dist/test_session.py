@@ -19,7 +19,7 @@ import torch
 from tests.dist._lightning_cases import TORCHRUN_ENV
 from tests.multiproc import run_workers
 
-CYCLES = 60
+CYCLES = 100
 CHECK_EVERY = 10
 
 
@@ -47,18 +47,18 @@ def _cycles(cycles: int) -> dict[str, Any]:
 
 
 def test_init_shutdown_many_times_stays_correct_and_leaks_nothing() -> None:
-    """60 cycles; the open file descriptors and threads, counted after a gc every 10 cycles, keep
-    their floor: the fewest in the last 30 cycles is within 8 of the fewest in the first 30 (a
-    count swings by ~20 with what the gloo threads have closed yet; the floor stays). A socket,
-    store or thread left behind per cycle would raise it by 30."""
+    """100 cycles; the open file descriptors and threads, counted after a gc every 10 cycles, do
+    not grow per cycle: the fewest fds at cycles 80-100 is within 40 of the fewest at cycles
+    10-30. A count swings by ~20 with what the gloo threads have closed yet, and once its floor
+    rose by 18 in one step and stayed (79, 79, 97, 94, 97, 96 over 60 cycles: a flaky failure of
+    a tighter bound); a socket, store or thread left behind per cycle would raise it by 50-70."""
     results = run_workers(_cycles, 2, args=(CYCLES,), timeout_seconds=240)
     expected = [float(2 * i + 1) for i in range(CYCLES)]  # r + i summed over r = 0, 1
     for res in results:
         assert res["sums"] == expected
-        assert res["seconds"] < 60, res["seconds"]
-        half = len(res["fds"]) // 2
-        assert min(res["fds"][half:]) <= min(res["fds"][:half]) + 8, res["fds"]
-        assert min(res["threads"][half:]) <= min(res["threads"][:half]), res["threads"]
+        assert res["seconds"] < 120, res["seconds"]
+        assert min(res["fds"][-3:]) <= min(res["fds"][:3]) + 40, res["fds"]
+        assert min(res["threads"][-3:]) <= min(res["threads"][:3]), res["threads"]
 
 
 def _destroyed_behind_our_back() -> dict[str, Any]:
