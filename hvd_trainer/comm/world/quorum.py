@@ -62,7 +62,11 @@ def gone_key(run_id: str, slot: int, pid: int) -> str:
     """The store key saying that process ``pid`` of launch slot ``slot`` in job ``run_id`` has
     ended (its value: the host's name). A round does not wait for a missing member whose key is
     set (rule 2 of the module docstring)."""
-    return f"hvd/quorum/{run_id}/gone/{slot}/{pid}"
+    return f"{_job_prefix(run_id)}/gone/{slot}/{pid}"
+
+
+def _job_prefix(run_id: str) -> str:
+    return f"hvd/quorum/{run_id}"
 
 
 class JobFinished(Exception):  # noqa: N818 - a state, not an error
@@ -139,7 +143,7 @@ class Quorum:
         self.store, self.slot, self.max_slots = store, slot, max_slots
         self.launched = max_slots if launched is None else launched
         self.min_np, self.settle_seconds, self.timeout_seconds = min_np, settle_seconds, timeout_seconds
-        self._prefix, self._run_id = f"hvd/quorum/{run_id}", run_id
+        self._prefix, self._run_id = _job_prefix(run_id), run_id
         self.me = Member(slot, host or socket.gethostname(), os.getpid() if pid is None else pid)
         self.current: Membership | None = None
         self._before: Membership | None = None
