@@ -132,7 +132,7 @@ def test_a_killed_host_makes_the_survivors_name_it_and_hvdrun_exit_within_10_s()
         text = job.text("h1")
         assert text.count("RankFailedError") >= 2, job.tail()  # both ranks on h1 raised it
         for rank in (0, 1):
-            assert f"[{rank}]<stderr>" in text
+            assert f"[{rank}]<stderr>" in text, job.tail(80)
         assert "rank 2 on h2" in text and "rank 3 on h2" in text, job.tail()
         # no rank on h1 blames its neighbour, which only left because it lost h2 too
         assert "no longer running" not in text, job.tail()

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -86,3 +87,48 @@ def test_a_rank_that_left_for_a_peer_is_not_blamed_and_the_error_points_at_other
     # the default reads this process's own state: it raised no peer failure
     liveness.mark_exited(store, 3)
     assert liveness.stopped_for_peers(store, [liveness.Peer(3, "far-away", 8)]) == []
+
+
+def test_a_rank_about_to_raise_waits_for_its_neighbours_on_this_host_only() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = socket.gethostname()
+        store = _store_with({0: f"{host}|{os.getpid()}", 1: f"{host}|{child.pid}",
+                             2: f"far-away|{child.pid}"})
+        # the neighbour (rank 1) never raises: bounded by the timeout; far-away rank 2 is not awaited
+        assert liveness.find_raising(store, [0, 1, 2], me=1) == []
+        started = time.monotonic()
+        liveness.await_local_raising(store, [0, 1, 2], me=0, timeout_seconds=0.3)
+        assert 0.3 <= time.monotonic() - started < 2.0
+        # rank 0 is leaving: a rank waiting for it in a collective can tell
+        assert liveness.find_raising(store, [0, 1, 2], me=1) == [liveness.Peer(0, host, os.getpid())]
+        assert liveness.find_raising(store, [1, 2], me=1) == []
+        # the neighbour marks itself while rank 0 waits: rank 0 goes on at once
+        marker = threading.Timer(0.2, lambda: store.set("hvd/raising/1", str(child.pid)))
+        started = time.monotonic()
+        marker.start()
+        liveness.await_local_raising(store, [0, 1, 2], me=0, timeout_seconds=30.0)
+        assert 0.2 <= time.monotonic() - started < 5.0
+        # at its exit, rank 0 waits for the neighbour's "exited" mark (its error is printed then)
+        exiter = threading.Timer(0.3, lambda: liveness.mark_exited(store, 1, for_a_peer=True))
+        started = time.monotonic()
+        exiter.start()
+        liveness._await_local_exits(timeout_seconds=30.0)
+        assert 0.3 <= time.monotonic() - started < 5.0
+        # the last to mark itself finds everyone marked: no wait at all
+        started = time.monotonic()
+        liveness.await_local_raising(store, [0, 1, 2], me=1, timeout_seconds=30.0)
+        assert time.monotonic() - started < 0.4
+        # publishing again (a new world after an in-process recovery) clears the mark
+        liveness.publish(store, 1)
+        assert not store.check(["hvd/raising/1"]) and liveness._exit_wait is None
+        store.set("hvd/proc/1", f"{host}|{child.pid}")  # publish() wrote this process's pid
+        # a neighbour that ended is not awaited
+        child.kill()
+        child.wait()
+        started = time.monotonic()
+        liveness.await_local_raising(store, [0, 1, 2], me=0, timeout_seconds=30.0)
+        assert time.monotonic() - started < 0.4
+    finally:
+        child.kill()
+        child.wait()

@@ -65,10 +65,12 @@ from hvd_trainer.comm.ops.timeline import Timeline, activity_name
 from hvd_trainer.comm.world.heartbeat import PeerWatch
 from hvd_trainer.comm.world.join_board import JoinBoard, Transport
 from hvd_trainer.comm.world.liveness import (
+    await_local_raising,
     describe_failure,
     describe_gone,
     find_dead_peers,
     find_gone,
+    find_raising,
     finished,
     stopped_for_peers,
     wait_until_ended,
@@ -555,6 +557,7 @@ class Coordinator:
         self, op: Op, entries: dict[int, str], elapsed: float, excused: set[int] | None = None
     ) -> None:
         cfg = self.config
+        self._raise_if_peer_raising(op)
         missing = [q for q in self.ranks if q not in entries and q not in (excused or set())]
         if not missing:
             return
@@ -614,11 +617,33 @@ class Coordinator:
             return
         if gone:
             wait_until_ended(gone)  # so the launcher sees the gone rank's own exit first
+            await_local_raising(self.store, self.ranks, self.rank)  # each rank here prints its error
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # a transport call may be in flight
             what = f"{op.sig.label()} (collective #{op.seq})"
             if len(relayed) == len(gone):  # they did not skip it: they lost a peer first
                 raise RankFailedError(describe_failure(what, gone, [], relayed))
             raise RankFailedError(describe_gone(what, gone))
+
+    def _raise_if_peer_raising(self, op: Op) -> None:
+        """Raise RankFailedError when a rank of this collective is raising a peer failure itself
+        (probed at most every 0.5 s): it lost a peer this rank may not be talking to (in a ring,
+        a rank waits on its neighbour only), and it is leaving, so this collective cannot complete."""
+        now = time.monotonic()
+        if now < op.extra.get("next_raising_probe", 0.0):
+            return
+        op.extra["next_raising_probe"] = now + 0.5
+        try:
+            raising = find_raising(self.store, self.ranks, self.rank)
+            if not raising:
+                return
+            _dead, others = find_dead_peers(self.store, self.ranks, self.rank, grace_seconds=0.0)
+        except Exception:  # noqa: BLE001 - the store may be gone with the failed peer
+            return
+        remote = [p for p in others if p not in raising]
+        message = describe_failure(f"{op.sig.label()} (collective #{op.seq})", raising, remote, raising)
+        await_local_raising(self.store, self.ranks, self.rank)  # each rank here prints its error
+        exit_hard_at_exit(PEER_FAILED_EXIT_CODE)  # the collective stays in flight: never hang at exit
+        raise RankFailedError(message)
 
     def _unpublish(self, seq: int) -> None:
         with contextlib.suppress(RuntimeError):
@@ -662,6 +687,7 @@ class Coordinator:
         message = describe_failure(f"{op.sig.label()} (collective #{op.seq})", dead, remote, relayed)
         if message is not None:
             wait_until_ended(dead)  # so the launcher sees the dead rank's own exit first
+            await_local_raising(self.store, self.ranks, self.rank)  # each rank here prints its error
             exit_hard_at_exit(PEER_FAILED_EXIT_CODE)
             raise RankFailedError(message) from exc
 

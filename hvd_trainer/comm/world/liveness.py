@@ -16,6 +16,7 @@ while a peer is still receiving, and that peer must not count it as failed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ from hvd_trainer.comm.base.errors import RankFailedError
 from hvd_trainer.comm.base.fatal import (
     PEER_FAILED_EXIT_CODE,
     exit_hard_at_exit,
+    flush_before_hard_exit,
     pid_alive,
     stopped_for_a_peer,
 )
@@ -35,12 +37,15 @@ from hvd_trainer.comm.base.store import try_get
 
 __all__ = [
     "Peer", "publish", "mark_exited", "finished", "find_dead_peers", "find_gone", "stopped_for_peers",
-    "wait_until_ended", "describe_failure", "describe_gone", "raise_if_peer_failed",
+    "wait_until_ended", "await_local_raising", "find_raising", "describe_failure", "describe_gone",
+    "raise_if_peer_failed",
 ]
 
 _KEY = "hvd/proc/{rank}"
 _EXITED = "hvd/exited/{rank}"
 _LAST_DONE = "hvd/last_done/{rank}"
+_RAISING = "hvd/raising/{rank}"
+_RAISING_COUNT = "hvd/raising_count"
 _FOR_A_PEER = "|peer"
 
 
@@ -51,11 +56,18 @@ class Peer:
     pid: int
 
 
+_exit_wait: tuple[Any, list[Peer]] | None = None
+"""The store and the local ranks that raised a peer failure with this one (for its hard exit)."""
+
+
 def publish(store: Any, rank: int) -> None:
-    """Record this process's host and pid under its rank, clearing an earlier "exited" mark."""
+    """Record this process's host and pid under its rank, clearing its earlier marks."""
+    global _exit_wait
     store.set(_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
     store.delete_key(_EXITED.format(rank=rank))
     store.delete_key(_LAST_DONE.format(rank=rank))
+    store.delete_key(_RAISING.format(rank=rank))
+    _exit_wait = None  # a new world: the ranks that raised with this one are no concern now
 
 
 def mark_exited(store: Any, rank: int, for_a_peer: bool | None = None,
@@ -160,6 +172,62 @@ def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> Non
     deadline = time.monotonic() + timeout_seconds
     while any(pid_alive(p.pid) for p in local) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def await_local_raising(store: Any, ranks: Sequence[int], me: int, timeout_seconds: float = 3.0) -> None:
+    """Mark ``me`` as about to raise a peer failure and wait (at most ``timeout_seconds``) until
+    every other rank among ``ranks`` on this host has marked itself too or has ended; then, at
+    this process's hard exit, wait (at most 2 s) until those marked ranks have left their "exited"
+    mark or ended. Never raises.
+
+    A launcher stops the other ranks of a host as soon as one exits. Without these waits a rank
+    that lost the same peer a moment later would be stopped before it printed its own error: the
+    first wait lets it reach its ``raise``, the second lets it print (an uncaught error is printed
+    before the interpreter's exit handlers run, and the "exited" mark is written in them).
+    """
+    global _exit_wait
+    with contextlib.suppress(Exception):  # the store may be gone with the failed peer
+        store.set(_RAISING.format(rank=me), str(os.getpid()))
+        store.add(_RAISING_COUNT, 1)
+        host = socket.gethostname()
+        local = [p for r in ranks if r != me and (p := _lookup(store, r)) is not None and p.host == host]
+        deadline = time.monotonic() + timeout_seconds
+        while any(pid_alive(p.pid) and not _raising(store, p.rank) for p in local) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _exit_wait = (store, [p for p in local if _raising(store, p.rank)])
+        _register_exit_wait()
+
+
+def find_raising(store: Any, ranks: Sequence[int], me: int) -> list[Peer]:
+    """The ranks among ``ranks`` other than ``me`` that are raising a peer failure (they called
+    :func:`await_local_raising`): they are leaving, so a collective with them cannot complete.
+    One store round trip while nobody is raising."""
+    if int(store.add(_RAISING_COUNT, 0)) == 0:
+        return []
+    return [p for r in ranks if r != me and _raising(store, r) and (p := _lookup(store, r)) is not None]
+
+
+def _raising(store: Any, rank: int) -> bool:
+    return try_get(store, _RAISING.format(rank=rank)) is not None
+
+
+@functools.cache
+def _register_exit_wait() -> None:
+    flush_before_hard_exit(_await_local_exits)
+
+
+def _await_local_exits(timeout_seconds: float = 2.0) -> None:
+    """At a hard exit: wait (bounded) until the ranks of :data:`_exit_wait` have left their
+    "exited" mark (their error is printed by then) or ended."""
+    if _exit_wait is None:
+        return
+    store, peers = _exit_wait
+    deadline = time.monotonic() + timeout_seconds
+    with contextlib.suppress(Exception):  # the store may be gone
+        while any(pid_alive(p.pid) and not _exited(store, p.rank) for p in peers) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def describe_gone(what: str, gone: Sequence[Peer]) -> str:
