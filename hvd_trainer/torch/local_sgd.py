@@ -65,6 +65,11 @@ class LocalSGD(torch.optim.Optimizer):
         compression: wire format of the outer gradient (``None``, ``"fp16"``, ``"bf16"``, or
             ``"int8"``: block-quantised allgather, ~4x fewer bytes at 2 ranks, no error feedback;
             see :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
+        overlap_steps: inner steps the outer gradient's allreduce may stay on the wire while
+            training goes on (``0 <= overlap_steps < sync_every``; 0, the default, blocks at
+            every outer step). Each rank then loads the new anchor plus its own progress since
+            the launch (the "hidden outer step" of :mod:`hvd_trainer.comm.reduce.localsgd.outer`);
+            not with ``compression="int8"``.
         process_set: synchronise over these ranks only (then broadcast the parameters within the
             set yourself first: construction broadcasts only without a process set).
         world: default ``hvd_trainer.get_world()``.
@@ -84,6 +89,7 @@ class LocalSGD(torch.optim.Optimizer):
         nesterov: bool = True,
         *,
         compression: Compressor | type[Compressor] | str | None = Compression.none,
+        overlap_steps: int = 0,
         process_set: ProcessSet | None = None,
         world: World | None = None,
     ) -> None:
@@ -98,7 +104,7 @@ class LocalSGD(torch.optim.Optimizer):
         if sync_every == AUTO:
             sync_every = self._choose(named, w, process_set)
         config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                nesterov=nesterov, compression=compression)
+                                nesterov=nesterov, compression=compression, overlap_steps=overlap_steps)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
         if outside:
@@ -214,7 +220,8 @@ class LocalSGD(torch.optim.Optimizer):
 
     def sync(self) -> None:
         """Run the outer step now (every rank must call it), e.g. after the last inner step so
-        that the ranks end with equal parameters (synchronous steps keep them equal already)."""
+        that the ranks end with equal parameters (synchronous steps keep them equal already);
+        an outer step still on the wire (``overlap_steps``) is finished first."""
         if self._outer is not None:
             self._outer.sync()
 

@@ -165,6 +165,87 @@ def test_int8_outer_gradient_equals_reference_and_counts_its_bytes() -> None:
         assert a == b
 
 
+def _train_overlapped(steps: int, h: int, tau: int) -> dict:
+    import hvd_trainer as hvd
+
+    rank = hvd.rank()
+    model = _model()
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau)
+    seen = []
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, *_shard(step, rank)).backward()
+        opt.step()
+        seen.append((opt.outer.in_flight, opt.outer.outer_steps))
+    before_sync = _flat(model).tolist()
+    opt.sync()
+    return {"before_sync": before_sync, "final": _flat(model).tolist(), "seen": seen,
+            "outer_steps": opt.outer.outer_steps}
+
+
+def _overlapped_reference(steps: int, h: int, tau: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The hidden outer step by hand in one process (two replicas, Adam inside, outer Nesterov
+    SGD 0.7 / 0.9): after inner step ``h`` the mean of (anchor - replica) is taken and each
+    replica's parameters are kept; ``tau`` inner steps later the anchor steps and each replica
+    becomes anchor + (its parameters now - those kept). Then a final blocking outer step.
+    Returns each replica's parameters before the final step, and the parameters after it."""
+    lr, mu = 0.7, 0.9
+    replicas = [_model(), _model()]
+    inners = [INNER["adam"](m.parameters()) for m in replicas]
+    anchor = [p.detach().clone() for p in replicas[0].parameters()]
+    buf = [torch.zeros_like(a) for a in anchor]
+
+    def mean_delta() -> list[torch.Tensor]:
+        flat = [torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, m.parameters(), strict=True)])
+                for m in replicas]
+        return [d.view_as(a) for d, a in zip(((flat[0] + flat[1]) / 2).split(
+            [a.numel() for a in anchor]), anchor, strict=True)]
+
+    def outer_step(delta: list[torch.Tensor]) -> None:
+        for i, a in enumerate(anchor):
+            buf[i] = mu * buf[i] + delta[i]
+            a -= lr * (delta[i] + mu * buf[i])
+
+    launched = None  # (mean delta, each replica's parameters at the launch, inner steps since)
+    for step in range(steps):
+        for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
+            o.zero_grad()
+            _loss(m, *_shard(step, rank)).backward()
+            o.step()
+        with torch.no_grad():
+            if launched is not None:
+                launched[2] += 1
+                if launched[2] == tau:
+                    outer_step(launched[0])
+                    for m, kept in zip(replicas, launched[1], strict=True):
+                        for p, a, k in zip(m.parameters(), anchor, kept, strict=True):
+                            p.add_(a - k)
+                    launched = None
+            if (step + 1) % h == 0:
+                launched = [mean_delta(), [[p.clone() for p in m.parameters()] for m in replicas], 0]
+    assert launched is None, "end the reference on a finished outer step"
+    before = [_flat(m) for m in replicas]
+    with torch.no_grad():
+        outer_step(mean_delta())
+    return before, torch.cat([a.reshape(-1) for a in anchor])
+
+
+@pytest.mark.timeout(120)
+def test_a_hidden_outer_step_equals_the_delayed_reference_and_sync_makes_ranks_equal() -> None:
+    steps, h, tau = 14, 4, 2  # launches after steps 4, 8, 12; each finished 2 steps later
+    results = run_workers(_train_overlapped, WORLD, args=(steps, h, tau))
+    before, final = _overlapped_reference(steps, h, tau)
+    assert not torch.allclose(before[0], before[1])  # the replicas differ between outer steps
+    for rank, r in enumerate(results):
+        # in flight from the launch until tau inner steps later, never blocking the launch step
+        assert [f for f, _ in r["seen"]] == [s % h in (0, 1) and s >= h for s in range(1, steps + 1)]
+        assert r["seen"][h - 1] == (True, 0) and r["seen"][h + tau - 1] == (False, 1)
+        assert r["outer_steps"] == steps // h + 1
+        torch.testing.assert_close(torch.tensor(r["before_sync"]), before[rank], atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(r["final"]), final, atol=1e-6, rtol=0)
+    assert results[0]["final"] == results[1]["final"]  # bit-identical after sync()
+
+
 def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
     import hvd_trainer as hvd
 
@@ -207,7 +288,9 @@ def test_invalid_settings_raise_with_a_hint() -> None:
 
     for bad in ({"sync_every": 0}, {"sync_every": True}, {"sync_every": 2, "outer_lr": 0.0},
                 {"sync_every": 2, "outer_momentum": 1.0}, {"sync_every": 2, "compression": "int3"},
-                {"sync_every": 2, "compression": "powersgd:2"}):
+                {"sync_every": 2, "compression": "powersgd:2"}, {"sync_every": 2, "overlap_steps": 2},
+                {"sync_every": 2, "overlap_steps": -1}, {"sync_every": 4, "overlap_steps": 1,
+                                                          "compression": "int8"}):
         with pytest.raises(LocalSGDConfigError, match="HINT"):
             LocalSGDConfig(**bad)
 

@@ -20,6 +20,18 @@ inner optimizers that are linear in the gradient (SGD, with momentum and weight 
 average of ``theta_g - lr * g_r`` is ``theta_g - lr * mean(g)``. (Adam's per-rank moments of
 local gradients are not the moments of the averaged gradient.)
 
+Hidden outer step (``overlap_steps`` = ``tau`` > 0; after Streaming DiLoCo's overlapping of
+communication with computation, Douillard et al. 2025, arXiv:2501.18512, section 2.2): at the
+``H``-th inner step the outer gradient's allreduce is *launched*, and each rank keeps a copy
+``theta_s`` of its parameters then and goes on with inner steps while it is on the wire. ``tau``
+inner steps later it is finished, the outer SGD updates the anchor as above, and each rank loads
+the new anchor *plus the local progress since the launch*: ``theta_r <- theta_g + (theta_r -
+theta_s)``. Nothing is dropped: that local progress is part of the next outer gradient (the next
+launch is ``H`` inner steps after this one). The ranks' parameters are equal only after
+:meth:`OuterSync.sync` (e.g. at the end of training), as between any two outer steps. Cost: one
+more copy of the parameters (``theta_s``, fp32 for narrower floating parameters) while the
+reduction is in flight. ``tau = 0`` is the blocking outer step above.
+
 Traffic: one allreduce of the parameters every ``H`` inner steps instead of one of the gradients
 every step (``H`` times fewer bytes at fp32). ``compression=Compression.int8`` quantises the outer
 gradient per block of 256 values (one fp32 scale ``absmax / 127`` each,
@@ -72,6 +84,9 @@ class LocalSGDConfig:
     compression: Compressor = Compression.none
     """Wire format of the outer gradient: ``Compression.none``/``fp16``/``bf16`` (the allreduce's
     dtype) or ``Compression.int8`` (block-quantised allgather, no error feedback)."""
+    overlap_steps: int = 0
+    """Inner steps the outer gradient's reduction may take on the wire while training goes on
+    (``tau`` of the module docstring; ``0 <= tau < sync_every``); 0 blocks at every outer step."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
@@ -87,6 +102,19 @@ class LocalSGDConfig:
             )
         self.compression = Compression.resolve(self.compression, error=LocalSGDConfigError,
                                                allow_error_feedback=True)
+        if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) \
+                or not 0 <= self.overlap_steps < self.sync_every:
+            raise LocalSGDConfigError(
+                f"overlap_steps={self.overlap_steps!r} must be an int in [0, sync_every={self.sync_every}) "
+                "(inner steps the outer reduction runs behind). HINT: overlap_steps=sync_every // 4; "
+                "0 blocks at every outer step."
+            )
+        if self.overlap_steps and isinstance(self.compression, Int8Compressor):
+            raise LocalSGDConfigError(
+                f"overlap_steps={self.overlap_steps} with compression='int8': the int8 outer gradient "
+                "is reduced in several dependent rounds, which are not overlapped. HINT: "
+                "compression='bf16' (2x fewer bytes) with overlap_steps, or overlap_steps=0 with int8."
+            )
         if self.compression.error_feedback and not isinstance(self.compression, Int8Compressor):
             raise LocalSGDConfigError(
                 f"compression={self.compression.name!r} is not built for the outer gradient of local "
@@ -141,40 +169,86 @@ class OuterSync:
         self.bytes_sent = 0
         """Bytes this rank put on the wire for outer steps (ring allreduce: ``2 (N-1)/N`` of
         the payload)."""
+        self._pending: _InFlight | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an outer gradient's reduction is on the wire (``overlap_steps > 0``)."""
+        return self._pending is not None
 
     def after_inner_step(self) -> bool:
-        """Count one inner step; on the ``sync_every``-th, run :meth:`sync` (a collective).
+        """Count one inner step; on the ``sync_every``-th, run the outer step (a collective):
+        at once, or with ``overlap_steps`` launch it and finish it that many inner steps later.
 
         Returns:
-            Whether an outer step ran.
+            Whether an outer step was launched or ran.
         """
         self.inner_steps += 1
+        if self._pending is not None and self.inner_steps >= self.config.overlap_steps:
+            self._finish()
         if self.inner_steps < self.config.sync_every:
             return False
-        self.sync()
+        if self.config.overlap_steps:
+            self._launch(overlap=True)
+        else:
+            self.sync()
         return True
 
     @torch.no_grad()
     def sync(self) -> None:
-        """The outer step now (every rank must call it): average ``anchor - param`` over the
-        ranks, step the outer SGD on the anchors, load them into the parameters."""
-        deltas = [a - p.to(a.dtype) for a, p in zip(self.anchors, self.params, strict=True)]
+        """The outer step now (every rank must call it): finish one still on the wire, then
+        average ``anchor - param`` over the ranks, step the outer SGD on the anchors, load them
+        into the parameters (equal on every rank afterwards)."""
+        self.finish_in_flight()
+        self._launch(overlap=False)
+        self._finish()
+
+    def finish_in_flight(self) -> None:
+        """Finish an outer step still on the wire (a collective when one is; no-op otherwise):
+        afterwards the anchors are current (e.g. before :meth:`state_dict`)."""
+        if self._pending is not None:
+            self._finish()
+
+    @torch.no_grad()
+    def _launch(self, *, overlap: bool) -> None:
+        """Start averaging ``anchor - param`` over the ranks (int8: done here, blocking);
+        ``overlap``: inner steps follow before :meth:`_finish` (keep the parameters now)."""
+        pairs = list(zip(self.anchors, self.params, strict=True))
+        deltas = [a - p.to(a.dtype) for a, p in pairs]
+        snapshots = [p.detach().to(a.dtype, copy=True) for a, p in pairs] if overlap else None
+        groups = []
         for group in _by_device_dtype(deltas):
             flat = torch.cat([deltas[i].reshape(-1) for i in group])
             if isinstance(self.config.compression, Int8Compressor) and flat.is_floating_point():
-                flat = self._int8_average(flat)
-            else:
-                start_allreduce(flat, op=ReduceOp.AVERAGE, pset=self._pset,
-                                name="local_steps.outer_gradient", compression=self.config.compression,
-                                kind="outer").finish()
-                self.bytes_sent += _ring_bytes(flat, self.config.compression, self._pset.size())
-            for i, piece in zip(group, flat.split([deltas[i].numel() for i in group]), strict=True):
+                groups.append((group, self._int8_average(flat), None))
+                continue
+            handle = start_allreduce(flat, op=ReduceOp.AVERAGE, pset=self._pset,
+                                     name="local_steps.outer_gradient",
+                                     compression=self.config.compression, kind="outer")
+            self.bytes_sent += _ring_bytes(flat, self.config.compression, self._pset.size())
+            groups.append((group, flat, handle))
+        self._pending = _InFlight(groups, snapshots)
+        self.inner_steps = 0
+
+    @torch.no_grad()
+    def _finish(self) -> None:
+        """Finish the launched reduction, step the outer SGD, load the anchors (plus the local
+        progress since the launch, when it overlapped inner steps)."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        for group, flat, handle in pending.groups:
+            if handle is not None:
+                handle.finish()
+            for i, piece in zip(group, flat.split([self.anchors[i].numel() for i in group]), strict=True):
                 self.anchors[i].grad = piece.view_as(self.anchors[i])
         self.outer.step()
-        for a, p in zip(self.anchors, self.params, strict=True):
+        snapshots = pending.snapshots
+        for k, (a, p) in enumerate(zip(self.anchors, self.params, strict=True)):
             a.grad = None
-            p.copy_(a)
-        self.inner_steps = 0
+            if snapshots is None:
+                p.copy_(a)
+            else:  # theta_g + (theta_r - theta_s)
+                p.add_((a - snapshots[k]).to(p.dtype))
         self.outer_steps += 1
 
     def _int8_average(self, flat: torch.Tensor) -> torch.Tensor:
@@ -188,7 +262,9 @@ class OuterSync:
 
     def state_dict(self) -> dict[str, Any]:
         """The anchors, the outer SGD's state and the counters (copies; rank-independent except
-        ``inner_steps``, which is the same on every rank that stepped in step)."""
+        ``inner_steps``, which is the same on every rank that stepped in step). An outer step
+        still on the wire is finished first (a collective then: call it on every rank)."""
+        self.finish_in_flight()
         return {
             "anchors": [a.detach().clone() for a in self.anchors],
             "outer_optimizer": self.outer.state_dict(),
@@ -211,11 +287,22 @@ class OuterSync:
                 f"the local-steps state holds {len(anchors)} anchors of other shapes than the "
                 f"{len(shapes)} parameters. HINT: load a state saved from the same model."
             )
+        self._pending = None  # a reduction of the state being replaced is not applied
         for mine, saved in zip(self.anchors, anchors, strict=True):
             mine.copy_(saved)
         self.outer.load_state_dict(state["outer_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched outer step: per (device, dtype) group of parameter indices, the flat outer
+    gradient being averaged in place and its handle (``None``: averaged already, int8), and the
+    parameters at the launch (``None`` for a blocking step)."""
+
+    groups: list[tuple[list[int], torch.Tensor, Any]]
+    snapshots: list[torch.Tensor] | None
 
 
 def _anchor_copy(p: torch.Tensor) -> torch.Tensor:
