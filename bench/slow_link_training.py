@@ -11,7 +11,8 @@ Run every mode under the same launcher (the shaped-link lab runs it on its names
 
 Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
 ``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
-32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``auto``
+32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``localsgd_overlap[:H]``
+(the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``), ``auto``
 (``compression="auto"``: the link probe's choice), ``local`` (no communication; world of one),
 and torch's own for comparison: ``ddp`` (DDP,
 fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
@@ -22,7 +23,9 @@ with ``val_loss`` and ``comm_bytes_sent`` (what hvd_trainer's comm layer counted
 ring-collective payload, see ``GradientReducer.wire_bytes_sent`` and ``OuterSync.bytes_sent``);
 rank 0 also prints a ``RESULT`` line. :func:`run_mode` is the workload function.
 
-The timed window excludes ``--warmup`` steps and validation. ``--eval-every N`` also validates
+Subnormal floats are flushed to zero (``torch.set_flush_denormal``) so that the step times
+compare communication, not a trajectory's subnormal arithmetic. The timed window excludes
+``--warmup`` steps and validation. ``--eval-every N`` also validates
 every N steps (not timed) and adds the ``curve`` of (step, training seconds, val_loss, bytes) to
 the record: the lab's time-to-loss figures (``python -m bench.lab --workloads slow_link``).
 Validation runs on every rank on the same held-out data after the last step (local steps: after
@@ -44,8 +47,8 @@ from bench.lab.workers.common import Window, emit
 
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
-MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "auto", "local", "ddp",
-         "ddp_powersgd")
+MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "localsgd_overlap", "auto",
+         "local", "ddp", "ddp_powersgd")
 
 
 @dataclass
@@ -85,10 +88,11 @@ def parse_mode(mode: str) -> tuple[str, int]:
     name, _, num = mode.partition(":")
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
-    default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "ddp_powersgd": 4}.get(name, 0)
+    default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "localsgd_overlap": 32,
+               "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
-        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R, localsgd:H and localsgd_int8:H "
-                         "take a number >= 1.")
+        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R, localsgd:H, localsgd_int8:H and "
+                         "localsgd_overlap:H take a number >= 1.")
     return name, int(num) if num else default
 
 
@@ -189,10 +193,11 @@ def _optimizer(name: str, num: int, net: nn.Module, args: SlowLinkArgs):  # noqa
     inner = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     if name in ("local", "ddp", "ddp_powersgd"):
         return inner
-    if name in ("localsgd", "localsgd_int8"):
+    if name in ("localsgd", "localsgd_int8", "localsgd_overlap"):
         outer_wire = "int8" if name == "localsgd_int8" else None
+        overlap = max(1, num // 4) if name == "localsgd_overlap" and num > 1 else 0
         return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire, outer_lr=args.outer_lr,
-                            outer_momentum=args.outer_momentum)
+                            outer_momentum=args.outer_momentum, overlap_steps=overlap)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}",
                    "auto": "auto"}[name]
@@ -276,8 +281,8 @@ def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data:
         eval_s += time.perf_counter() - t0
         if args.stop_below and i + 1 >= args.min_steps and val <= args.stop_below:
             break  # the same value on every rank: all stop here
-    if isinstance(opt, hvd.LocalSGD) and opt.outer.inner_steps:
-        opt.sync()  # equal weights for validation; its bytes count
+    if isinstance(opt, hvd.LocalSGD):
+        opt.settle()  # equal weights for validation; its bytes count
     if distributed:
         hvd.barrier()
     timed = window.stop()
@@ -314,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     parse_mode(a.mode)  # fail before init
     torch.set_num_threads(a.threads)
+    # Subnormal floats make CPU arithmetic many times slower, and whether a run meets them depends
+    # on its trajectory (seen: a local-steps GPT run's inner steps went from 65 to 163 ms over
+    # 288 steps, every value the same with flushing): flushed, step times compare communication.
+    torch.set_flush_denormal(True)
     if parse_mode(a.mode)[0] != "local":
         import hvd_trainer as hvd
 

@@ -166,6 +166,10 @@ class _HorovodStrategyLogic:
             ``"auto"``: chosen at the start of ``fit`` with ``compression="auto"`` below.
         outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
             ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
+        outer_overlap_steps: optimizer steps the outer gradient's allreduce may stay on the wire
+            while training goes on (``0 <= n < sync_every``; 0, the default, blocks at every
+            outer step); each rank then loads the new anchor plus its own progress since the
+            launch (:mod:`hvd_trainer.comm.reduce.localsgd.outer`). Not with ``compression="int8"``.
         zero_stage: ``0`` (default): every rank keeps the whole optimizer state. ``1``: each
             optimizer's state is sharded over the ranks (each parameter stepped by one owner,
             then exchanged); ``2``: the gradient buckets are also reduce-scattered, so after
@@ -229,6 +233,7 @@ class _HorovodStrategyLogic:
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
+        outer_overlap_steps: int = 0,
         zero_stage: int = 0,
         zero_overlap_exchange: bool = False,
     ) -> None:
@@ -262,10 +267,12 @@ class _HorovodStrategyLogic:
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
         self._outer_args = {"outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                            "nesterov": outer_nesterov}
+                            "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps}
         """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
         if self._auto["sync_every"]:
-            _local_config(1, **self._outer_args, compression=self._compression)  # checked now, not at fit
+            # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
+            _local_config(int(outer_overlap_steps) + 1 if isinstance(outer_overlap_steps, int) else 1,
+                          **self._outer_args, compression=self._compression)
         self._local = _local_config(sync_every, **self._outer_args, compression=self._compression)
         self._outer: OuterSync | None = None
         zero_stage = check_zero_stage(zero_stage, StrategyConfigError)
@@ -563,8 +570,8 @@ class _HorovodStrategyLogic:
     def on_train_end(self) -> None:
         """Local steps: an outer step for the steps since the last one (equal weights at the end)."""
         self.finish_parameter_exchange()
-        if self._outer is not None and self._outer.inner_steps:
-            self._outer.sync()
+        if self._outer is not None:
+            self._outer.settle()
         super().on_train_end()
 
     def finish_parameter_exchange(self) -> None:
@@ -987,14 +994,14 @@ def _unwrap(optimizer: Any) -> Any:
 
 
 def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
-                  compression: Compressor) -> LocalSGDConfig | None:
+                  overlap_steps: int, compression: Compressor) -> LocalSGDConfig | None:
     """The local-steps config (``None`` without ``sync_every``); the outer gradient travels in
     ``compression``. Raises StrategyConfigError for a bad combination."""
     if sync_every is None:
         return None
     try:
         return LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                              nesterov=bool(nesterov), compression=compression)
+                              nesterov=bool(nesterov), compression=compression, overlap_steps=overlap_steps)
     except LocalSGDConfigError as exc:
         raise StrategyConfigError(str(exc)) from None
 

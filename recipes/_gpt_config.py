@@ -52,6 +52,9 @@ class TrainerConfig:
     """Outer SGD learning rate of local steps (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum of local steps (DiLoCo: 0.9)."""
+    outer_overlap_steps: int = 0
+    """Steps the outer gradient's allreduce may stay on the wire while training goes on (local
+    steps; 0: blocking)."""
     compression: str = "none"
     """Gradient wire format: "none", "fp16", "bf16", "int8", "powersgd:R" (error feedback), "auto"
     (from the measured link); with sync_every, of the outer gradient ("none", "bf16", "int8")."""

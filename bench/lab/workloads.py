@@ -9,6 +9,7 @@ the distributed run. Rounds are interleaved: round 1 of every mode, then round 2
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from tests.multihost.netns import Cluster
 
 __all__ = ["LabArgs", "WORKLOADS", "run_workload"]
 
-WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto")
+WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto", "local_steps")
 DEFAULT_SIZES = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 
 
@@ -229,6 +230,44 @@ def _auto(tag: str, launch: _Launcher) -> list[dict]:
     return recs
 
 
+LOCAL_STEPS_MODES = ("localsgd:32", "localsgd_overlap:32")
+
+
+def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
+    """Compute utilisation of local steps, blocking vs hidden outer step (``H=32``,
+    ``overlap_steps=8``), on the CNN and the GPT model: the step time of ``local`` (the same script
+    with no communication, run on every host at once) over the mode's, per interleaved round;
+    median and spread over the rounds. The window (``--steps`` after ``--warmup``) ends with a
+    blocking outer step."""
+    args, recs = launch.args, []
+    for model in ("cnn", "gpt"):
+        worker = ["bench.slow_link_training", "--model", model, *_common(args)]
+        for r in range(args.rounds):
+            for mode in (*LOCAL_STEPS_MODES, "local"):
+                new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
+                recs += [{**rec, "round": r} for rec in new]
+    step_s: dict[tuple[str, str, int], float] = {}
+    for rec in recs:  # the slowest rank's seconds per step, per (model, mode, round)
+        key = (rec["workload"], rec["mode"], rec["round"])
+        step_s[key] = max(step_s.get(key, 0.0), rec["seconds"] / rec["steps"])
+    for model in ("cnn", "gpt"):
+        w = f"slow_link_{model}"
+        util = {m: [step_s[(w, "local", r)] / step_s[(w, m, r)] for r in range(args.rounds)]
+                for m in LOCAL_STEPS_MODES}
+        for mode, values in util.items():
+            steps = [step_s[(w, mode, r)] for r in range(args.rounds)]
+            print(f"STEP {tag} local_steps {model} {mode} step_s={statistics.median(steps):.4f} local_step_s="
+                  f"{statistics.median(step_s[(w, 'local', r)] for r in range(args.rounds)):.4f} "
+                  f"rounds={args.rounds}", flush=True)
+            print(f"RATIO {tag}_local_steps_{model}_{mode.replace(':', '')}_utilisation="
+                  f"{statistics.median(values):.3f} spread={min(values):.3f}-{max(values):.3f} "
+                  f"rounds={args.rounds}", flush=True)
+        gain = [a / b for a, b in zip(util[LOCAL_STEPS_MODES[1]], util[LOCAL_STEPS_MODES[0]], strict=True)]
+        print(f"RATIO {tag}_local_steps_{model}_overlap_vs_blocking={statistics.median(gain):.3f} "
+              f"spread={min(gain):.3f}-{max(gain):.3f} rounds={args.rounds}", flush=True)
+    return recs
+
+
 def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasure) -> list[dict]:
     """Run workload ``name`` on ``c`` (already shaped); print its lines; return its records.
 
@@ -249,4 +288,6 @@ def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasu
         return _slow_link(tag, launch)
     if name == "auto":
         return _auto(tag, launch)
+    if name == "local_steps":
+        return _local_steps(tag, launch)
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")

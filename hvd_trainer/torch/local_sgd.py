@@ -225,6 +225,13 @@ class LocalSGD(torch.optim.Optimizer):
         if self._outer is not None:
             self._outer.sync()
 
+    def settle(self) -> None:
+        """At the end of training: equal parameters on every rank with the fewest collectives
+        (:meth:`OuterSync.settle`: finishes an outer step still on the wire, runs one for the
+        inner steps since the last; nothing when neither). Every rank must call it."""
+        if self._outer is not None:
+            self._outer.settle()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
 

@@ -183,6 +183,32 @@ def _train_overlapped(steps: int, h: int, tau: int) -> dict:
             "outer_steps": opt.outer.outer_steps}
 
 
+def _settle_after_a_launch(steps: int, h: int, tau: int) -> dict:
+    import hvd_trainer as hvd
+
+    rank = hvd.rank()
+    model = _model()
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau)
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, *_shard(step, rank)).backward()
+        opt.step()
+    in_flight = opt.outer.in_flight
+    opt.settle()
+    anchors = torch.cat([a.reshape(-1) for a in opt.outer.anchors])
+    return {"in_flight": in_flight, "final": _flat(model).tolist(), "anchors": anchors.tolist(),
+            "outer_steps": opt.outer.outer_steps}
+
+
+@pytest.mark.timeout(120)
+def test_settle_finishes_an_outer_step_launched_at_the_last_step_without_another() -> None:
+    results = run_workers(_settle_after_a_launch, WORLD, args=(12, 4, 2))
+    for r in results:
+        assert r["in_flight"] and r["outer_steps"] == 3  # launched at 12: finished, none added
+        assert r["final"] == r["anchors"]  # exactly the anchors: no inner step since the launch
+    assert results[0]["final"] == results[1]["final"]
+
+
 def _overlapped_reference(steps: int, h: int, tau: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The hidden outer step by hand in one process (two replicas, Adam inside, outer Nesterov
     SGD 0.7 / 0.9): after inner step ``h`` the mean of (anchor - replica) is taken and each

@@ -23,25 +23,34 @@ from tests.multiproc import run_workers
 WORLD, B = 2, 4
 
 
-def _reference(steps: int, h: int, lr: float, mu: float) -> np.ndarray:
+def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0) -> np.ndarray:
     """DiLoCo by hand: two replicas (rank r sees samples r, r+2, ...), Adam each, outer
-    Nesterov SGD on the mean of (anchor - replica) every h steps, and once at the end."""
+    Nesterov SGD on the mean of (anchor - replica) every h steps, and once at the end. ``tau``:
+    the outer step is taken ``tau`` steps after the mean (each replica then becomes the anchor
+    plus its own change since the mean was taken)."""
     data = make_data(WORLD * B * steps)
     replicas = [Net("adam", init_seed=0), Net("adam", init_seed=0)]
     inners = [m.configure_optimizers() for m in replicas]
     anchor = [p.detach().clone() for p in replicas[0].parameters()]
     buf = [torch.zeros_like(a) for a in anchor]
 
-    def outer() -> None:
+    def mean_delta() -> list[torch.Tensor]:
+        return [((a - list(replicas[0].parameters())[i]) + (a - list(replicas[1].parameters())[i])) / 2
+                for i, a in enumerate(anchor)]
+
+    def outer(delta: list[torch.Tensor], kept: list[list[torch.Tensor]] | None = None) -> None:
         with torch.no_grad():
             for i, a in enumerate(anchor):
-                ps = [list(m.parameters())[i] for m in replicas]
-                delta = ((a - ps[0]) + (a - ps[1])) / 2
-                buf[i] = mu * buf[i] + delta
-                a -= lr * (delta + mu * buf[i])
-                for p in ps:
-                    p.copy_(a)
+                buf[i] = mu * buf[i] + delta[i]
+                a -= lr * (delta[i] + mu * buf[i])
+                for r, m in enumerate(replicas):
+                    p = list(m.parameters())[i]
+                    if kept is None:
+                        p.copy_(a)
+                    else:
+                        p.add_(a - kept[r][i])
 
+    launched, since = None, 0
     for step in range(steps):
         for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
             idx = [rank + WORLD * (step * B + j) for j in range(B)]
@@ -49,10 +58,24 @@ def _reference(steps: int, h: int, lr: float, mu: float) -> np.ndarray:
             o.zero_grad()
             F.cross_entropy(m(x), y).backward()
             o.step()
+        since += 1
+        if launched is not None and since == tau:
+            outer(*launched)
+            launched = None
         if (step + 1) % h == 0:
-            outer()
-    if steps % h:
-        outer()
+            with torch.no_grad():
+                if tau:
+                    launched = (mean_delta(), [[p.clone() for p in m.parameters()] for m in replicas])
+                else:
+                    outer(mean_delta())
+            since = 0
+    if launched is not None and since == 0:
+        outer(launched[0])
+    elif launched is not None or since:
+        if launched is not None:
+            outer(*launched)
+        with torch.no_grad():
+            outer(mean_delta())
     return weights(replicas[0])
 
 
@@ -82,6 +105,12 @@ def _worker(tmp: str) -> dict[str, Any]:
     out["outer_steps"] = None if t.strategy.outer is None else -1  # torn down after fit
     out["no_reducer"] = t.strategy.reducer is None
 
+    # the outer step hidden behind one optimizer step: launched at 3 and 6, finished at 4 and 7,
+    # and a blocking one at the end (a step was taken since the launch at 6)
+    model = Net("adam", init_seed=hvd_trainer.rank())
+    _fit(model, 7, {"sync_every": 3, "outer_overlap_steps": 1})
+    out["h3_overlap"] = weights(model)
+
     # a checkpoint at the end of epoch 1 (step 4, an outer step with sync_every=2) resumed for a
     # second epoch equals 2 straight epochs: plain SGD inside (no per-rank inner state), the
     # outer momentum restored
@@ -110,14 +139,18 @@ def _worker(tmp: str) -> dict[str, Any]:
 def test_local_steps_in_a_trainer(tmp_path: Any) -> None:
     results = run_workers(_worker, WORLD, args=(str(tmp_path),), env=TORCHRUN_ENV, timeout_seconds=380)
     expected = _reference(7, 3, lr=0.7, mu=0.9)
+    overlapped = _reference(7, 3, lr=0.7, mu=0.9, tau=1)
+    assert not np.allclose(overlapped, expected, atol=1e-6)  # the delay is visible
     for r in results:
         assert r["h1_diff"] <= 1e-6
         assert r["no_reducer"]
         np.testing.assert_allclose(r["h3"], expected, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(r["h3_overlap"], overlapped, atol=1e-6, rtol=0)
         # 3 outer steps, each a ring allreduce of the fp32 parameters: 2 (N-1)/N of their bytes
         assert r["h3_wire"] == 3 * 2 * (WORLD - 1) * 4 * r["numel"] // WORLD
         assert r["ckpt_outer_steps"] == 2
     assert np.array_equal(results[0]["h3"], results[1]["h3"])
+    assert np.array_equal(results[0]["h3_overlap"], results[1]["h3_overlap"])
     # the straight run's rank 0 and 1 agree, and the resumed run lands on the same weights
     assert np.array_equal(results[0]["straight"], results[1]["straight"])
     for r in results:
@@ -131,6 +164,8 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
         HorovodStrategy(sync_every=0)
     with pytest.raises(StrategyConfigError, match="outer_momentum"):
         HorovodStrategy(sync_every=4, outer_momentum=1.5)
+    with pytest.raises(StrategyConfigError, match="overlap_steps=4 must be an int in"):
+        HorovodStrategy(sync_every=4, outer_overlap_steps=4)
 
 
 def _auto_worker() -> dict[str, Any]:

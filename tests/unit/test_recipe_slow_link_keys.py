@@ -21,11 +21,13 @@ def test_defaults_keep_the_strategy_name() -> None:
 def test_sync_every_and_compression_build_the_strategy(module) -> None:
     from hvd_trainer.strategy import HorovodStrategy
 
-    cfg = module.TrainerConfig(sync_every=16, outer_lr=0.5, outer_momentum=0.8, compression="bf16")
+    cfg = module.TrainerConfig(sync_every=16, outer_lr=0.5, outer_momentum=0.8, compression="bf16",
+                               outer_overlap_steps=4)
     strategy = build_strategy(cfg)
     assert isinstance(strategy, HorovodStrategy)
     local = strategy._local
-    assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov) == (16, 0.5, 0.8, True)
+    assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov, local.overlap_steps) == \
+        (16, 0.5, 0.8, True, 4)
     assert local.compression.name == "bf16"
     assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
 

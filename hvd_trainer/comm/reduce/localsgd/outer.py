@@ -203,6 +203,16 @@ class OuterSync:
         self._launch(overlap=False)
         self._finish()
 
+    def settle(self) -> None:
+        """End of training: make the ranks' parameters equal with the fewest collectives (every
+        rank must call it). An outer step launched at the last inner step is finished (the
+        parameters become the anchors exactly); inner steps since the last launch get an outer
+        step (:meth:`sync`); nothing to do when neither."""
+        if self._pending is not None and self.inner_steps == 0:
+            self._finish()
+        elif self._pending is not None or self.inner_steps:
+            self.sync()
+
     def finish_in_flight(self) -> None:
         """Finish an outer step still on the wire (a collective when one is; no-op otherwise):
         afterwards the anchors are current (e.g. before :meth:`state_dict`)."""
@@ -245,7 +255,7 @@ class OuterSync:
         snapshots = pending.snapshots
         for k, (a, p) in enumerate(zip(self.anchors, self.params, strict=True)):
             a.grad = None
-            if snapshots is None:
+            if snapshots is None or self.inner_steps == 0:  # no inner step since the launch
                 p.copy_(a)
             else:  # theta_g + (theta_r - theta_s)
                 p.add_((a - snapshots[k]).to(p.dtype))
