@@ -13,10 +13,8 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.errors import HostUnreachableError, RankFailedError
@@ -90,10 +88,18 @@ def _wait_for(predicate, timeout: float = 20.0) -> bool:
 
 @pytest.fixture
 def server():
+    """The port of a TCPStore served by a process of its own (a server destroyed inside pytest's
+    process while a watch's thread was still in a call on it is the likely cause of a silent
+    abort of the whole test run, seen once in CI)."""
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
-    yield port
-    del store
+    proc = subprocess.Popen([sys.executable, "-c", _STORE, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        yield port
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def _watch(port: int, rank: int, tmp_path, exits: _Exits, prefix: str = "t",
@@ -154,24 +160,31 @@ def test_a_peer_that_goes_silent_is_reported_recorded_and_the_process_ended(serv
 
 def test_a_store_that_closes_ends_the_watch_without_a_report(tmp_path) -> None:
     """Its host answered (connection closed or refused): the store's process ended, e.g. rank 0
-    hosting it finished first. That is no partition; the other checks name a dead rank."""
+    hosting it finished first. That is no partition; the other checks name a dead rank. The
+    store runs in a process of its own, killed here as that rank's would be (a TCPStore server
+    destroyed inside this process while threads are in calls on it: see the ``server`` fixture)."""
     exits = _Exits()
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=10), wait_for_workers=False)
+    server = subprocess.Popen([sys.executable, "-c", _STORE, str(port)], stdout=subprocess.PIPE, text=True)
     # A watch's store calls time out after half its timeout, and a call that fails ends the watch
     # as "store gone": with 1 s, a loaded CI machine's 0.5 s stall once ended a watch before the
     # other had seen it (the wait below failed). 4 s leaves 2 s per call.
     a = _watch(port, 0, tmp_path, exits, prefix="gone", timeout=4.0)
     b = _watch(port, 1, tmp_path, exits, prefix="gone", timeout=4.0)
-    a.start(), b.start()
     try:
+        assert server.stdout.readline().strip() == "up"
+        a.start(), b.start()
         assert _wait_for(lambda: 1 in a.peers)
-        del store  # the server closes: the next round fails at once
+        server.kill()  # the store's process ends: the next round fails at once
+        server.wait()
         assert _wait_for(lambda: a.store_gone and b.store_gone)
         time.sleep(4.5)  # more than the timeout: still nothing reported
         assert a.failure is None and b.failure is None and exits.codes == []
     finally:
         a.stop(), b.stop()
+        server.kill()
+        server.wait()
+        server.stdout.close()
 
 
 _STORE = """
