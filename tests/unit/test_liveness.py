@@ -90,7 +90,8 @@ def test_a_rank_that_left_for_a_peer_is_not_blamed_and_the_error_points_at_other
 
 
 def test_a_rank_about_to_raise_waits_for_its_neighbours_on_this_host_only() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a live neighbour that does nothing until it is killed
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         host = socket.gethostname()
         store = _store_with({0: f"{host}|{os.getpid()}", 1: f"{host}|{child.pid}",

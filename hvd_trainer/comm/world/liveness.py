@@ -21,7 +21,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,8 +169,13 @@ def wait_until_ended(peers: Sequence[Peer], timeout_seconds: float = 5.0) -> Non
     """
     host = socket.gethostname()
     local = [p for p in peers if p.host == host]
+    _poll_until(lambda: not any(pid_alive(p.pid) for p in local), timeout_seconds)
+
+
+def _poll_until(done: Callable[[], bool], timeout_seconds: float) -> None:
+    """Return once ``done()`` is true (polled every 50 ms) or after ``timeout_seconds``."""
     deadline = time.monotonic() + timeout_seconds
-    while any(pid_alive(p.pid) for p in local) and time.monotonic() < deadline:
+    while not done() and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -191,10 +196,8 @@ def await_local_raising(store: Any, ranks: Sequence[int], me: int, timeout_secon
         store.add(_RAISING_COUNT, 1)
         host = socket.gethostname()
         local = [p for r in ranks if r != me and (p := _lookup(store, r)) is not None and p.host == host]
-        deadline = time.monotonic() + timeout_seconds
-        while any(pid_alive(p.pid) and not _raising(store, p.rank) for p in local) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _poll_until(lambda: not any(pid_alive(p.pid) and not _raising(store, p.rank) for p in local),
+                    timeout_seconds)
         _exit_wait = (store, [p for p in local if _raising(store, p.rank)])
         _register_exit_wait()
 
@@ -223,11 +226,9 @@ def _await_local_exits(timeout_seconds: float = 2.0) -> None:
     if _exit_wait is None:
         return
     store, peers = _exit_wait
-    deadline = time.monotonic() + timeout_seconds
     with contextlib.suppress(Exception):  # the store may be gone
-        while any(pid_alive(p.pid) and not _exited(store, p.rank) for p in peers) \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _poll_until(lambda: not any(pid_alive(p.pid) and not _exited(store, p.rank) for p in peers),
+                    timeout_seconds)
 
 
 def describe_gone(what: str, gone: Sequence[Peer]) -> str:
