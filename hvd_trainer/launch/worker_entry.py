@@ -26,9 +26,13 @@ script, not as ``hvd_trainer.launch.worker_entry``, so no torch import delays th
    attempt appends after a ``=== attempt <k> ===`` line);
 4. writes the child's pid to ``$HVDRUN_JOB_DIR/pid.<rank>``, so hvdrun names the same pid as
    the rank itself (``RankFailedError``, its prints) instead of this entry's;
-5. forwards SIGTERM/SIGINT to the child, dies with the child (``PR_SET_PDEATHSIG``: a
-   SIGKILLed entry takes its child along) and ends with the child's status (the same signal
-   when the child was killed), so the launcher sees what the command did;
+5. starts the child in a process group of its own and forwards SIGTERM/SIGINT to that group,
+   so the command (and what it started) gets each stop request exactly once: torchrun's agent
+   signals the entry's whole group (``os.killpg``), and a child in that group got the signal
+   twice, the second after a Lightning run had already restored the default handler, killing it
+   before it printed its error. The child dies with the entry (``PR_SET_PDEATHSIG``: a
+   SIGKILLed entry takes its child along), and the entry ends with the child's status (the same
+   signal when the child was killed), so the launcher sees what the command did;
 6. with in-process recovery (``HVDRUN_RECOVERY=in-process``, ``hvdrun --recovery in-process``):
    when the child is killed by a signal (SIGKILL, SIGSEGV, the OOM killer; not the launcher's
    SIGTERM/SIGINT), starts the command again at once, alone, up to ``HVDRUN_RESPAWNS`` times
@@ -242,8 +246,10 @@ def _progress_interval(env: Mapping[str, str]) -> float:
         return PROGRESS_INTERVAL_S
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: receive SIGKILL when the entry dies (Linux only)."""
+def _child_setup() -> None:
+    """In the child, before exec: a process group of its own (the entry forwards stop signals
+    to it, see the module docstring) and SIGKILL when the entry dies (Linux only)."""
+    os.setpgid(0, 0)
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -346,8 +352,9 @@ def main(argv: list[str]) -> None:
 
     def forward(signum: int, _frame: object) -> None:
         stopping.append(True)
-        if current:
-            current[-1].send_signal(signum)
+        if current and current[-1].returncode is None:  # not reaped: its pid is still its own
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(current[-1].pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
@@ -355,7 +362,7 @@ def main(argv: list[str]) -> None:
         env["HVDRUN_RESPAWN_COUNT"] = str(respawns)
         try:
             child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     preexec_fn=_die_with_parent)  # noqa: PLW1509
+                                     preexec_fn=_child_setup)  # noqa: PLW1509
         except OSError as exc:
             sys.exit(f"[{rank}]<stderr>:hvdrun: cannot start {argv[0]!r}: {exc.strerror}")
         current.append(child)
