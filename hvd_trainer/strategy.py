@@ -170,6 +170,10 @@ class _HorovodStrategyLogic:
             while training goes on (``0 <= n < sync_every``; 0, the default, blocks at every
             outer step); each rank then loads the new anchor plus its own progress since the
             launch (:mod:`hvd_trainer.comm.reduce.localsgd.outer`). Not with ``compression="int8"``.
+        sync_warmup_steps: with ``sync_every``: optimizer steps at the start of training each
+            followed by an average of the parameters, before local steps begin (``None``:
+            128; 0: none, e.g. when fine-tuning; the synchronous warm-up of
+            :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
         zero_stage: ``0`` (default): every rank keeps the whole optimizer state. ``1``: each
             optimizer's state is sharded over the ranks (each parameter stepped by one owner,
             then exchanged); ``2``: the gradient buckets are also reduce-scattered, so after
@@ -234,6 +238,7 @@ class _HorovodStrategyLogic:
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
         outer_overlap_steps: int = 0,
+        sync_warmup_steps: int | None = None,
         zero_stage: int = 0,
         zero_overlap_exchange: bool = False,
     ) -> None:
@@ -267,7 +272,8 @@ class _HorovodStrategyLogic:
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
         self._outer_args = {"outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                            "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps}
+                            "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps,
+                            "sync_warmup_steps": sync_warmup_steps}
         """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
         if self._auto["sync_every"]:
             # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
@@ -994,14 +1000,16 @@ def _unwrap(optimizer: Any) -> Any:
 
 
 def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
-                  overlap_steps: int, compression: Compressor) -> LocalSGDConfig | None:
+                  overlap_steps: int, sync_warmup_steps: int | None,
+                  compression: Compressor) -> LocalSGDConfig | None:
     """The local-steps config (``None`` without ``sync_every``); the outer gradient travels in
     ``compression``. Raises StrategyConfigError for a bad combination."""
     if sync_every is None:
         return None
     try:
         return LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                              nesterov=bool(nesterov), compression=compression, overlap_steps=overlap_steps)
+                              nesterov=bool(nesterov), compression=compression, overlap_steps=overlap_steps,
+                              sync_warmup_steps=sync_warmup_steps)
     except LocalSGDConfigError as exc:
         raise StrategyConfigError(str(exc)) from None
 

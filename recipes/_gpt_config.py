@@ -55,6 +55,9 @@ class TrainerConfig:
     outer_overlap_steps: int = 0
     """Steps the outer gradient's allreduce may stay on the wire while training goes on (local
     steps; 0: blocking)."""
+    sync_warmup_steps: int = -1
+    """Local steps: optimizer steps at the start each followed by an average of the parameters,
+    before local steps begin (-1: the library's default, 128; 0: none)."""
     compression: str = "none"
     """Gradient wire format: "none", "fp16", "bf16", "int8", "powersgd:R" (error feedback), "auto"
     (from the measured link); with sync_every, of the outer gradient ("none", "bf16", "int8")."""

@@ -70,6 +70,10 @@ class LocalSGD(torch.optim.Optimizer):
             every outer step). Each rank then loads the new anchor plus its own progress since
             the launch (the "hidden outer step" of :mod:`hvd_trainer.comm.reduce.localsgd.outer`);
             not with ``compression="int8"``.
+        sync_warmup_steps: steps at the start each followed by an average of the parameters,
+            before local steps begin (``None``: 128; 0: none, e.g. when
+            fine-tuning a trained model; the synchronous warm-up of
+            :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
         process_set: synchronise over these ranks only (then broadcast the parameters within the
             set yourself first: construction broadcasts only without a process set).
         world: default ``hvd_trainer.get_world()``.
@@ -90,6 +94,7 @@ class LocalSGD(torch.optim.Optimizer):
         *,
         compression: Compressor | type[Compressor] | str | None = Compression.none,
         overlap_steps: int = 0,
+        sync_warmup_steps: int | None = None,
         process_set: ProcessSet | None = None,
         world: World | None = None,
     ) -> None:
@@ -104,7 +109,8 @@ class LocalSGD(torch.optim.Optimizer):
         if sync_every == AUTO:
             sync_every = self._choose(named, w, process_set)
         config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                nesterov=nesterov, compression=compression, overlap_steps=overlap_steps)
+                                nesterov=nesterov, compression=compression, overlap_steps=overlap_steps,
+                                sync_warmup_steps=sync_warmup_steps)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
         if outside:
@@ -186,7 +192,8 @@ class LocalSGD(torch.optim.Optimizer):
 
     # -- steps ----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One inner step; every ``sync_every``-th call then runs the outer step (a collective)."""
+        """One inner step; then, during the synchronous warm-up, an average of the parameters,
+        and after it, on every ``sync_every``-th call, the outer step (collectives)."""
         if self._outer is None:
             return self._synchronous_step(closure)
         loss = self._inner.step() if closure is None else self._inner.step(closure)

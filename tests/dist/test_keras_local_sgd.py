@@ -25,7 +25,7 @@ def _worker() -> dict:
                            for k in range(4)])
     model = _mlp(seed=3 + rank)  # rank-dependent init: the callback broadcasts rank 0's
     model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
-    sync = hk.callbacks.LocalSGDCallback(sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    sync = hk.callbacks.LocalSGDCallback(sync_every=1, outer_lr=1.0, outer_momentum=0.0, sync_warmup_steps=0)
     model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[sync])
     ref = _mlp(seed=3)
     ref.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
@@ -39,20 +39,35 @@ def _worker() -> dict:
 
     dilo = _mlp(seed=3)
     dilo.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    cb = hk.callbacks.LocalSGDCallback(sync_every=3)
+    cb = hk.callbacks.LocalSGDCallback(sync_every=3, sync_warmup_steps=0)
     dilo.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cb])
 
     narrow = _mlp(seed=3)
     narrow.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    cb8 = hk.callbacks.LocalSGDCallback(sync_every=3, compression="int8")
+    cb8 = hk.callbacks.LocalSGDCallback(sync_every=3, compression="int8", sync_warmup_steps=0)
     narrow.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cb8])
     n_values = sum(int(np.prod(w.shape)) for w in narrow.trainable_weights)
+
+    # the synchronous warm-up: batches 1-2 each end with an average of the weights (read after
+    # batch 2: equal on both ranks), then outer steps at 5 and 8
+    warm = _mlp(seed=3)
+    warm.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    cbw = hk.callbacks.LocalSGDCallback(sync_every=3, sync_warmup_steps=2)
+    after_warmup: list = []
+
+    class Probe(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+            if len(after_warmup) == 0 and cbw.outer is not None and cbw.outer.warmup_left == 0:
+                after_warmup.append([w.tolist() for w in warm.get_weights()])
+
+    warm.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cbw, Probe()])
     return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps,
             "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict()),
             "int8": [w.tolist() for w in narrow.get_weights()], "int8_bytes": cb8.outer.bytes_sent,
             "int8_diff": max(float(np.abs(a - b).max()) for a, b in
                              zip(narrow.get_weights(), dilo.get_weights(), strict=True)),
-            "n_values": n_values}
+            "n_values": n_values, "warm": [w.tolist() for w in warm.get_weights()],
+            "warm_outer_steps": cbw.outer.outer_steps, "after_warmup": after_warmup[0]}
 
 
 @pytest.mark.timeout(300)
@@ -64,6 +79,9 @@ def test_keras_local_steps(backend: str) -> None:
         assert r["outer_steps"] == 3  # 8 batches: after 3, 6 and the final one at the end
         assert "anchors" in r["state_keys"]
     assert results[0]["dilo"] == results[1]["dilo"]
+    assert results[0]["after_warmup"] == results[1]["after_warmup"]  # averaged after each batch
+    assert results[0]["warm"] == results[1]["warm"] != results[0]["dilo"]
+    assert [r["warm_outer_steps"] for r in results] == [2, 2]
     # int8 outer gradient: equal on every rank, close to (not equal to) the fp32 outer step, and
     # one int8 byte per value, a 4-byte scale per 256 and a 4-byte "used" flag to the other
     # rank, per outer step

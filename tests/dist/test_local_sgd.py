@@ -83,7 +83,7 @@ def _single_process_sync(inner: str, steps: int) -> torch.Tensor:
 def test_h1_outer_sgd_lr1_equals_synchronous_data_parallel(inner: str) -> None:
     steps = 5
     results = run_workers(_train_local_sgd, WORLD, args=(inner, steps, {
-        "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0}))
+        "sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0, "sync_warmup_steps": 0}))
     expected = _single_process_sync(inner, steps)
     for r in results:
         assert r["outer_steps"] == steps
@@ -98,10 +98,11 @@ def _int8_roundtrip(x: torch.Tensor) -> torch.Tensor:
 
 
 def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool,
-                       int8: bool = False) -> list[torch.Tensor]:
+                       int8: bool = False, warmup: int = 0) -> list[torch.Tensor]:
     """DiLoCo by hand in one process: two replicas with their own Adam, an explicit outer
     Nesterov SGD on the average of (anchor - replica); ``int8``: each replica's flat delta goes
-    through an int8 round trip first."""
+    through an int8 round trip first; ``warmup``: the first steps are each followed by the
+    plain average of the replicas (no outer SGD), local steps count from the last of them."""
     replicas = [_model(), _model()]
     inners = [INNER["adam"](m.parameters()) for m in replicas]
     anchor = [p.detach().clone() for p in replicas[0].parameters()]
@@ -112,7 +113,8 @@ def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool,
             o.zero_grad()
             _loss(m, *_shard(step, rank)).backward()
             o.step()
-        if (step + 1) % h:
+        averaged = step < warmup
+        if not averaged and (step + 1 - warmup) % h:
             continue
         with torch.no_grad():
             flat = [torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, m.parameters(), strict=True)])
@@ -123,9 +125,12 @@ def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool,
             for i, a in enumerate(anchor):
                 ps = [list(m.parameters())[i] for m in replicas]
                 delta = mean[i].view_as(a)
-                buf[i] = mu * buf[i] + delta
-                update = delta + mu * buf[i] if nesterov else buf[i]
-                a -= lr * update
+                if averaged:
+                    a -= delta
+                else:
+                    buf[i] = mu * buf[i] + delta
+                    update = delta + mu * buf[i] if nesterov else buf[i]
+                    a -= lr * update
                 for p in ps:
                     p.copy_(a)
         synced.append(torch.cat([a.reshape(-1) for a in anchor]))
@@ -135,7 +140,8 @@ def _dilo_co_reference(steps: int, h: int, lr: float, mu: float, nesterov: bool,
 @pytest.mark.timeout(120)
 def test_h4_equals_hand_written_dilo_co_and_ranks_agree_after_each_sync() -> None:
     steps, h = 12, 4
-    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {"sync_every": h}))
+    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {"sync_every": h,
+                                                                         "sync_warmup_steps": 0}))
     expected = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True)
     for r in results:
         assert r["outer_steps"] == steps // h
@@ -147,10 +153,33 @@ def test_h4_equals_hand_written_dilo_co_and_ranks_agree_after_each_sync() -> Non
 
 
 @pytest.mark.timeout(120)
+def test_the_synchronous_warm_up_averages_each_step_then_local_steps_follow() -> None:
+    """The default (no ``sync_warmup_steps`` given) is 128 averaged steps; 3 here: steps 1-3
+    each end with the ranks' average, outer steps at 7, 11 and 15 (the outer SGD's momentum
+    starts at the first of them)."""
+    from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig
+
+    assert LocalSGDConfig(sync_every=32).sync_warmup_steps == 128
+    steps, h, warmup = 16, 4, 3
+    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {"sync_every": h,
+                                                                         "sync_warmup_steps": warmup}))
+    expected = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True, warmup=warmup)
+    without = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True)
+    assert not torch.allclose(expected[-1], without[-1])  # the warm-up changes the trajectory
+    for r in results:
+        assert r["outer_steps"] == (steps - warmup) // h
+        assert len(r["synced"]) == len(expected) == warmup + (steps - warmup) // h
+        for got, want in zip(r["synced"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
+    for a, b in zip(results[0]["synced"], results[1]["synced"], strict=True):
+        assert a == b  # bit-identical after each average and outer step
+
+
+@pytest.mark.timeout(120)
 def test_int8_outer_gradient_equals_reference_and_counts_its_bytes() -> None:
     steps, h = 12, 4
-    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {"sync_every": h,
-                                                                         "compression": "int8"}))
+    results = run_workers(_train_local_sgd, WORLD, args=("adam", steps, {
+        "sync_every": h, "compression": "int8", "sync_warmup_steps": 0}))
     expected = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True, int8=True)
     exact = _dilo_co_reference(steps, h, lr=0.7, mu=0.9, nesterov=True)
     assert not torch.equal(expected[-1], exact[-1])  # the quantisation is visible
@@ -170,7 +199,8 @@ def _train_overlapped(steps: int, h: int, tau: int) -> dict:
 
     rank = hvd.rank()
     model = _model()
-    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau)
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau,
+                       sync_warmup_steps=0)
     seen = []
     for step in range(steps):
         opt.zero_grad()
@@ -188,7 +218,8 @@ def _settle_after_a_launch(steps: int, h: int, tau: int) -> dict:
 
     rank = hvd.rank()
     model = _model()
-    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau)
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau,
+                       sync_warmup_steps=0)
     for step in range(steps):
         opt.zero_grad()
         _loss(model, *_shard(step, rank)).backward()
@@ -272,12 +303,12 @@ def test_a_hidden_outer_step_equals_the_delayed_reference_and_sync_makes_ranks_e
     assert results[0]["final"] == results[1]["final"]  # bit-identical after sync()
 
 
-def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _resume(save_at: int, more: int, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
     import hvd_trainer as hvd
 
     rank = hvd.rank()
     model = _model()
-    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=4)
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=4, sync_warmup_steps=warmup)
 
     def train(m: torch.nn.Module, o: torch.optim.Optimizer, first: int, n: int) -> None:
         for step in range(first, first + n):
@@ -288,7 +319,9 @@ def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
     train(model, opt, 0, save_at)
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
-    assert set(saved_opt) == {"inner", "outer"} and saved_opt["outer"]["inner_steps"] == save_at % 4
+    assert set(saved_opt) == {"inner", "outer"}
+    assert saved_opt["outer"]["inner_steps"] == max(0, save_at - warmup) % 4
+    assert saved_opt["outer"]["warmup_left"] == max(0, warmup - save_at)
     train(model, opt, save_at, more)
     straight = _flat(model)
 
@@ -296,7 +329,7 @@ def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         for p in model2.parameters():
             p.mul_(3.0)  # anything: the checkpoint overwrites it
-    opt2 = hvd.LocalSGD(INNER["adam"](model2.parameters()), model2, sync_every=4)
+    opt2 = hvd.LocalSGD(INNER["adam"](model2.parameters()), model2, sync_every=4, sync_warmup_steps=warmup)
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     train(model2, opt2, save_at, more)
@@ -304,8 +337,9 @@ def _resume(save_at: int, more: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.timeout(120)
-def test_state_dict_resumes_bit_identically_mid_period() -> None:
-    for straight, resumed in run_workers(_resume, WORLD, args=(6, 7)):
+@pytest.mark.parametrize("warmup", [0, 8])  # saved mid-period; saved mid-warm-up
+def test_state_dict_resumes_bit_identically_mid_period(warmup: int) -> None:
+    for straight, resumed in run_workers(_resume, WORLD, args=(6, 7, warmup)):
         assert straight == resumed
 
 
@@ -316,7 +350,8 @@ def test_invalid_settings_raise_with_a_hint() -> None:
                 {"sync_every": 2, "outer_momentum": 1.0}, {"sync_every": 2, "compression": "int3"},
                 {"sync_every": 2, "compression": "powersgd:2"}, {"sync_every": 2, "overlap_steps": 2},
                 {"sync_every": 2, "overlap_steps": -1}, {"sync_every": 4, "overlap_steps": 1,
-                                                          "compression": "int8"}):
+                                                          "compression": "int8"},
+                {"sync_every": 2, "sync_warmup_steps": -1}, {"sync_every": 2, "sync_warmup_steps": 1.5}):
         with pytest.raises(LocalSGDConfigError, match="HINT"):
             LocalSGDConfig(**bad)
 

@@ -23,11 +23,12 @@ from tests.multiproc import run_workers
 WORLD, B = 2, 4
 
 
-def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0) -> np.ndarray:
+def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0, warmup: int = 0) -> np.ndarray:
     """DiLoCo by hand: two replicas (rank r sees samples r, r+2, ...), Adam each, outer
     Nesterov SGD on the mean of (anchor - replica) every h steps, and once at the end. ``tau``:
     the outer step is taken ``tau`` steps after the mean (each replica then becomes the anchor
-    plus its own change since the mean was taken)."""
+    plus its own change since the mean was taken). ``warmup``: the first steps are each followed
+    by the replicas' plain average; the h steps count from the last of them."""
     data = make_data(WORLD * B * steps)
     replicas = [Net("adam", init_seed=0), Net("adam", init_seed=0)]
     inners = [m.configure_optimizers() for m in replicas]
@@ -58,11 +59,18 @@ def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0) -> np.nda
             o.zero_grad()
             F.cross_entropy(m(x), y).backward()
             o.step()
+        if step < warmup:
+            with torch.no_grad():
+                for a, p0, p1 in zip(anchor, replicas[0].parameters(), replicas[1].parameters(), strict=True):
+                    a -= ((a - p0) + (a - p1)) / 2
+                    p0.copy_(a)
+                    p1.copy_(a)
+            continue
         since += 1
         if launched is not None and since == tau:
             outer(*launched)
             launched = None
-        if (step + 1) % h == 0:
+        if (step + 1 - warmup) % h == 0:
             with torch.no_grad():
                 if tau:
                     launched = (mean_delta(), [[p.clone() for p in m.parameters()] for m in replicas])
@@ -94,11 +102,12 @@ def _worker(tmp: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     sync = fit_pair(optimizer="sgd", steps=5,
-                    strategy_kwargs={"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0})
+                    strategy_kwargs={"sync_every": 1, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                     "sync_warmup_steps": 0})
     out["h1_diff"] = float(np.abs(sync["dist"] - sync["ref"]).max())
 
     model = Net("adam", init_seed=hvd_trainer.rank())
-    t = _fit(model, 7, {"sync_every": 3})  # 7 steps: outer steps at 3, 6 and the end
+    t = _fit(model, 7, {"sync_every": 3, "sync_warmup_steps": 0})  # outer steps at 3, 6 and the end
     out["h3"] = weights(model)
     out["h3_wire"] = t.strategy.wire_bytes_sent  # read after fit: kept over the teardown
     out["numel"] = sum(p.numel() for p in model.parameters())
@@ -108,13 +117,19 @@ def _worker(tmp: str) -> dict[str, Any]:
     # the outer step hidden behind one optimizer step: launched at 3 and 6, finished at 4 and 7,
     # and a blocking one at the end (a step was taken since the launch at 6)
     model = Net("adam", init_seed=hvd_trainer.rank())
-    _fit(model, 7, {"sync_every": 3, "outer_overlap_steps": 1})
+    _fit(model, 7, {"sync_every": 3, "outer_overlap_steps": 1, "sync_warmup_steps": 0})
     out["h3_overlap"] = weights(model)
+
+    # the synchronous warm-up: steps 1-2 each end with the ranks' average, outer steps at 5, 8
+    # and the end
+    model = Net("adam", init_seed=hvd_trainer.rank())
+    _fit(model, 9, {"sync_every": 3, "sync_warmup_steps": 2})
+    out["h3_warmup"] = weights(model)
 
     # a checkpoint at the end of epoch 1 (step 4, an outer step with sync_every=2) resumed for a
     # second epoch equals 2 straight epochs: plain SGD inside (no per-rank inner state), the
     # outer momentum restored
-    kw = {"sync_every": 2}
+    kw = {"sync_every": 2, "sync_warmup_steps": 0}
     data = make_data(WORLD * B * 4)  # 4 steps per epoch
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=hvd_trainer.rank(), shuffle=False)
     loader = DataLoader(data, batch_size=B, sampler=sampler)
@@ -141,16 +156,20 @@ def test_local_steps_in_a_trainer(tmp_path: Any) -> None:
     expected = _reference(7, 3, lr=0.7, mu=0.9)
     overlapped = _reference(7, 3, lr=0.7, mu=0.9, tau=1)
     assert not np.allclose(overlapped, expected, atol=1e-6)  # the delay is visible
+    warmed = _reference(9, 3, lr=0.7, mu=0.9, warmup=2)
+    assert not np.allclose(warmed, _reference(9, 3, lr=0.7, mu=0.9), atol=1e-6)  # so is the warm-up
     for r in results:
         assert r["h1_diff"] <= 1e-6
         assert r["no_reducer"]
         np.testing.assert_allclose(r["h3"], expected, atol=1e-6, rtol=0)
         np.testing.assert_allclose(r["h3_overlap"], overlapped, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(r["h3_warmup"], warmed, atol=1e-6, rtol=0)
         # 3 outer steps, each a ring allreduce of the fp32 parameters: 2 (N-1)/N of their bytes
         assert r["h3_wire"] == 3 * 2 * (WORLD - 1) * 4 * r["numel"] // WORLD
         assert r["ckpt_outer_steps"] == 2
     assert np.array_equal(results[0]["h3"], results[1]["h3"])
     assert np.array_equal(results[0]["h3_overlap"], results[1]["h3_overlap"])
+    assert np.array_equal(results[0]["h3_warmup"], results[1]["h3_warmup"])
     # the straight run's rank 0 and 1 agree, and the resumed run lands on the same weights
     assert np.array_equal(results[0]["straight"], results[1]["straight"])
     for r in results:

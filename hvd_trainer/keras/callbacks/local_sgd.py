@@ -4,6 +4,7 @@ weights every ``sync_every`` batches with an outer Nesterov SGD (see
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import keras
@@ -28,7 +29,8 @@ class LocalSGDCallback(keras.callbacks.Callback):
         >>> model.fit(x_shard, y_shard, callbacks=[hvd_keras.callbacks.LocalSGDCallback(sync_every=32)])
 
     At the start of training rank 0's weights are broadcast (the ranks must start from the same
-    anchor); ``fit`` ends with an outer step for the batches since the last one, so the ranks end
+    anchor), and the first ``sync_warmup_steps`` batches are each followed by an average of the
+    weights; ``fit`` ends with an outer step for the batches since the last one, so the ranks end
     with equal weights. ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is
     synchronous data parallel. The trainable weights travel through numpy/torch on the host once
     per outer step (both backends). ``state_dict()``/``load_state_dict()`` hold the anchors, the
@@ -45,16 +47,21 @@ class LocalSGDCallback(keras.callbacks.Callback):
         compression: wire format of the outer gradient: ``None`` (fp32), ``"fp16"``, ``"bf16"``
             or ``"int8"`` (block-quantised allgather, ~4x fewer bytes at 2 ranks, no error
             feedback; :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
+        sync_warmup_steps: training batches at the start after each of which the weights are
+            averaged, before local steps begin (``None``: 128; 0: none; the
+            synchronous warm-up of :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
 
     Raises:
         LocalSGDConfigError: an invalid setting (``powersgd`` as ``compression`` included).
     """
 
     def __init__(self, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: Any = None) -> None:
+                 nesterov: bool = True, compression: Any = None, *,
+                 sync_warmup_steps: int | None = None) -> None:
         super().__init__()
         self.config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                     nesterov=nesterov, compression=compression)
+                                     nesterov=nesterov, compression=compression,
+                                     sync_warmup_steps=sync_warmup_steps)
         self._outer: OuterSync | None = None
         self._vars: list[Any] = []
         self._mirrors: list[torch.Tensor] = []
@@ -82,12 +89,12 @@ class LocalSGDCallback(keras.callbacks.Callback):
     def _read(var: Any) -> np.ndarray:
         return np.asarray(keras.ops.convert_to_numpy(var.value))
 
-    def _sync(self) -> None:
-        assert self._outer is not None
+    def _sync(self, step: Callable[[], Any]) -> None:
+        """Copy the weights into the mirrors, run ``step`` (the outer loop's), copy them back."""
         with torch.no_grad():
             for m, v in zip(self._mirrors, self._vars, strict=True):
                 m.copy_(torch.from_numpy(np.asarray(self._read(v), dtype=np.float32)))
-        self._outer.sync()
+        step()
         for v, m in zip(self._vars, self._mirrors, strict=True):
             v.assign(m.detach().numpy().astype(v.dtype))
 
@@ -101,13 +108,14 @@ class LocalSGDCallback(keras.callbacks.Callback):
         if self._outer is None:  # a model built by its first step (TensorFlow, subclassed)
             self._start()
             return
-        self._outer.inner_steps += 1
-        if self._outer.inner_steps >= self.config.sync_every:
-            self._sync()
+        if self._outer.due():  # a warm-up average or an outer step: the weights change
+            self._sync(self._outer.after_inner_step)
+        else:
+            self._outer.after_inner_step()
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._outer is not None and self._outer.inner_steps:
-            self._sync()
+            self._sync(self._outer.sync)
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state (anchors, outer momentum, counters); empty before training started."""

@@ -15,6 +15,16 @@ Algorithm (Douillard et al. 2023, "DiLoCo", arXiv:2311.08105, Algorithm 1), for 
 5. every rank loads the anchor into its parameters (bit-identical on every rank: same anchor,
    same averaged delta, same arithmetic).
 
+Synchronous warm-up (``sync_warmup_steps`` = ``W``, by default 128; after post-local SGD,
+Lin et al. 2020, "Don't Use Large Mini-Batches, Use Local SGD", arXiv:1808.07217, which starts
+local steps only after a synchronous phase): the first ``W`` inner steps are each followed by a
+plain average of the parameters (the outer gradient of that one step, averaged and subtracted
+from the anchor: outer lr 1, no momentum, the outer SGD's state untouched), so the ranks leave
+the fast-changing start of training together; local steps with the outer SGD begin after it.
+From scratch, DiLoCo's outer momentum applied to the large deltas of the first periods left the
+model behind the synchronous run for the rest of training (README, "Local steps from scratch").
+``W = 0`` starts local steps at once (e.g. when resuming a trained model).
+
 ``sync_every=1``, ``outer_lr=1.0``, ``outer_momentum=0.0`` is synchronous data parallel for
 inner optimizers that are linear in the gradient (SGD, with momentum and weight decay): the
 average of ``theta_g - lr * g_r`` is ``theta_g - lr * mean(g)``. (Adam's per-rank moments of
@@ -62,7 +72,10 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+
+DEFAULT_SYNC_WARMUP_STEPS = 128
+"""Inner steps averaged one by one before local steps begin, unless set (``sync_warmup_steps``)."""
 
 
 class LocalSGDConfigError(CommValueError):
@@ -87,6 +100,10 @@ class LocalSGDConfig:
     overlap_steps: int = 0
     """Inner steps the outer gradient's reduction may take on the wire while training goes on
     (``tau`` of the module docstring; ``0 <= tau < sync_every``); 0 blocks at every outer step."""
+    sync_warmup_steps: int | None = None
+    """Inner steps at the start each followed by a plain average of the parameters, before
+    local steps begin (``W`` of the module docstring; ``None``: :data:`DEFAULT_SYNC_WARMUP_STEPS`;
+    0: none)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
@@ -108,6 +125,15 @@ class LocalSGDConfig:
                 f"overlap_steps={self.overlap_steps!r} must be an int in [0, sync_every={self.sync_every}) "
                 "(inner steps the outer reduction runs behind). HINT: overlap_steps=sync_every // 4; "
                 "0 blocks at every outer step."
+            )
+        if self.sync_warmup_steps is None:
+            self.sync_warmup_steps = DEFAULT_SYNC_WARMUP_STEPS
+        if isinstance(self.sync_warmup_steps, bool) or not isinstance(self.sync_warmup_steps, int) \
+                or self.sync_warmup_steps < 0:
+            raise LocalSGDConfigError(
+                f"sync_warmup_steps={self.sync_warmup_steps!r} must be an int >= 0 (steps averaged "
+                "one by one before local steps begin). HINT: leave it unset (128); 0 "
+                "starts local steps at once, e.g. when fine-tuning a trained model."
             )
         if self.overlap_steps and isinstance(self.compression, Int8Compressor):
             raise LocalSGDConfigError(
@@ -164,6 +190,8 @@ class OuterSync:
         )
         self.inner_steps = 0
         """Inner steps since the last outer step."""
+        self.warmup_left = config.sync_warmup_steps
+        """Inner steps still to be averaged one by one (the synchronous warm-up)."""
         self.outer_steps = 0
         """Outer steps taken."""
         self.bytes_sent = 0
@@ -176,13 +204,27 @@ class OuterSync:
         """Whether an outer gradient's reduction is on the wire (``overlap_steps > 0``)."""
         return self._pending is not None
 
+    def due(self) -> bool:
+        """Whether the next :meth:`after_inner_step` communicates and changes the parameters (a
+        warm-up average, an outer step launched, or one finished): a front end whose parameters
+        live elsewhere (Keras) copies them in before that call and out after it."""
+        steps = self.inner_steps + 1
+        return (self.warmup_left > 0 or steps >= self.config.sync_every
+                or (self._pending is not None and steps >= self.config.overlap_steps))
+
     def after_inner_step(self) -> bool:
-        """Count one inner step; on the ``sync_every``-th, run the outer step (a collective):
-        at once, or with ``overlap_steps`` launch it and finish it that many inner steps later.
+        """Count one inner step; during the synchronous warm-up, average the parameters (a
+        collective); then on every ``sync_every``-th step run the outer step (a collective): at
+        once, or with ``overlap_steps`` launch it and finish it that many inner steps later.
 
         Returns:
-            Whether an outer step was launched or ran.
+            Whether the parameters were averaged, or an outer step was launched or ran.
         """
+        if self.warmup_left > 0:
+            self.warmup_left -= 1
+            self._launch(overlap=False)
+            self._finish(plain=True)
+            return True
         self.inner_steps += 1
         if self._pending is not None and self.inner_steps >= self.config.overlap_steps:
             self._finish()
@@ -241,17 +283,22 @@ class OuterSync:
         self.inner_steps = 0
 
     @torch.no_grad()
-    def _finish(self) -> None:
-        """Finish the launched reduction, step the outer SGD, load the anchors (plus the local
-        progress since the launch, when it overlapped inner steps)."""
+    def _finish(self, *, plain: bool = False) -> None:
+        """Finish the launched reduction, step the outer SGD (``plain``: subtract the averaged
+        outer gradient from the anchors instead, the warm-up's average), load the anchors (plus
+        the local progress since the launch, when it overlapped inner steps)."""
         pending, self._pending = self._pending, None
         assert pending is not None
         for group, flat, handle in pending.groups:
             if handle is not None:
                 handle.finish()
             for i, piece in zip(group, flat.split([self.anchors[i].numel() for i in group]), strict=True):
-                self.anchors[i].grad = piece.view_as(self.anchors[i])
-        self.outer.step()
+                if plain:
+                    self.anchors[i].sub_(piece.view_as(self.anchors[i]))
+                else:
+                    self.anchors[i].grad = piece.view_as(self.anchors[i])
+        if not plain:
+            self.outer.step()
         snapshots = pending.snapshots
         for k, (a, p) in enumerate(zip(self.anchors, self.params, strict=True)):
             a.grad = None
@@ -259,7 +306,8 @@ class OuterSync:
                 p.copy_(a)
             else:  # theta_g + (theta_r - theta_s)
                 p.add_((a - snapshots[k]).to(p.dtype))
-        self.outer_steps += 1
+        if not plain:
+            self.outer_steps += 1
 
     def _int8_average(self, flat: torch.Tensor) -> torch.Tensor:
         """The rank average of ``flat`` through int8 blocks (module docstring); ``flat``'s dtype."""
@@ -281,6 +329,7 @@ class OuterSync:
             "inner_steps": self.inner_steps,
             "outer_steps": self.outer_steps,
             "sync_every": self.config.sync_every,
+            "warmup_left": self.warmup_left,
         }
 
     @torch.no_grad()
@@ -303,6 +352,8 @@ class OuterSync:
         self.outer.load_state_dict(state["outer_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.outer_steps = int(state["outer_steps"])
+        # a state saved before the warm-up existed was saved past its start: no warm-up again
+        self.warmup_left = int(state.get("warmup_left", 0))
 
 
 @dataclass(slots=True)
