@@ -238,10 +238,15 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     ``overlap_steps=8``), on the CNN and the GPT model: the step time of ``local`` (the same script
     with no communication, run on every host at once) over the mode's, per interleaved round;
     median and spread over the rounds. The window (``--steps`` after ``--warmup``) ends with a
-    blocking outer step."""
+    blocking outer step. The library's synchronous warm-up (``DEFAULT_SYNC_WARMUP_STEPS``, the
+    modes' default) is added to ``--warmup``, outside the window: the figure is the steady
+    state of local steps, not their start."""
+    from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
+
     args, recs = launch.args, []
+    common = ["--steps", str(args.steps), "--warmup", str(args.warmup + DEFAULT_SYNC_WARMUP_STEPS)]
     for model in ("cnn", "gpt"):
-        worker = ["bench.slow_link_training", "--model", model, *_common(args)]
+        worker = ["bench.slow_link_training", "--model", model, *common]
         for r in range(args.rounds):
             for mode in (*LOCAL_STEPS_MODES, "local"):
                 new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")

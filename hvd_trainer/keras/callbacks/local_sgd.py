@@ -39,7 +39,9 @@ class LocalSGDCallback(keras.callbacks.Callback):
     In-process recovery (``hvdrun --recovery in-process``): the outer loop belongs to the world it
     started in. The first ``fit`` in a new world starts it again on every rank, as at the start of
     training (the survivors drop their anchors, outer momentum and counters; a restarted worker
-    has none): rank 0's weights are broadcast and become the anchors.
+    has none): rank 0's weights are broadcast and become the anchors, and the synchronous warm-up
+    runs again on every rank (the same steps everywhere: a restarted worker knows nothing of the
+    last world).
 
     Args:
         sync_every: training batches per outer step (``H``).

@@ -3,6 +3,11 @@ applies the averaged parameter change. See :mod:`hvd_trainer.comm.reduce.localsg
 
 from __future__ import annotations
 
-from hvd_trainer.comm.reduce.localsgd.outer import LocalSGDConfig, LocalSGDConfigError, OuterSync
+from hvd_trainer.comm.reduce.localsgd.outer import (
+    DEFAULT_SYNC_WARMUP_STEPS,
+    LocalSGDConfig,
+    LocalSGDConfigError,
+    OuterSync,
+)
 
-__all__ = ["LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
