@@ -22,7 +22,8 @@ plain average of the parameters (the outer gradient of that one step, averaged a
 from the anchor: outer lr 1, no momentum, the outer SGD's state untouched), so the ranks leave
 the fast-changing start of training together; local steps with the outer SGD begin after it.
 From scratch, DiLoCo's outer momentum applied to the large deltas of the first periods left the
-model behind the synchronous run for the rest of training (README, "Local steps from scratch").
+model behind the synchronous run for the rest of training (README, "Slow links: compression
+and local steps", its figures).
 ``W = 0`` starts local steps at once (e.g. when resuming a trained model).
 
 ``sync_every=1``, ``outer_lr=1.0``, ``outer_momentum=0.0`` is synchronous data parallel for
