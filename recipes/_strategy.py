@@ -24,13 +24,18 @@ def check_slow_link_keys(cfg: Any) -> None:
     """Validate ``cfg`` (a recipe's TrainerConfig) in ``__post_init__``.
 
     Raises:
-        ValueError: ``sync_every`` neither an int >= 0 nor "auto", or a slow-link option with a
-            strategy other than "horovod".
+        ValueError: ``sync_every`` neither an int >= 0 nor "auto", ``sync_warmup_steps`` below -1,
+            or a slow-link option with a strategy other than "horovod".
     """
     auto = cfg.sync_every == "auto"
     if not auto and (not isinstance(cfg.sync_every, int) or cfg.sync_every < 0):
         raise ValueError(f"trainer.sync_every={cfg.sync_every!r} must be an int >= 0 (0: synchronous) "
                          "or auto (chosen from the measured link).")
+    warmup = cfg.sync_warmup_steps
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < -1:
+        raise ValueError(f"trainer.sync_warmup_steps={warmup!r} must be an int >= 0 (steps averaged one by "
+                         "one before local steps begin) or -1 (the library's default, 128). HINT: 0 starts "
+                         "local steps at once.")
     if cfg.strategy != "horovod" and (cfg.sync_every or cfg.compression != "none"):
         raise ValueError(
             f"trainer.sync_every / trainer.compression need trainer.strategy=horovod, got "

@@ -188,7 +188,8 @@ class LocalSGD(torch.optim.Optimizer):
             return f"LocalSGD({self._inner!r}, sync_every='auto': synchronous)"
         c = self._outer.config
         return (f"LocalSGD({self._inner!r}, sync_every={c.sync_every}, outer_lr={c.outer_lr}, "
-                f"outer_momentum={c.outer_momentum}, nesterov={c.nesterov})")
+                f"outer_momentum={c.outer_momentum}, nesterov={c.nesterov}, "
+                f"sync_warmup_steps={c.sync_warmup_steps})")
 
     # -- steps ----------------------------------------------------------------------------------
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]

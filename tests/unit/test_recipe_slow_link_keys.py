@@ -29,6 +29,9 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
     assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov, local.overlap_steps) == \
         (16, 0.5, 0.8, True, 4)
     assert local.compression.name == "bf16"
+    assert local.sync_warmup_steps == 128  # the key's -1: the library's default
+    off = build_strategy(module.TrainerConfig(sync_every=16, sync_warmup_steps=0))
+    assert off._local.sync_warmup_steps == 0
     assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
 
 
@@ -37,6 +40,9 @@ def test_invalid_keys_raise() -> None:
         gpt.TrainerConfig(sync_every=-1)
     with pytest.raises(ValueError, match="strategy=horovod"):
         gpt.TrainerConfig(strategy="ddp", sync_every=4)
+    with pytest.raises(ValueError, match=r"trainer.sync_warmup_steps=-5 must be .* HINT"):
+        gpt.TrainerConfig(sync_every=4, sync_warmup_steps=-5)  # checked with the config, not at fit
+    assert gpt.TrainerConfig(sync_every=4, sync_warmup_steps=-1).sync_warmup_steps == -1  # the default
 
 
 def test_zero_stage_errors_name_what_is_wrong() -> None:
