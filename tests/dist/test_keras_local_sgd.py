@@ -12,6 +12,52 @@ from tests.multiproc import run_workers
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
 
 
+def _overlap_reference(x: np.ndarray, y: np.ndarray, shards: list[np.ndarray], batches: int, h: int,
+                       tau: int) -> list[np.ndarray]:
+    """The hidden outer step by hand (``sync_every=h``, ``overlap_steps=tau``, no warm-up, outer
+    Nesterov SGD 0.7 / 0.9): two Keras replicas with their own Adam, each on its shard's batches
+    in order; after batch ``h`` the mean of (anchor - replica) is taken and each replica's weights
+    kept, ``tau`` batches later the anchor steps and each replica becomes anchor + (its weights now
+    - those kept); the end of ``fit`` settles with a blocking outer step. Returns the weights."""
+    import keras
+
+    from tests.dist._keras_suite import BATCH, _mlp
+
+    reps = [_mlp(seed=3) for _ in shards]
+    for m in reps:
+        m.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    anchor = [w.copy() for w in reps[0].get_weights()]
+    buf = [np.zeros_like(a) for a in anchor]
+
+    def mean_delta() -> list[np.ndarray]:
+        return [((a - w0) + (a - w1)) / 2 for a, w0, w1 in
+                zip(anchor, reps[0].get_weights(), reps[1].get_weights(), strict=True)]
+
+    def outer(delta: list[np.ndarray]) -> None:
+        for i, d in enumerate(delta):
+            buf[i] = 0.9 * buf[i] + d
+            anchor[i] = anchor[i] - 0.7 * (d + 0.9 * buf[i])
+
+    per_epoch = len(shards[0]) // BATCH
+    launched = None  # (mean delta, each replica's weights at the launch, batches since)
+    for k in range(batches):
+        for m, shard in zip(reps, shards, strict=True):
+            idx = shard[(k % per_epoch) * BATCH:(k % per_epoch + 1) * BATCH]
+            m.train_on_batch(x[idx], y[idx])
+        if launched is not None:
+            launched[2] += 1
+            if launched[2] == tau:
+                outer(launched[0])
+                for m, kept in zip(reps, launched[1], strict=True):
+                    m.set_weights([w + (a - c) for w, a, c in zip(m.get_weights(), anchor, kept, strict=True)])
+                launched = None
+        if (k + 1) % h == 0:
+            launched = [mean_delta(), [m.get_weights() for m in reps], 0]
+    assert launched is None, "end the reference on a finished outer step"
+    outer(mean_delta())
+    return anchor
+
+
 def _worker() -> dict:
     import keras
 
@@ -61,13 +107,27 @@ def _worker() -> dict:
                 after_warmup.append([w.tolist() for w in warm.get_weights()])
 
     warm.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cbw, Probe()])
+
+    # the hidden outer step: launched after batches 3 and 6, finished one batch later; fit ends
+    # with a blocking one for batches 7-8
+    hidden = _mlp(seed=3)
+    hidden.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    cbo = hk.callbacks.LocalSGDCallback(sync_every=3, overlap_steps=1, sync_warmup_steps=0)
+    hidden.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cbo])
+    shards = [np.concatenate([np.arange(k * global_batch + r * BATCH, k * global_batch + (r + 1) * BATCH)
+                              for k in range(4)]) for r in range(size)]
+    expected = _overlap_reference(x, y, shards, batches=8, h=3, tau=1)
+    hidden_diff = max(float(np.abs(a - b).max()) for a, b in zip(hidden.get_weights(), expected, strict=True))
+    blocking_diff = max(float(np.abs(a - b).max()) for a, b in zip(dilo.get_weights(), expected, strict=True))
     return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps,
             "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict()),
             "int8": [w.tolist() for w in narrow.get_weights()], "int8_bytes": cb8.outer.bytes_sent,
             "int8_diff": max(float(np.abs(a - b).max()) for a, b in
                              zip(narrow.get_weights(), dilo.get_weights(), strict=True)),
             "n_values": n_values, "warm": [w.tolist() for w in warm.get_weights()],
-            "warm_outer_steps": cbw.outer.outer_steps, "after_warmup": after_warmup[0]}
+            "warm_outer_steps": cbw.outer.outer_steps, "after_warmup": after_warmup[0],
+            "hidden": [w.tolist() for w in hidden.get_weights()], "hidden_diff": hidden_diff,
+            "blocking_diff": blocking_diff, "hidden_outer_steps": cbo.outer.outer_steps}
 
 
 @pytest.mark.timeout(300)
@@ -82,6 +142,11 @@ def test_keras_local_steps(backend: str) -> None:
     assert results[0]["after_warmup"] == results[1]["after_warmup"]  # averaged after each batch
     assert results[0]["warm"] == results[1]["warm"] != results[0]["dilo"]
     assert [r["warm_outer_steps"] for r in results] == [2, 2]
+    # the hidden outer step equals the delayed reference (and the blocking run does not)
+    assert results[0]["hidden"] == results[1]["hidden"]
+    for r in results:
+        assert r["hidden_diff"] < 1e-5 < r["blocking_diff"], (r["hidden_diff"], r["blocking_diff"])
+        assert r["hidden_outer_steps"] == 3
     # int8 outer gradient: equal on every rank, close to (not equal to) the fp32 outer step, and
     # one int8 byte per value, a 4-byte scale per 256 and a 4-byte "used" flag to the other
     # rank, per outer step

@@ -30,11 +30,13 @@ class LocalSGDCallback(keras.callbacks.Callback):
 
     At the start of training rank 0's weights are broadcast (the ranks must start from the same
     anchor), and the first ``sync_warmup_steps`` batches are each followed by an average of the
-    weights; ``fit`` ends with an outer step for the batches since the last one, so the ranks end
-    with equal weights. ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is
-    synchronous data parallel. The trainable weights travel through numpy/torch on the host once
-    per outer step (both backends). ``state_dict()``/``load_state_dict()`` hold the anchors, the
-    outer momentum and the counters (save them with the model to resume).
+    weights; ``fit`` ends with an outer step for the batches since the last one (and finishes one
+    still on the wire, with ``overlap_steps``), so the ranks end with equal weights.
+    ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous data parallel. The
+    trainable weights travel through numpy/torch on the host once per outer step, its launch and
+    finish with ``overlap_steps``, and once per warm-up batch (both backends).
+    ``state_dict()``/``load_state_dict()`` hold the anchors, the outer momentum and the counters
+    (save them with the model to resume; an outer step still on the wire is finished first).
 
     In-process recovery (``hvdrun --recovery in-process``): the outer loop belongs to the world it
     started in. The first ``fit`` in a new world starts it again on every rank, as at the start of
@@ -49,6 +51,10 @@ class LocalSGDCallback(keras.callbacks.Callback):
         compression: wire format of the outer gradient: ``None`` (fp32), ``"fp16"``, ``"bf16"``
             or ``"int8"`` (block-quantised allgather, ~4x fewer bytes at 2 ranks, no error
             feedback; :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
+        overlap_steps: training batches the outer gradient's allreduce may stay on the wire while
+            training goes on (``0 <= overlap_steps < sync_every``; 0 blocks at every outer step);
+            each rank then loads the new anchor plus its own change since the launch (the hidden
+            outer step of :mod:`hvd_trainer.comm.reduce.localsgd.outer`). Not with ``"int8"``.
         sync_warmup_steps: training batches at the start after each of which the weights are
             averaged, before local steps begin (``None``: 128; 0: none; the
             synchronous warm-up of :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
@@ -58,11 +64,11 @@ class LocalSGDCallback(keras.callbacks.Callback):
     """
 
     def __init__(self, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: Any = None, *,
+                 nesterov: bool = True, compression: Any = None, *, overlap_steps: int = 0,
                  sync_warmup_steps: int | None = None) -> None:
         super().__init__()
         self.config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                     nesterov=nesterov, compression=compression,
+                                     nesterov=nesterov, compression=compression, overlap_steps=overlap_steps,
                                      sync_warmup_steps=sync_warmup_steps)
         self._outer: OuterSync | None = None
         self._vars: list[Any] = []
@@ -116,12 +122,16 @@ class LocalSGDCallback(keras.callbacks.Callback):
             self._outer.after_inner_step()
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self._outer is not None and self._outer.inner_steps:
-            self._sync(self._outer.sync)
+        if self._outer is not None and (self._outer.inner_steps or self._outer.in_flight):
+            self._sync(self._outer.settle)  # equal weights on every rank
 
     def state_dict(self) -> dict[str, Any]:
         """The outer state (anchors, outer momentum, counters); empty before training started."""
-        return {} if self._outer is None else self._outer.state_dict()
+        if self._outer is None:
+            return {}
+        if self._outer.in_flight:  # finished here, so the weights get its result too
+            self._sync(self._outer.finish_in_flight)
+        return self._outer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (applied when training starts, if not yet)."""
