@@ -11,11 +11,12 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.lab.net import LinkMeasure
 from bench.lab.records import Summary, parse, summarise, wire_efficiency
 from bench.lab.slow_link import report
+from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
 from tests.e2e.hvdrun_helpers import clean_env
 from tests.multihost.helpers import HVDRUN, explain, run_on_hosts
 from tests.multihost.netns import Cluster
@@ -241,10 +242,8 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     blocking outer step. The library's synchronous warm-up (``DEFAULT_SYNC_WARMUP_STEPS``, the
     modes' default) is added to ``--warmup``, outside the window: the figure is the steady
     state of local steps, not their start."""
-    from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
-
     args, recs = launch.args, []
-    common = ["--steps", str(args.steps), "--warmup", str(args.warmup + DEFAULT_SYNC_WARMUP_STEPS)]
+    common = _common(replace(args, warmup=args.warmup + DEFAULT_SYNC_WARMUP_STEPS))
     for model in ("cnn", "gpt"):
         worker = ["bench.slow_link_training", "--model", model, *common]
         for r in range(args.rounds):
