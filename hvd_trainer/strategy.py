@@ -53,9 +53,7 @@ from hvd_trainer.comm.base.launch_env import torchelastic_env
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice
-from hvd_trainer.comm.reduce.auto import announce as announce_auto
-from hvd_trainer.comm.reduce.auto import choose as choose_auto
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
@@ -129,9 +127,10 @@ class _HorovodStrategyLogic:
             ``Compression.powersgd(rank=r)`` (``"int8"``, ``"powersgd:R"``) keep error-feedback
             residuals per parameter and rank; checkpoints hold every rank's (one allgather when a
             checkpoint is dumped) and a resume with the same world size restores each rank's.
-            ``"auto"``: chosen at the start of ``fit`` from the measured link
-            (:mod:`hvd_trainer.comm.reduce.auto`; all ranks on one host: plain allreduce),
-            printed on rank 0.
+            ``"auto"``: chosen from the measured link and the step's measured compute
+            (:mod:`hvd_trainer.comm.reduce.auto`: all ranks on one host, plain allreduce at the
+            start of ``fit``; across hosts the first 7 optimizer steps run plain and are timed,
+            then the choice holds), printed on rank 0.
         scale_lr_by_world_size: multiply every optimizer's learning rate (and LR schedulers'
             ``base_lrs``) by the world size once at the start of fitting, and log it on rank 0;
             an elastic fit resumed in another world size rescales the restored rates to it.
@@ -163,7 +162,8 @@ class _HorovodStrategyLogic:
             and inner optimizer state; a resume gives every rank rank 0's.
             ``compression`` (``fp16``/``bf16``/``int8``) then narrows the outer gradient
             (``int8``: block-quantised allgather, no error feedback; ``powersgd`` is refused).
-            ``"auto"``: chosen at the start of ``fit`` with ``compression="auto"`` below.
+            ``"auto"``: chosen as ``compression="auto"`` above is (local steps in place of
+            PowerSGD; the outer settings given here are kept).
         outer_lr, outer_momentum, outer_nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True);
             ``sync_every=1, outer_lr=1.0, outer_momentum=0.0`` with SGD is synchronous.
         outer_overlap_steps: optimizer steps the outer gradient's allreduce may stay on the wire
@@ -255,6 +255,7 @@ class _HorovodStrategyLogic:
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes, autotune)
         self._auto = {"compression": compression == AUTO, "sync_every": sync_every == AUTO}
+        self._auto_mode: AutoMode | None = None  # measuring the first steps, then chosen
         compression = None if compression == AUTO else compression
         sync_every = None if sync_every == AUTO else sync_every
         self._compression = Compression.resolve(compression, error=StrategyConfigError,
@@ -387,9 +388,12 @@ class _HorovodStrategyLogic:
 
     def follow_world(self, world: World) -> None:
         """Adopt ``world`` (re-formed by in-process recovery: ranks renumbered, size may differ):
-        ranks, samplers and everything the next ``setup`` builds follow it."""
+        ranks, samplers and everything the next ``setup`` builds follow it (``"auto"`` still
+        measuring starts again over it)."""
         self._world = world
         self.set_world_ranks()
+        if self._auto_mode is not None and self._auto_mode.measuring:
+            self._auto_mode = None
 
     @property
     def elastic_fit(self) -> ElasticFit | None:
@@ -512,18 +516,42 @@ class _HorovodStrategyLogic:
         self._managed_ids = {id(p) for _, p in named}
 
     def _resolve_auto(self) -> None:
-        """``compression="auto"`` / ``sync_every="auto"``: choose from the measured link (one probe
-        when the ranks span several hosts; :mod:`hvd_trainer.comm.reduce.auto`), say so on rank 0."""
-        if not any(self._auto.values()):
+        """``compression="auto"`` / ``sync_every="auto"``: start choosing
+        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: on one host at once; across hosts the
+        first optimizer steps run plain and are timed, then :meth:`optimizer_step` switches), said
+        on rank 0. A choice made in an earlier ``fit`` is kept."""
+        if not any(self._auto.values()) or (self._auto_mode is not None and not self._auto_mode.measuring):
             return
+        if self._auto["sync_every"]:
+            self._check_one_optimizer("auto")
         module = self.lightning_module
         assert module is not None
         world = self._require_world()
         grad_bytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
-        choice = choose_auto(world, resolve_set(None, world, "auto"), self.root_device, grad_bytes,
-                             local_steps=self._auto["sync_every"])
+        self._auto_mode = AutoMode(world, resolve_set(None, world, "auto"), self.root_device, grad_bytes,
+                                   asked=self._auto)
+        if self._auto_mode.choice is not None:
+            self._apply_auto(self._auto_mode.choice)
+
+    def _auto_step_end(self) -> None:
+        """After an optimizer step while ``"auto"`` measures: count it; when it chose, switch to
+        the choice (new buckets for a compressor; local steps: the outer loop from these
+        parameters, equal on every rank after a synchronous step, and no gradient reducer)."""
+        mode = self._auto_mode
+        if mode is None or not mode.measuring:
+            return
+        choice = mode.step_end(self._require_world())
+        if choice is None:
+            return
         self._apply_auto(choice)
-        announce_auto(world, choice, self._auto)
+        if self._local is not None:
+            if self._reducer is not None:
+                self._reducer.remove()
+                self._released_wire_bytes += self._reducer.wire_bytes_sent
+                self._reducer = None
+            self._attach_outer()
+        elif choice.compression is not Compression.none:
+            self._attach_reducer()
 
     def _apply_auto(self, choice: AutoChoice) -> None:
         """Take what ``"auto"`` chose; local steps keep the user's outer optimizer and outer
@@ -544,15 +572,18 @@ class _HorovodStrategyLogic:
         every rank: broadcast in ``setup``); no gradient reducer."""
         module = self.lightning_module
         assert module is not None and self._local is not None
-        if len(self.optimizers) != 1:
-            raise StrategyConfigError(
-                f"HorovodStrategy(sync_every={self._local.sync_every}) needs exactly one optimizer, "
-                f"the module configures {len(self.optimizers)}. HINT: use one optimizer (param "
-                "groups may differ), or sync_every=None for synchronous data parallel."
-            )
+        self._check_one_optimizer(self._local.sync_every)
         if self._outer is not None:  # replaced without a teardown (a re-formed world)
             self._released_wire_bytes += self._outer.bytes_sent
         self._outer = OuterSync(list(module.parameters()), self._local, world=self._require_world())
+
+    def _check_one_optimizer(self, sync_every: int | str) -> None:
+        if len(self.optimizers) != 1:
+            raise StrategyConfigError(
+                f"HorovodStrategy(sync_every={sync_every!r}) needs exactly one optimizer, "
+                f"the module configures {len(self.optimizers)}. HINT: use one optimizer (param "
+                "groups may differ), or sync_every=None for synchronous data parallel."
+            )
 
     @property
     def outer(self) -> OuterSync | None:
@@ -570,6 +601,7 @@ class _HorovodStrategyLogic:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._outer is not None:
             self._outer.after_inner_step()
+        self._auto_step_end()
         return out
 
     @override
@@ -826,7 +858,9 @@ class _HorovodStrategyLogic:
         """Wait for this step's gradient buckets (before unscale and clipping)."""
         reducer = self._reducer
         if reducer is not None and reducer.require_sync:
-            reducer.wait()
+            mode = self._auto_mode
+            with mode.waiting() if mode is not None and mode.measuring else contextlib.nullcontext():
+                reducer.wait()
             tuner = reducer.autotuner
             if tuner is not None and tuner.done and not self._autotune_reported:
                 self._autotune_reported = True

@@ -7,6 +7,7 @@ reduced before the inner optimizer's unscaling, clipping, weight decay and updat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -14,7 +15,6 @@ from typing import Any
 
 import keras
 import numpy as np
-import torch
 
 from hvd_trainer.comm import (
     Compression,
@@ -28,9 +28,7 @@ from hvd_trainer.comm import (
 )
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO
-from hvd_trainer.comm.reduce.auto import announce as announce_auto
-from hvd_trainer.comm.reduce.auto import choose as choose_auto
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.zero import ShardedGradientReducer, check_zero_stage
 from hvd_trainer.keras import _accumulate, _bridge
@@ -206,9 +204,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             see :meth:`~hvd_trainer.comm.ops.compression.Compression.resolve`); or the lossy
             ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings ``"int8"``,
             ``"powersgd:R"``) with error feedback (see "Error feedback" above). Both backends.
-            ``"auto"``: chosen once when the optimizer is built, from the measured link
-            (:mod:`hvd_trainer.comm.reduce.auto`; every rank on one host: plain allreduce),
-            printed on rank 0.
+            ``"auto"``: chosen once from the measured link and the step's measured compute
+            (:mod:`hvd_trainer.comm.reduce.auto`: every rank on one host, plain allreduce when the
+            optimizer is built; across hosts the first 7 updates reduce plain and are timed, then
+            the choice holds), printed on rank 0.
         sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.
@@ -324,6 +323,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
         self._reducer = None
         self._wire_bytes = 0  # gradients' wire bytes outside the current hook reducer
+        self._auto: AutoMode | None = None  # compression="auto": measuring, then chosen
         self._zero_stage = zero_stage
         self._zero: KerasZero | None = None  # by build(), when this rank shards (size > 1)
         self._buffers = _bridge.FlatBuffers()
@@ -635,6 +635,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._reducer is not None:
             self._feedback = self._feedback_state()
             self._release_reducer()
+        if self._auto is not None and self._auto.measuring:  # measure again, in the new world
+            self._auto, self._auto_compression = None, True
+            self._resolve_auto_compression(built_trainable_variables(self))
         if self._reduces():
             self._build_torch_reducer(built_trainable_variables(self))
 
@@ -682,18 +685,42 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.build([v for v in var_list if self._zero.owns(v)])
 
     def _resolve_auto_compression(self, var_list: Sequence[Any]) -> None:
-        """``compression="auto"``: choose from the measured link once, at build (a collective
-        when the ranks span several hosts; :mod:`hvd_trainer.comm.reduce.auto`), said on rank 0."""
+        """``compression="auto"``: start choosing at build
+        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: every rank on one host, chosen now;
+        across hosts the first steps reduce plain and are timed, then the choice holds), said on
+        rank 0."""
         if not self._auto_compression:
             return
         self._auto_compression = False
         pset = resolve_set(self._process_set, self.world, "compression=auto")
         grad_bytes = sum(math.prod(v.shape) * 4 for v in var_list if v.trainable)
-        choice = choose_auto(self.world, pset, torch.device("cpu"), grad_bytes, local_steps=False)
-        chosen = choice.compression
-        self._compression = chosen
-        self._feedback = FeedbackState(chosen.name) if chosen.error_feedback else None
-        announce_auto(self.world, choice, {"compression": True})
+        self._auto = AutoMode(self.world, pset, self.world.device, grad_bytes, asked={"compression": True})
+        if self._auto.choice is not None:
+            self._take_auto(self._auto.choice)
+
+    def _take_auto(self, choice: AutoChoice) -> None:
+        self._compression = choice.compression
+        self._feedback = FeedbackState(choice.compression.name) if choice.compression.error_feedback else None
+
+    def _auto_waiting(self) -> contextlib.AbstractContextManager[None]:
+        """Around a wait on gradient communication: timed while ``"auto"`` measures."""
+        mode = self._auto
+        return mode.waiting() if mode is not None and mode.measuring else contextlib.nullcontext()
+
+    def _auto_step_end(self) -> None:
+        """After a reduction while ``"auto"`` measures (one per optimizer update): count it; when
+        it chose a compressor, the torch backend's hook buckets are built again with it (the
+        TensorFlow bridge reads the choice at its next call)."""
+        mode = self._auto
+        if mode is None or not mode.measuring:
+            return
+        choice = mode.step_end(self.world)
+        if choice is None:
+            return
+        self._take_auto(choice)
+        if self._reducer is not None and choice.compression is not Compression.none:
+            self._release_reducer()
+            self._build_torch_reducer(built_trainable_variables(self))
 
     @property
     def compression(self) -> Compressor:
@@ -725,6 +752,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             tvs = built_trainable_variables(self) if trainable_variables is None else trainable_variables
             grads = self._reduce_tf(grads, tvs) if self._tf else self._reduce_torch(grads, tvs)
         self._inner_apply(grads, trainable_variables)
+        if not self._tf:
+            self._auto_step_end()
 
     def _inner_apply(self, grads, trainable_variables) -> None:
         """The inner optimizer's ``apply``; with ZeRO on the owned variables only, followed by
@@ -762,9 +791,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             counter.assign_add(1)
             return
         try:
-            self._inner_apply(self._reduce_torch_sums(tvs), tvs)
+            with self._auto_waiting():
+                reduced = self._reduce_torch_sums(tvs)
+            self._inner_apply(reduced, tvs)
         finally:
             self._accum.reset()
+        self._auto_step_end()
 
     def _reduce_torch_sums(self, tvs: Sequence[Any]) -> list[Any]:
         """Reduce the accumulators in place (one grouped allreduce, local variables' sums only
@@ -827,7 +859,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_torch(self, grads, tvs):
         assert self._reducer is not None
-        self._reducer.wait()
+        with self._auto_waiting():
+            self._reducer.wait()
         local, factor = self._local_mask(tvs), self._local_factor()
         # wait() may have given an unused parameter a (zero, then averaged) gradient.
         return [
@@ -860,8 +893,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         dense = [tf.convert_to_tensor(grads[i]) for i in idx]
         if not dense:
             return out
-        if self._feedback is not None:  # state by variable: the names travel with the function
-            names = [_state_name(i, tvs[i]) for i in idx]
+        names = [_state_name(i, tvs[i]) for i in idx]
+        if self._auto is not None and self._auto.measuring:  # the choice is read at run time
+            reduce = functools.partial(self._reduce_numpy_auto, names, passes)
+        elif self._feedback is not None:  # state by variable: the names travel with the function
             reduce = functools.partial(self._reduce_numpy_with_feedback, names, passes)
         elif passes == 1:
             reduce = self._reduce_numpy
@@ -885,6 +920,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_numpy_accumulated(self, *arrays):
         return self._reduce_numpy(*arrays, passes=self._passes)
+
+    def _reduce_numpy_auto(self, names: list[str], passes: int, *arrays):
+        """TensorFlow, traced while ``"auto"`` measured: the reduction its choice asks for (plain
+        and timed until it chose; one call per optimizer update)."""
+        if self._feedback is not None:
+            return self._reduce_numpy_with_feedback(names, passes, *arrays)
+        if self._auto is None or not self._auto.measuring:
+            return self._reduce_numpy(*arrays, passes=passes)
+        with self._auto.waiting():
+            out = self._reduce_numpy(*arrays, passes=passes)
+        self._auto_step_end()
+        return out
 
     def _reduce_numpy_with_feedback(self, names: list[str], passes: int, *arrays):
         op, pre, post = self._scales(passes)

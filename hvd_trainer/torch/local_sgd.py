@@ -9,7 +9,9 @@ reduced.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,9 +19,7 @@ import torch
 from hvd_trainer.comm import Average, Compression, Compressor, World, get_world, grouped_allreduce_
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO
-from hvd_trainer.comm.reduce.auto import announce as announce_auto
-from hvd_trainer.comm.reduce.auto import choose as choose_auto
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
@@ -51,14 +51,17 @@ class LocalSGD(torch.optim.Optimizer):
             ``DistributedOptimizer``).
         model: the module whose parameters are synchronised (all floating ones, frozen included,
             so that parameters unfrozen later stay in step; frozen ones cost bytes, not change).
-        sync_every: inner steps per outer step (``H``), or ``"auto"``: chosen at construction
-            from the measured link, as the Lightning strategy's ``sync_every="auto"`` chooses
-            (:mod:`hvd_trainer.comm.reduce.auto`; rank 0 prints the choice and why). Where it
-            chooses no local steps (one host, a fast link) every ``step()`` averages the
-            gradients over the ranks first (in the chosen wire format, e.g. bf16) and then steps
-            the inner optimizer: synchronous data parallel, ``outer`` is ``None`` and
-            ``sync_every`` 1. Every parameter that has a gradient on one rank must have one on
-            all ranks then. The outer settings below apply when it chooses local steps.
+        sync_every: inner steps per outer step (``H``), or ``"auto"``: chosen from the measured
+            link and the step's measured compute, as the Lightning strategy's
+            ``sync_every="auto"`` chooses (:mod:`hvd_trainer.comm.reduce.auto`; rank 0 prints the
+            choice and why): on one host at construction; across hosts after the first 7
+            ``step()`` calls, which are synchronous (below, plain fp32) and timed. While no local
+            steps are chosen (one host, a fast link, or still measuring) every ``step()``
+            averages the gradients over the ranks first (in the chosen wire format, e.g. bf16)
+            and then steps the inner optimizer: synchronous data parallel, ``outer`` is ``None``
+            and ``sync_every`` 1. Every parameter that has a gradient on one rank must have one
+            on all ranks then. The outer settings below apply when it chooses local steps (the
+            outer loop starts from the parameters of that step, equal on every rank).
         outer_lr: outer learning rate (DiLoCo: 0.7).
         outer_momentum: outer momentum (DiLoCo: 0.9).
         nesterov: Nesterov outer momentum (DiLoCo: True).
@@ -104,12 +107,14 @@ class LocalSGD(torch.optim.Optimizer):
             raise TypeError(f"LocalSGD needs the model (a torch.nn.Module), got {type(model).__name__}.")
         w = get_world() if world is None else world
         named = list(model.named_parameters())
-        self._grad_compression: Compressor | None = None  # set: synchronous (auto chose no H)
+        self._grad_compression: Compressor | None = None  # set: synchronous steps (auto)
         self._sync_bytes = 0
-        if sync_every == AUTO:
-            sync_every = self._choose(named, w, process_set)
-        config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                nesterov=nesterov, compression=compression, overlap_steps=overlap_steps,
+        auto = sync_every == AUTO
+        # with "auto" the outer settings are checked now, with an H the overlap fits in
+        placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
+        config = LocalSGDConfig(sync_every=placeholder if auto else sync_every, outer_lr=outer_lr,
+                                outer_momentum=outer_momentum, nesterov=nesterov, compression=compression,
+                                overlap_steps=overlap_steps,
                                 sync_warmup_steps=sync_warmup_steps)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
@@ -122,25 +127,39 @@ class LocalSGD(torch.optim.Optimizer):
             broadcast_parameters(named, root_rank=0, world=w)
         self._inner = optimizer
         self._world, self._process_set = w, process_set
+        self._named, self._config = named, config
         self._params = [p for _, p in named if p.requires_grad]
-        self._outer = (None if self._grad_compression is not None else
-                       OuterSync([p for _, p in named], config, world=w, process_set=process_set))
+        self._outer: OuterSync | None = None
+        self._auto: AutoMode | None = None
+        if auto:
+            self._start_auto()
+        else:
+            self._outer = OuterSync([p for _, p in named], config, world=w, process_set=process_set)
         init_optimizer_bookkeeping(self)
 
-    def _choose(self, named: list[tuple[str, torch.nn.Parameter]], world: World,
-                process_set: ProcessSet | None) -> int:
-        """``sync_every="auto"``: probe and decide (a collective), say it on rank 0; the ``H`` to
-        use (1 when synchronous, with ``_grad_compression`` set)."""
-        trainable = [p for _, p in named if p.requires_grad and p.is_floating_point()]
+    def _start_auto(self) -> None:
+        """``sync_every="auto"``: synchronous steps with plain allreduce while
+        :class:`~hvd_trainer.comm.reduce.auto.AutoMode` measures (on one host it has chosen
+        already); :meth:`step` takes the choice."""
+        trainable = [p for p in self._params if p.is_floating_point()]
         device = trainable[0].device if trainable else torch.device("cpu")
         grad_bytes = sum(p.numel() for p in trainable) * 4  # fp32 on the wire
-        pset = resolve_set(process_set, world, "sync_every=auto")
-        choice = choose_auto(world, pset, device, grad_bytes, local_steps=True)
-        announce_auto(world, choice, {"sync_every": True})
-        if choice.sync_every is not None:
-            return choice.sync_every
-        self._grad_compression = choice.compression
-        return 1
+        pset = resolve_set(self._process_set, self._world, "sync_every=auto")
+        self._grad_compression = Compression.none
+        self._auto = AutoMode(self._world, pset, device, grad_bytes, asked={"sync_every": True})
+        if self._auto.choice is not None:
+            self._take_auto(self._auto.choice)
+
+    def _take_auto(self, choice: AutoChoice) -> None:
+        """Local steps from here on (the outer loop anchored at these parameters, equal on every
+        rank after synchronous steps), or synchronous steps in the chosen wire format."""
+        if choice.sync_every is None:
+            self._grad_compression = choice.compression
+            return
+        self._grad_compression = None
+        config = replace(self._config, sync_every=choice.sync_every)
+        self._outer = OuterSync([p for _, p in self._named], config, world=self._world,
+                                process_set=self._process_set)
 
     # -- delegation (the inner optimizer's groups, state and defaults) ------------------------
     @property
@@ -196,7 +215,12 @@ class LocalSGD(torch.optim.Optimizer):
         """One inner step; then, during the synchronous warm-up, an average of the parameters,
         and after it, on every ``sync_every``-th call, the outer step (collectives)."""
         if self._outer is None:
-            return self._synchronous_step(closure)
+            loss = self._synchronous_step(closure)
+            if self._auto is not None and self._auto.measuring:
+                choice = self._auto.step_end(self._world)
+                if choice is not None:
+                    self._take_auto(choice)
+            return loss
         loss = self._inner.step() if closure is None else self._inner.step(closure)
         self._outer.after_inner_step()
         return loss
@@ -208,9 +232,11 @@ class LocalSGD(torch.optim.Optimizer):
                 loss = closure()
         grads = [p.grad for p in self._params if p.grad is not None]
         if grads:
-            grouped_allreduce_(grads, op=Average, name="local_steps.auto.gradients",
-                               compression=self._grad_compression, process_set=self._process_set,
-                               world=self._world)
+            measuring = self._auto is not None and self._auto.measuring
+            with self._auto.waiting() if measuring else contextlib.nullcontext():
+                grouped_allreduce_(grads, op=Average, name="local_steps.auto.gradients",
+                                   compression=self._grad_compression, process_set=self._process_set,
+                                   world=self._world)
             n = resolve_set(self._process_set, self._world, "LocalSGD").size()
             wire = self._grad_compression.wire_dtype if self._grad_compression.applies_to(grads[0]) \
                 else grads[0].dtype
@@ -267,6 +293,11 @@ class LocalSGD(torch.optim.Optimizer):
                 "HINT: load what LocalSGD.state_dict() saved; a plain optimizer's state_dict goes "
                 "to opt.optimizer.load_state_dict()."
             )
+        if self._auto is not None and self._auto.measuring and state_dict["outer"] is not None:
+            # saved after "auto" chose local steps: take up that period instead of measuring
+            self._auto = None
+            self._take_auto(AutoChoice(Compression.none, int(state_dict["outer"]["sync_every"]),
+                                       "restored from a state_dict"))
         if (self._outer is None) != (state_dict["outer"] is None):
             raise LocalSGDConfigError(
                 "LocalSGD.load_state_dict: the state was saved with "

@@ -55,9 +55,7 @@ from hvd_trainer.comm.ops.optimizer_args import (
     check_optimizer_args,
 )
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO
-from hvd_trainer.comm.reduce.auto import announce as announce_auto
-from hvd_trainer.comm.reduce.auto import choose as choose_auto
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
@@ -267,6 +265,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         init_optimizer_bookkeeping(self)
         self._reducer: GradientReducer | ReducerSet | None = None
         self._reducer_ids: set[int] = set()
+        self._auto: AutoMode | None = None  # compression="auto": measuring, then chosen
+        self._released_wire_bytes = 0  # sent by reducers replaced when auto chose
         self._sparse: list[tuple[str, torch.Tensor]] = []
         self._sparse_dims: dict[int, int] = {}
         self._densified: set[int] = set()
@@ -523,17 +523,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p.requires_grad_(False)
 
     def _resolve_auto_compression(self, dense: list[tuple[str, torch.Tensor]]) -> None:
-        """``compression="auto"``: choose from the measured link once (a collective; see
-        :mod:`hvd_trainer.comm.reduce.auto`), said on rank 0 (``announce``)."""
-        if not self._auto_compression or not dense:
+        """``compression="auto"``: start choosing when the first reducer is built
+        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: on one host at once; across hosts after
+        the first steps are timed, at :meth:`step`), said on rank 0."""
+        if not self._auto_compression or self._auto is not None or not dense:
             return
-        self._auto_compression = False
         pset = resolve_set(self._process_set, self._world, "compression=auto")
         grad_bytes = sum(p.numel() * 4 for _, p in dense)
-        choice = choose_auto(self._world, pset, dense[0][1].device, grad_bytes, local_steps=False)
+        self._auto = AutoMode(self._world, pset, dense[0][1].device, grad_bytes,
+                              asked={"compression": True})
+        if self._auto.choice is not None:
+            self._take_auto(self._auto.choice)
+
+    def _take_auto(self, choice: AutoChoice) -> None:
+        self._auto_compression = False
         self._compression = choice.compression
         self._reducer_kwargs = self._check_reducer_kwargs()
-        announce_auto(self._world, choice, {"compression": True})
+
+    def _auto_step_end(self) -> None:
+        """After a step while ``"auto"`` measures: count it; when it chose a compressor, the
+        buckets are built again with it at the next ``synchronize()``."""
+        auto = self._auto
+        if auto is None or not auto.measuring:
+            return
+        choice = auto.step_end(self._world)
+        if choice is None:
+            return
+        self._take_auto(choice)
+        if self._reducer is not None and choice.compression is not Compression.none:
+            self._released_wire_bytes += self._reducer.wire_bytes_sent
+            self._reducer.remove()
+            self._reducer, self._reducer_ids = None, set()
 
     @property
     def compression(self) -> Compressor:
@@ -624,6 +644,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         self._reducer.remove()
         self._reducer, self._reducer_ids = None, set()
+        if self._auto is not None and self._auto.measuring:
+            self._auto = None  # its process set was the old world's: measure again in the new one
         self._counts.clear()
         self._due = self._synced = self._user_synced = False
 
@@ -643,7 +665,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._reducer is None:
             self._build_reducer()
         assert self._reducer is not None
-        self._reducer.wait()
+        if self._auto is not None and self._auto.measuring:
+            with self._auto.waiting():
+                self._reducer.wait()
+        else:
+            self._reducer.wait()
         if self._zero is not None:
             self._zero.agree_nonfinite()
         self._reduce_sparse()
@@ -749,9 +775,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         distributed = self._distributed_closure(closure) if closure is not None else None
         if self._zero is not None:
             return self._zero.step(self._inner, distributed)
-        if distributed is not None:
-            return self._inner.step(distributed)
-        return self._inner.step()
+        out = self._inner.step(distributed) if distributed is not None else self._inner.step()
+        self._auto_step_end()  # ZeRO and Adasum refuse or never resolve "auto"
+        return out
 
     def _backward_flag(self) -> torch.Tensor:
         """1.0 when a backward pass ran on this rank since the last reset, else 0.0 (float64)."""
@@ -821,7 +847,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Bytes this rank has sent for dense gradient buckets so far (see
         :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent`; ZeRO-2's reduce-scatter
         included; sparse gradients and ZeRO's parameter exchange after the step not counted)."""
-        return 0 if self._reducer is None else self._reducer.wire_bytes_sent
+        return self._released_wire_bytes + (0 if self._reducer is None else self._reducer.wire_bytes_sent)
 
     @property
     def op(self) -> ReduceOp:

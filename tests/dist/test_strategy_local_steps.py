@@ -23,14 +23,16 @@ from tests.multiproc import run_workers
 WORLD, B = 2, 4
 
 
-def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0, warmup: int = 0) -> np.ndarray:
-    """DiLoCo by hand: two replicas (rank r sees samples r, r+2, ...), Adam each, outer
+def _reference(steps: int, h: int, lr: float, mu: float, tau: int = 0, warmup: int = 0,
+               inner: str = "adam") -> np.ndarray:
+    """DiLoCo by hand: two replicas (rank r sees samples r, r+2, ...), ``inner`` (a ``Net``
+    optimizer name) each, outer
     Nesterov SGD on the mean of (anchor - replica) every h steps, and once at the end. ``tau``:
     the outer step is taken ``tau`` steps after the mean (each replica then becomes the anchor
     plus its own change since the mean was taken). ``warmup``: the first steps are each followed
     by the replicas' plain average; the h steps count from the last of them."""
     data = make_data(WORLD * B * steps)
-    replicas = [Net("adam", init_seed=0), Net("adam", init_seed=0)]
+    replicas = [Net(inner, init_seed=0), Net(inner, init_seed=0)]
     inners = [m.configure_optimizers() for m in replicas]
     anchor = [p.detach().clone() for p in replicas[0].parameters()]
     buf = [torch.zeros_like(a) for a in anchor]
