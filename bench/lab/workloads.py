@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from bench.lab.net import LinkMeasure
 from bench.lab.records import Summary, parse, summarise, wire_efficiency
 from bench.lab.slow_link import report
+from hvd_trainer.comm.reduce.auto import DEFAULT_MEASURE_STEPS, DEFAULT_SKIP_STEPS
 from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
 from tests.e2e.hvdrun_helpers import clean_env
 from tests.multihost.helpers import HVDRUN, explain, run_on_hosts
@@ -23,6 +24,8 @@ from tests.multihost.netns import Cluster
 
 __all__ = ["LabArgs", "WORKLOADS", "run_workload"]
 
+DECIDES_AT = DEFAULT_SKIP_STEPS + DEFAULT_MEASURE_STEPS
+"""The optimizer step after which ``"auto"`` runs its choice (across hosts)."""
 WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto", "local_steps")
 DEFAULT_SIZES = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 
@@ -213,9 +216,12 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
 
 
 def _auto(tag: str, launch: _Launcher) -> list[dict]:
-    """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s."""
+    """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s. Across
+    hosts auto runs plain for its first ``DECIDES_AT`` steps while it times them; they are added
+    to ``--warmup`` (for both modes), so the timed steps run what it chose."""
     args, recs = launch.args, []
-    worker = ["bench.slow_link_training", "--model", "gpt", *_common(args)]
+    common = _common(replace(args, warmup=args.warmup + DECIDES_AT))
+    worker = ["bench.slow_link_training", "--model", "gpt", *common]
     for r in range(args.rounds):
         for mode in ("sync", "auto"):
             recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
