@@ -670,6 +670,17 @@ class _HorovodStrategyLogic:
         return extra
 
     def _load_extra_training_state(self, extra: dict[str, Any]) -> None:
+        mode = self._auto_mode
+        if mode is not None and mode.measuring and self._auto["sync_every"] and "local_steps" in extra:
+            # saved after "auto" chose local steps: take up that period, do not measure again
+            h = int(extra["local_steps"]["sync_every"])
+            mode.adopt(AutoChoice(self._compression, h, "restored from the checkpoint"))
+            self._apply_auto(mode.choice)
+            if self._reducer is not None:
+                self._reducer.remove()
+                self._released_wire_bytes += self._reducer.wire_bytes_sent
+                self._reducer = None
+            self._attach_outer()
         if self._outer is not None and "local_steps" in extra:
             self._outer.load_state_dict(extra["local_steps"])
         per_rank = extra.get("compression_per_rank")

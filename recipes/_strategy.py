@@ -30,7 +30,7 @@ def check_slow_link_keys(cfg: Any) -> None:
     auto = cfg.sync_every == "auto"
     if not auto and (not isinstance(cfg.sync_every, int) or cfg.sync_every < 0):
         raise ValueError(f"trainer.sync_every={cfg.sync_every!r} must be an int >= 0 (0: synchronous) "
-                         "or auto (chosen from the measured link).")
+                         "or auto (chosen from the measured link and the step's compute).")
     warmup = cfg.sync_warmup_steps
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < -1:
         raise ValueError(f"trainer.sync_warmup_steps={warmup!r} must be an int >= 0 (steps averaged one by "

@@ -724,7 +724,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def compression(self) -> Compressor:
-        """The compressor in use (after ``"auto"`` chose, when the optimizer was built)."""
+        """The compressor in use (``Compression.none`` while ``"auto"`` measures)."""
         return self._compression
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:

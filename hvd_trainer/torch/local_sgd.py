@@ -295,9 +295,9 @@ class LocalSGD(torch.optim.Optimizer):
             )
         if self._auto is not None and self._auto.measuring and state_dict["outer"] is not None:
             # saved after "auto" chose local steps: take up that period instead of measuring
-            self._auto = None
-            self._take_auto(AutoChoice(Compression.none, int(state_dict["outer"]["sync_every"]),
-                                       "restored from a state_dict"))
+            self._auto.adopt(AutoChoice(Compression.none, int(state_dict["outer"]["sync_every"]),
+                                        "restored from a state_dict"))
+            self._take_auto(self._auto.choice)
         if (self._outer is None) != (state_dict["outer"] is None):
             raise LocalSGDConfigError(
                 "LocalSGD.load_state_dict: the state was saved with "

@@ -156,8 +156,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             or the lossy ``Compression.int8`` / ``Compression.powersgd(rank=r)`` (strings
             ``"int8"``, ``"powersgd:R"``) with error feedback: the per-parameter residuals (and
             PowerSGD's Q) are training state, in :meth:`state_dict` under ``"hvd_trainer"``.
-            ``"auto"``: chosen at the first ``synchronize()`` from the measured link (all ranks
-            on one host: none), logged on rank 0 and readable as :attr:`compression`.
+            ``"auto"``: chosen from the measured link and the step's measured compute
+            (:mod:`hvd_trainer.comm.reduce.auto`): all ranks on one host, none, at the first
+            ``synchronize()``; across hosts the first 7 ``step()`` calls reduce plain and are
+            timed, then the buckets are built again with the choice. Printed on rank 0 and
+            readable as :attr:`compression`.
         backward_passes_per_step: backward passes accumulated locally per ``step()``. Nothing
             is sent before the last one. Gradients are summed, not divided by this number.
         op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank steps the inner optimizer
@@ -557,7 +560,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def compression(self) -> Compressor:
-        """The compressor in use (after ``"auto"`` chose, at the first ``synchronize()``)."""
+        """The compressor in use (``Compression.none`` while ``"auto"`` measures)."""
         return self._compression
 
     def _build_reducer_over(self, trainable: list[tuple[str, torch.Tensor]]) -> None:

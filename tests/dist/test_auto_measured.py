@@ -102,7 +102,14 @@ def _torch_worker() -> dict[str, Any]:
             c = None if opt.outer is None else opt.outer.config
             outers.append(None if c is None else [c.sync_every, c.outer_lr, c.outer_momentum, c.nesterov])
             flats.append(local_cases._flat(model).tolist())
-        out["local"] = {"outers": outers, "flats": flats, "seen": seen, "said": said.getvalue()}
+        saved = opt.state_dict()
+        resumed = hvd.LocalSGD(torch.optim.SGD(model.parameters(), lr=0.1), model, sync_every="auto",
+                               outer_lr=0.5, outer_momentum=0.0, nesterov=False, sync_warmup_steps=0)
+        measuring = resumed.outer is None
+        resumed.load_state_dict(saved)  # saved after auto chose: that period, no new measurement
+        same_steps = resumed.state_dict()["outer"]["inner_steps"] == saved["outer"]["inner_steps"]
+        out["local"] = {"outers": outers, "flats": flats, "seen": list(seen), "said": said.getvalue(),
+                        "resumed": [measuring, resumed.sync_every, same_steps]}
     return out
 
 
@@ -129,6 +136,7 @@ def test_torch_front_ends_measure_then_switch_at_the_same_step() -> None:
     for lr in local:
         assert lr["outers"] == [None] * (DECIDES_AT - 1) + [[4, 0.5, 0.0, False]] * 9, lr["outers"]
         torch.testing.assert_close(torch.tensor(lr["flats"][DECIDES_AT - 1]), plain, atol=1e-6, rtol=0)
+        assert lr["resumed"] == [True, 4, True]
     a, b = (lr["flats"] for lr in local)
     assert a[DECIDES_AT + 1] != b[DECIDES_AT + 1]  # local steps: the ranks drift apart ...
     assert a[DECIDES_AT + 3] == b[DECIDES_AT + 3]  # ... until the outer step after 4 of them

@@ -10,9 +10,8 @@ waited on communication, median of the first measured steps, the slowest rank's)
 2. ``t <= c / 2``: plain allreduce. The buckets overlap backward, about two thirds of ``c``;
    half of ``c`` leaves room for the wire's jitter and the last bucket, which nothing covers;
 3. ``t / 2 <= c / 2``: ``bf16`` (half the bytes, no state);
-4. otherwise, for ``compression="auto"``: ``powersgd`` of rank 16 (on the GPT recipe at 2
-   ranks rank 16 reached the synchronous loss at equal tokens, rank 4 stayed on the loss
-   plateau about 3x longer); for ``sync_every="auto"``: local steps with ``H`` the power of two
+4. otherwise, for ``compression="auto"``: ``powersgd`` of rank 16 (the README's "Slow links"
+   says why 16); for ``sync_every="auto"``: local steps with ``H`` the power of two
    (at most 128) that keeps the blocking outer allreduce under a fifth of the period's compute,
    ``t / H <= c / 5`` (so at least ~0.83 of the time computes).
 
@@ -167,6 +166,11 @@ class AutoMode:
     def measuring(self) -> bool:
         """Whether the choice is still to be made."""
         return self.choice is None
+
+    def adopt(self, choice: AutoChoice) -> None:
+        """Take ``choice`` without measuring (a resumed run restores what an earlier run chose);
+        nothing is printed."""
+        self.choice = choice
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
