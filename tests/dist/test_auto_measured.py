@@ -144,17 +144,40 @@ def test_torch_front_ends_measure_then_switch_at_the_same_step() -> None:
 
 
 # -- Lightning: HorovodStrategy(sync_every="auto") and compression="auto" -------------------------
-def _lightning_worker() -> dict[str, Any]:
+def _lightning_worker(tmp: str) -> dict[str, Any]:
+    from pytorch_lightning.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import hvd_trainer
     from tests.dist import test_strategy_local_steps as cases
-    from tests.dist._lightning_cases import Net, weights
+    from tests.dist._lightning_cases import Net, make_data, trainer, weights
 
     out = {}
     said = io.StringIO()
+    local_kwargs = {"sync_every": "auto", "sync_warmup_steps": 0}
     with _verdict(Compression.none, 2) as seen, contextlib.redirect_stdout(said):
         model = Net("sgd")
-        t = cases._fit(model, DECIDES_AT + 5, {"sync_every": "auto", "sync_warmup_steps": 0})
-        out["local"] = {"choice": t.strategy.auto_choice, "weights": weights(model), "seen": seen,
+        t = cases._fit(model, DECIDES_AT + 5, local_kwargs)
+        out["local"] = {"choice": t.strategy.auto_choice, "weights": weights(model), "seen": list(seen),
                         "said": said.getvalue(), "reducer": t.strategy.reducer}
+    # resumed with "auto" again from a checkpoint at the end of epoch 1 (step 11, an outer step):
+    # the checkpoint's period is taken up without measuring, and 2 epochs equal 2 straight ones
+    epoch = DECIDES_AT + 4
+    data = make_data(WORLD * 4 * epoch)
+    sampler = DistributedSampler(data, num_replicas=WORLD, rank=hvd_trainer.rank(), shuffle=False)
+    loader = DataLoader(data, batch_size=4, sampler=sampler)
+    with _verdict(Compression.none, 2) as seen:
+        straight = Net("sgd")
+        trainer(distributed=True, max_epochs=2, strategy_kwargs=local_kwargs).fit(straight, loader)
+        ckpt = ModelCheckpoint(dirpath=tmp, save_on_train_epoch_end=True, save_top_k=-1)
+        trainer(distributed=True, max_epochs=1, strategy_kwargs=local_kwargs, callbacks=[ckpt],
+                enable_checkpointing=True).fit(Net("sgd"), loader)
+        decided = len(seen)
+        resumed = Net("sgd", init_seed=5)
+        t = trainer(distributed=True, max_epochs=2, strategy_kwargs=local_kwargs)
+        t.fit(resumed, loader, ckpt_path=ckpt.best_model_path or ckpt.last_model_path)
+        out["resumed"] = {"choice": t.strategy.auto_choice, "new_decisions": len(seen) - decided,
+                          "equal": bool(np.array_equal(weights(resumed), weights(straight)))}
     said = io.StringIO()
     with _verdict(Compression.bf16, None) as seen, contextlib.redirect_stdout(said):
         model = Net("sgd")
@@ -165,11 +188,12 @@ def _lightning_worker() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(240)
-def test_lightning_measures_then_switches_to_local_steps_or_bf16() -> None:
+def test_lightning_measures_then_switches_to_local_steps_or_bf16(tmp_path) -> None:
     from tests.dist import test_strategy_local_steps as cases
     from tests.dist._lightning_cases import Net
 
-    results = run_workers(_lightning_worker, WORLD, env=LIGHTNING_TWO_HOSTS, timeout_seconds=220)
+    results = run_workers(_lightning_worker, WORLD, args=(str(tmp_path),), env=LIGHTNING_TWO_HOSTS,
+                          timeout_seconds=220)
     grad_bytes = 4 * sum(p.numel() for p in Net("sgd").parameters())
     local = [r["local"] for r in results]
     _check_seen(local, grad_bytes, local_steps=True)
@@ -181,6 +205,9 @@ def test_lightning_measures_then_switches_to_local_steps_or_bf16() -> None:
         assert r["choice"] == "compression=none, sync_every=2" and r["reducer"] is None
         np.testing.assert_allclose(r["weights"], expected, atol=1e-6, rtol=0)
     assert np.array_equal(local[0]["weights"], local[1]["weights"])
+    for r in results:  # resumed from the checkpoint: sync_every=2 again, not measured again
+        assert r["resumed"] == {"choice": "compression=none, sync_every=2", "new_decisions": 0,
+                                "equal": True}, r["resumed"]
     bf16 = [r["bf16"] for r in results]
     _check_seen(bf16, grad_bytes, local_steps=False)
     _said(bf16, "hvd_trainer: compression=auto chose compression=bf16: the test's verdict.")
