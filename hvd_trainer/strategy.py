@@ -543,14 +543,15 @@ class _HorovodStrategyLogic:
         choice = mode.step_end(self._require_world())
         if choice is None:
             return
+        had_local_steps = self._local is not None  # sync_every given: its outer loop runs on
         self._apply_auto(choice)
-        if self._local is not None:
+        if self._local is not None and not had_local_steps:
             if self._reducer is not None:
                 self._reducer.remove()
                 self._released_wire_bytes += self._reducer.wire_bytes_sent
                 self._reducer = None
             self._attach_outer()
-        elif choice.compression is not Compression.none:
+        elif self._reducer is not None and choice.compression is not Compression.none:
             self._attach_reducer()
 
     def _apply_auto(self, choice: AutoChoice) -> None:
