@@ -10,6 +10,7 @@ import torch
 
 import hvd_trainer.comm as comm
 from hvd_trainer.comm.ops.compression import (
+    DEFAULT_POWERSGD_RANK,
     BF16Compressor,
     Compression,
     CompressionError,
@@ -18,6 +19,8 @@ from hvd_trainer.comm.ops.compression import (
     NoneCompressor,
     compression_spellings,
 )
+from hvd_trainer.comm.reduce.auto import decide
+from hvd_trainer.comm.reduce.link_probe import LinkEstimate
 from hvd_trainer.comm.world.world import World
 
 
@@ -262,3 +265,13 @@ def test_comm_allreduce_resolves_compression_like_every_front_end() -> None:
     finally:
         if not was_initialized:
             comm.shutdown()
+
+
+def test_powersgd_default_rank_is_the_one_the_sweep_chose() -> None:
+    """``Compression.powersgd()``, the string ``"powersgd"`` and auto's PowerSGD share one default
+    rank (16: the README's rank sweep on the GPT recipe; rank 1 reached val_loss 2.45 there)."""
+    assert DEFAULT_POWERSGD_RANK == 16
+    assert Compression.powersgd().rank == DEFAULT_POWERSGD_RANK
+    assert Compression.resolve("powersgd", allow_error_feedback=True).name == "powersgd(rank=16)"
+    slow = decide(LinkEstimate(bytes_per_s=2.5e6, latency_s=0.0), 2**22, local_steps=False, compute_s=0.01)
+    assert slow.compression.name == "powersgd(rank=16)"

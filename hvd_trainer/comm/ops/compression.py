@@ -39,7 +39,7 @@ from hvd_trainer.comm.base.errors import CommValueError
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
     "CompressionError", "ErrorFeedbackCompressor", "Int8Compressor", "PowerSGDCompressor",
-    "AUTO", "compression_spellings",
+    "AUTO", "DEFAULT_POWERSGD_RANK", "compression_spellings",
 ]
 
 _WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -179,6 +179,11 @@ class Int8Compressor(ErrorFeedbackCompressor):
         self.name = "int8" if block_size == 256 else f"int8(block_size={block_size})"
 
 
+DEFAULT_POWERSGD_RANK = 16
+"""PowerSGD's rank when none is given (``Compression.powersgd()``, ``"powersgd"``, ``"auto"``'s
+choice); the README's "Slow links" has the sweep it was chosen from."""
+
+
 class PowerSGDCompressor(ErrorFeedbackCompressor):
     """PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-``r`` approximation ``P Q^T`` of
     each gradient matrix (a tensor reshaped to ``dim0 x rest``), one power iteration per step
@@ -187,7 +192,8 @@ class PowerSGDCompressor(ErrorFeedbackCompressor):
     (``(n + m) r >= n m``) are sent uncompressed (fp32 sum) together with the ``P`` factors.
     """
 
-    def __init__(self, rank: int = 1, min_compress_numel: int = 1024, seed: int = 0) -> None:
+    def __init__(self, rank: int = DEFAULT_POWERSGD_RANK, min_compress_numel: int = 1024,
+                 seed: int = 0) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise CompressionError(f"Compression.powersgd(rank={rank!r}): rank must be an int >= 1.")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
@@ -207,7 +213,7 @@ class Compression:
     int8: Compressor = Int8Compressor()
 
     @staticmethod
-    def powersgd(rank: int = 1, min_compress_numel: int = 1024) -> Compressor:
+    def powersgd(rank: int = DEFAULT_POWERSGD_RANK, min_compress_numel: int = 1024) -> Compressor:
         """PowerSGD of rank ``rank`` with error feedback (:class:`PowerSGDCompressor`)."""
         return PowerSGDCompressor(rank=rank, min_compress_numel=min_compress_numel)
 
@@ -217,7 +223,7 @@ class Compression:
         """The compressor for a ``compression=`` argument; the one resolver of every front end.
 
         Accepts ``None`` (no compression), the strings ``"none"``, ``"fp16"``, ``"bf16"``,
-        ``"int8"``, ``"powersgd"`` (rank 1) or ``"powersgd:R"`` (any case), a
+        ``"int8"``, ``"powersgd"`` (rank :data:`DEFAULT_POWERSGD_RANK`) or ``"powersgd:R"`` (any case), a
         :class:`Compressor` instance, or a :class:`Compressor` subclass (instantiated without
         arguments).
 
@@ -272,7 +278,7 @@ def _spelling_hint(allow_error_feedback: bool, allow_auto: bool) -> str:
 
 
 def _powersgd_from_string(value: str, error: type[Exception]) -> Compressor:
-    """``"powersgd"`` (rank 1) or ``"powersgd:R"``."""
+    """``"powersgd"`` (rank :data:`DEFAULT_POWERSGD_RANK`) or ``"powersgd:R"``."""
     _, _, rank = value.partition(":")
     if not rank:
         return Compression.powersgd()

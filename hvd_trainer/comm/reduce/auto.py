@@ -10,8 +10,9 @@ waited on communication, median of the first measured steps, the slowest rank's)
 2. ``t <= c / 2``: plain allreduce. The buckets overlap backward, about two thirds of ``c``;
    half of ``c`` leaves room for the wire's jitter and the last bucket, which nothing covers;
 3. ``t / 2 <= c / 2``: ``bf16`` (half the bytes, no state);
-4. otherwise, for ``compression="auto"``: ``powersgd`` of rank 16 (the README's "Slow links"
-   says why 16); for ``sync_every="auto"``: local steps with ``H`` the power of two
+4. otherwise, for ``compression="auto"``: ``powersgd`` of the default rank
+   (:data:`~hvd_trainer.comm.ops.compression.DEFAULT_POWERSGD_RANK`); for ``sync_every="auto"``:
+   local steps with ``H`` the power of two
    (at most 128) that keeps the blocking outer allreduce under a fifth of the period's compute,
    ``t / H <= c / 5`` (so at least ~0.83 of the time computes).
 
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hvd_trainer.comm.ops.compression import AUTO, Compression, Compressor
+from hvd_trainer.comm.ops.compression import AUTO, DEFAULT_POWERSGD_RANK, Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.ops.reduce import start_allreduce
@@ -104,7 +105,8 @@ def decide(link: LinkEstimate | None, grad_bytes: int, *, local_steps: bool, com
     if local_steps:
         h = min(MAX_AUTO_SYNC_EVERY, 2 ** max(0, math.ceil(math.log2(t / (OUTER_SHARE * c)))))
         return AutoChoice(Compression.none, h, f"{measured}: local steps, an outer step every {h} steps")
-    return AutoChoice(Compression.powersgd(rank=16), None, f"{measured}: PowerSGD rank 16")
+    return AutoChoice(Compression.powersgd(rank=DEFAULT_POWERSGD_RANK), None,
+                      f"{measured}: PowerSGD rank {DEFAULT_POWERSGD_RANK}")
 
 
 def announce(world: World, choice: AutoChoice, asked: dict[str, bool]) -> str:
