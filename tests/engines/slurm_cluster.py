@@ -67,7 +67,7 @@ def _write_config(root: Path, node: str, cpus: int) -> Path:
     conf = root / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=hvdtest",
-        # Job ids (and so the master port 10000 + id % 50000 that hvd_trainer derives) differ
+        # Job ids (and so the master port 15000 + id % 10000 that hvd_trainer derives) differ
         # between clusters started at the same time by parallel test runs.
         f"FirstJobId={random.randrange(1000, 40000)}",
         f"SlurmctldHost={node}(127.0.0.1)",

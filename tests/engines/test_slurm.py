@@ -47,7 +47,7 @@ CAPTURED_SBATCH_SCRIPT = {
 def test_captured_srun_environment_gives_slurm_ranks() -> None:
     info = detect_launch_env(CAPTURED_SRUN_RANK1)
     assert (info.launcher, info.rank, info.size, info.local_rank, info.local_size) == ("slurm", 1, 2, 1, 2)
-    assert (info.master_addr, info.master_port) == ("vm", 10001)  # first host; 10000 + job id
+    assert (info.master_addr, info.master_port) == ("vm", 15001)  # first host; 15000 + job id
 
 
 def test_captured_sbatch_script_environment_is_one_process() -> None:
@@ -89,7 +89,7 @@ def test_srun_two_tasks_init_reads_slurm_alone(slurm: SlurmCluster, tmp_path: Pa
     for rank, r in enumerate(reports):
         assert (r["launcher"], r["rank"], r["size"], r["local_rank"], r["local_size"]) == (
             "slurm", rank, 2, rank, 2)
-        assert (r["master_addr"], r["master_port"]) == (slurm.node, 10000 + job % 50000)
+        assert (r["master_addr"], r["master_port"]) == (slurm.node, 15000 + job % 10000)
         assert (r["sum_rank_plus_1"], r["gathered_ranks"]) == (3.0, [0, 1])
 
 

@@ -60,7 +60,7 @@ CASES = [
          "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]",
          "SLURM_JOB_ID": "123456"},
         LaunchEnv(rank=5, size=8, local_rank=1, local_size=4, master_addr="gpu07",
-                  master_port=10000 + 123456 % 50000, launcher="slurm"),
+                  master_port=15000 + 123456 % 10000, launcher="slurm"),
     ),
     (
         "slurm-uneven-tasks",

@@ -34,10 +34,11 @@ Variables read, by launcher (first match wins, in this order):
   (``"2(x3),1"`` form, indexed by ``SLURM_NODEID``). Master address: ``MASTER_ADDR`` or the
   first host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``/``SLURM_NODELIST``
   (``scontrol show hostnames`` when on ``PATH``, else :func:`expand_nodelist`). Master port:
-  ``MASTER_PORT`` or ``10000 + SLURM_JOB_ID % 50000``. Jobs named ``bash``/``interactive``
-  (an ``salloc`` shell) are not treated as Slurm-launched, as in Lightning, nor is an
-  ``sbatch`` script itself (``ENVIRONMENT=BATCH`` and no ``SLURM_STEP_ID``; its ``srun``
-  steps are).
+  ``MASTER_PORT`` or ``15000 + SLURM_JOB_ID % 10000`` (Lightning's choice: below the
+  kernel's ephemeral ports, 32768 and up, which another process's connection may hold). Jobs
+  named ``bash``/``interactive`` (an ``salloc`` shell) are not treated as Slurm-launched, as
+  in Lightning, nor is an ``sbatch`` script itself (``ENVIRONMENT=BATCH`` and no
+  ``SLURM_STEP_ID``; its ``srun`` steps are).
 * Lightning's script launcher (``python train.py`` with ``devices=N``): ``LOCAL_RANK`` and
   ``WORLD_SIZE`` without ``RANK``; :func:`lightning_script_view` gives the torchrun view of them
   (single node: global rank = local rank) without writing ``os.environ``.
@@ -418,7 +419,7 @@ def from_slurm(env: Mapping[str, str]) -> LaunchEnv | None:
         addr = _first_host(nodelist) if nodelist else "127.0.0.1"
     if size > 1 and port is None:
         job_id = _int(env, "SLURM_JOB_ID", "SLURM_JOBID") or 0
-        port = 10000 + job_id % 50000
+        port = 15000 + job_id % 10000  # never an ephemeral port another socket may hold
     return LaunchEnv(
         rank=rank, size=size, local_rank=local_rank, local_size=local_size,
         master_addr=addr, master_port=port, launcher="slurm",

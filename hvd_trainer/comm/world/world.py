@@ -169,7 +169,7 @@ def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     or MPICH/PMI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``), with
     the rendezvous address from ``MASTER_ADDR``/``MASTER_PORT``, else mpi4py, else loopback on
     one node; Slurm ``srun`` (``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, first host
-    of the node list, port ``10000 + SLURM_JOB_ID % 50000``); otherwise a world of one.
+    of the node list, port ``15000 + SLURM_JOB_ID % 10000``); otherwise a world of one.
     Details per launcher: :mod:`hvd_trainer.comm.base.launch_env`.
 
     Raises:
