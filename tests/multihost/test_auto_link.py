@@ -1,7 +1,8 @@
 """``"auto"`` across two namespace hosts on a shaped link: a compressing mode or local steps at
 20 Mbit/s, plain allreduce at 1 Gbit/s and on the unshaped veth (~10 Gbit/s), for the same model
 and step (``scripts/auto_choice.py``: 258 KiB of gradients, ~30 ms of compute a step). One job
-runs the three rounds; the test reshapes the link between them (the script waits for a file).
+runs the three rounds; the test reads each round's result lines, reshapes the link, then lets
+the next round start through a named pipe (no polling).
 
 The load on this machine moves the measured compute (a CI run timed the same step at 0.08-0.13 s)
 and with it the choice between bf16 and PowerSGD at 20 Mbit/s, so the test asserts what the
@@ -12,10 +13,10 @@ step of >= 5 ms (a sixth of it).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from bench.lab.net import shape
 from bench.lab.net import skip_reason as lab_skip_reason
 from tests.e2e.hvdrun_helpers import clean_env
 from tests.multihost.helpers import HVDRUN, SCRIPTS, records
-from tests.multihost.netns import cluster
+from tests.multihost.netns import Cluster, cluster
 
 pytestmark = [pytest.mark.timeout(300),
               pytest.mark.skipif(lab_skip_reason() is not None, reason=str(lab_skip_reason()))]
@@ -33,33 +34,50 @@ RATES = ("20mbit", "1gbit", "unshaped")
 CHOSE = re.compile(r"hvd_trainer: (compression|sync_every)=auto chose (.+?): (.*)\.$", re.M)
 
 
-def _round_done(sync: Path, phase: int, procs: list[subprocess.Popen], timeout_s: float = 120.0) -> None:
-    """Wait until both ranks wrote ``done<phase>`` (AssertionError if a job ended or time ran out)."""
-    deadline = time.monotonic() + timeout_s
-    while not all((sync / f"done{phase}.{rank}").exists() for rank in (0, 1)):
-        assert all(p.poll() is None for p in procs), f"the job ended during round {phase}"
-        assert time.monotonic() < deadline, f"round {phase} did not end within {timeout_s} s"
-        time.sleep(0.05)
+def _read_round(proc: subprocess.Popen, rank: int, phase: int, seen: list[str]) -> None:
+    """Read ``proc``'s output (kept in ``seen``) up to rank ``rank``'s ``AUTO`` line of ``phase``
+    (AssertionError if the output ends first: the job ended)."""
+    while True:
+        line = proc.stdout.readline()
+        assert line, f"the job ended before rank {rank} finished round {phase}"
+        seen.append(line)
+        if any(int(r) == rank and rec["phase"] == phase for r, rec in records(line, "AUTO")):
+            return
+
+
+def _run_rounds(c: Cluster, argv: list[str], sync: Path) -> tuple[list[str], list[subprocess.Popen]]:
+    """Start the job on every host, reshape the link before each round after the first, and
+    return every host's whole output and its process (ended)."""
+    procs = [h.popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for h in c.hosts]
+    seen: list[list[str]] = [[], []]
+    try:
+        for phase in range(len(RATES)):
+            if phase:
+                shape(c, RATES[phase])
+                with open(sync / f"go{phase}", "w"):  # rank 0 reads it: the round starts
+                    pass
+            for rank, proc in enumerate(procs):  # host h<k> runs rank k - 1
+                _read_round(proc, rank, phase, seen[rank])
+        outs = ["".join(s) + p.communicate(timeout=60)[0] for s, p in zip(seen, procs, strict=True)]
+    except (AssertionError, subprocess.TimeoutExpired) as e:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        tails = "\n".join(f"--- h{i + 1} ---\n{''.join(seen[i])[-3000:]}{p.communicate()[0][-3000:]}"
+                          for i, p in enumerate(procs))
+        raise AssertionError(f"{e}\n{tails}") from None
+    return outs, procs
 
 
 def test_auto_chooses_by_link_and_compute_across_two_hosts(tmp_path: Path) -> None:
     argv = [*HVDRUN, "-np", "2", "-H", "h1:1,h2:1", "--port", "29400", "--no-ssh", sys.executable,
             str(SCRIPTS / "auto_choice.py"), "--phases", str(len(RATES)), "--sync-dir", str(tmp_path)]
+    for phase in range(1, len(RATES)):
+        os.mkfifo(tmp_path / f"go{phase}")
     with cluster(2) as c:
-        procs = [h.popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for h in c.hosts]
-        try:
-            for phase, rate in enumerate(RATES):
-                shape(c, rate)
-                (tmp_path / f"go{phase}").touch()
-                _round_done(tmp_path, phase, procs)
-            outs = [p.communicate(timeout=60)[0] for p in procs]
-        except (AssertionError, subprocess.TimeoutExpired) as e:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            tails = "\n".join(f"--- h{i + 1} ---\n{p.communicate()[0][-3000:]}" for i, p in enumerate(procs))
-            raise AssertionError(f"{e}\n{tails}") from None
+        shape(c, RATES[0])
+        outs, procs = _run_rounds(c, argv, tmp_path)
         assert [p.returncode for p in procs] == [0, 0], outs
         assert c.pids() == {"h1": [], "h2": []}, "processes left behind"
     out = "\n".join(outs)

@@ -6,15 +6,14 @@ idle core). Rank 0 prints the library's announcement lines; every rank prints
 last step equal rank 0's).
 
 ``--phases N --sync-dir D``: N rounds in one job, so the test can reshape the link between them
-without a new launch: round ``i`` starts when ``D/go<i>`` exists and ends with every rank's
-``D/done<i>.<rank>``.
+without a new launch: round ``i > 0`` starts when the test opens the named pipe ``D/go<i>`` for
+writing and closes it (rank 0 blocks reading it; the others wait in a barrier).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -61,14 +60,6 @@ def _round(phase: int) -> None:
     print(f"AUTO {hvd.rank()} {json.dumps(record)}", flush=True)
 
 
-def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
-        time.sleep(0.05)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--phases", type=int, default=1)
@@ -77,12 +68,12 @@ def main() -> None:
     torch.set_num_threads(1)
     hvd.init()
     for phase in range(args.phases):
-        if args.sync_dir is not None:
-            _wait_for(args.sync_dir / f"go{phase}")
+        if phase and args.sync_dir is not None:
+            if hvd.rank() == 0:
+                with open(args.sync_dir / f"go{phase}") as go:  # blocks until the test opens it
+                    go.read()  # EOF when the test closes it: the link is reshaped
+            hvd.barrier()
         _round(phase)
-        hvd.barrier()
-        if args.sync_dir is not None:
-            (args.sync_dir / f"done{phase}.{hvd.rank()}").touch()
     hvd.shutdown()
 
 
