@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import itertools
 import multiprocessing as mp
 import os
@@ -38,6 +39,9 @@ from hvd_trainer.comm.world.world import free_port
 
 MAX_IDLE_POOLS = 4
 """Pools kept alive at once; the least recently used one is stopped beyond that."""
+
+_STACKS_BEFORE_SECONDS = 5.0
+"""A hung rank dumps its threads' stacks and exits this long before the run's timeout."""
 
 def _serve(rank: int, size: int, env: dict[str, str], tasks, results) -> None:
     """A rank process: import once, then run tasks until ``None`` arrives."""
@@ -61,8 +65,16 @@ def _serve(rank: int, size: int, env: dict[str, str], tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        task_id, port, fn, args = task
-        results.put((task_id, rank, *_run_one(port, fn, args, env, hvd_trainer)))
+        task_id, port, fn, args, deadline = task
+        # A rank still running shortly before the parent gives up (``deadline``: the parent's,
+        # wall-clock) prints every thread's stack to stderr (the test's captured output) and
+        # exits: the failure then says where it hung.
+        stacks_in = deadline - _STACKS_BEFORE_SECONDS - time.time()
+        faulthandler.dump_traceback_later(max(1.0, stacks_in), exit=True)
+        try:
+            results.put((task_id, rank, *_run_one(port, fn, args, env, hvd_trainer)))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def _run_one(port: int, fn: Callable, args: tuple, env: dict[str, str], hvd_trainer) -> tuple[str, Any]:
@@ -84,6 +96,12 @@ def _run_one(port: int, fn: Callable, args: tuple, env: dict[str, str], hvd_trai
         os.environ.clear()
         os.environ.update(saved_env)
     return reply
+
+
+def _reported(results: dict[int, tuple[str, Any]]) -> str:
+    """The errors the other ranks did report, for a run that failed on a hung or dead rank."""
+    errors = {r: v for r, (status, v) in sorted(results.items()) if status == "error"}
+    return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in errors.items())
 
 
 @dataclass(eq=False)
@@ -116,7 +134,7 @@ class _Pool:
             timeout_seconds: float) -> dict[int, tuple[str, Any]]:
         port = free_port()
         for q in self.tasks:
-            q.put((task_id, port, fn, args))
+            q.put((task_id, port, fn, args, time.time() + timeout_seconds))
         return self._collect(task_id, timeout_seconds)
 
     def _collect(self, task_id: int, timeout_seconds: float) -> dict[int, tuple[str, Any]]:
@@ -127,7 +145,8 @@ class _Pool:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(self.size)) - set(results))
-                raise AssertionError(f"ranks {missing} did not finish within {timeout_seconds}s")
+                raise AssertionError(f"ranks {missing} did not finish within {timeout_seconds}s"
+                                     f"{_reported(results)}")
             try:
                 self._take(task_id, results, min(remaining, 1.0))
                 continue
@@ -140,7 +159,10 @@ class _Pool:
                 self._drain(task_id, results)  # a result sent just before dying still counts
                 codes = {r: p.exitcode for r, p in dead.items() if r not in results}
                 if codes:
-                    raise AssertionError(f"ranks died without a result: exit codes {codes}")
+                    raise AssertionError(
+                        f"ranks died without a result: exit codes {codes} (a hung rank prints its "
+                        f"stacks to stderr and exits {_STACKS_BEFORE_SECONDS:g} s before the "
+                        f"timeout){_reported(results)}")
         return results
 
     def _take(self, task_id: int, results: dict, timeout: float) -> None:

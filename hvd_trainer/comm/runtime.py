@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.store import default_store
-from hvd_trainer.comm.ops.process_set import ProcessSet, by_name_group
+from hvd_trainer.comm.ops.process_set import ProcessSet, await_connected, by_name_group
 from hvd_trainer.comm.ops.timeline import Timeline, rank_path
 from hvd_trainer.comm.world.heartbeat import PeerWatch
 from hvd_trainer.comm.world.liveness import publish
@@ -80,6 +80,8 @@ class CommRuntime:
             check_membership(self.store, world.rank, world.size, self.namespace)
         self.peer_watch = self._start_watch(world, store_endpoint)
         side = by_name_group(list(range(world.size)), self.store, self.config)
+        if world.size > 1:  # init() returns on no rank before every rank has connected every group
+            await_connected(side if side is not None else world.cpu_group)
         self.global_set = ProcessSet._for_world(world, 0, side_group=side)
         self.sets[0] = self.global_set
         if self.store is not None and world.size > 1:

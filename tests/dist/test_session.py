@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,6 +60,63 @@ def test_init_shutdown_many_times_stays_correct_and_leaks_nothing() -> None:
         assert res["seconds"] < 120, res["seconds"]
         assert min(res["fds"][-3:]) <= min(res["fds"][:3]) + 40, res["fds"]
         assert min(res["threads"][-3:]) <= min(res["threads"][:3]), res["threads"]
+
+
+SLOW_SECONDS = 1.0
+"""How long rank 1 stays busy after creating its last group, in the test below."""
+
+
+def _slow_after_the_last_group(module: Any, attr: str, out: dict[str, float]) -> Callable[[], None]:
+    """Make ``module.attr`` (a group-creating function) keep this rank busy for SLOW_SECONDS
+    after it returns, as a rank whose connection handshake is still being read; returns the undo."""
+    original = getattr(module, attr)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        group = original(*args, **kwargs)
+        out["created"] = time.time()
+        time.sleep(SLOW_SECONDS)  # a slow rank, not a wait for an event
+        return group
+
+    setattr(module, attr, slow)
+    return lambda: setattr(module, attr, original)
+
+
+def _returns_after_every_rank_created_its_groups() -> dict[str, float]:
+    import hvd_trainer as hvd
+    from hvd_trainer.comm import runtime
+    from hvd_trainer.comm.ops import process_set
+
+    r = hvd.rank()
+    hvd.shutdown()
+    out: dict[str, float] = {}
+    undo = _slow_after_the_last_group(runtime, "by_name_group", out) if r == 1 else (lambda: None)
+    try:
+        hvd.init()
+    finally:
+        undo()
+    out["init_returned"] = time.time()
+    undo = _slow_after_the_last_group(process_set, "by_name_group", out) if r == 1 else (lambda: None)
+    try:
+        created_at_init = out.pop("created", None)
+        hvd.add_process_set([0, 1])
+    finally:
+        undo()
+    out["add_returned"] = time.time()
+    if created_at_init is not None:
+        out["created_at_init"] = created_at_init
+    return out
+
+
+def test_init_and_add_process_set_return_only_after_every_rank_created_its_groups() -> None:
+    """Creating a gloo group is no synchronization point: a rank that returned from ``init()``
+    and shut down at once made a peer still reading the connection handshake fail ("Connection
+    closed by peer", CI at 8c6eb0c, where the other rank then waited 600 s in the next
+    rendezvous). Rank 1 stays busy for 1 s after creating its last group: rank 0's ``init()``
+    and ``add_process_set([0, 1])`` must not return before that (3 ranks: a set smaller than the job)."""
+    rank0, rank1, rank2 = run_workers(_returns_after_every_rank_created_its_groups, 3, timeout_seconds=120)
+    for other in (rank0, rank2):
+        assert other["init_returned"] >= rank1["created_at_init"] + SLOW_SECONDS / 2, (other, rank1)
+    assert rank0["add_returned"] >= rank1["created"] + SLOW_SECONDS / 2, (rank0, rank1)  # set [0, 1]
 
 
 def _destroyed_behind_our_back() -> dict[str, Any]:

@@ -30,7 +30,7 @@ from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.checks import Coordinator, Signature
 from hvd_trainer.comm.world.world import World, get_world, is_initialized
 
-__all__ = ["ProcessSet", "resolve_set", "global_process_set", "by_name_group"]
+__all__ = ["ProcessSet", "resolve_set", "global_process_set", "by_name_group", "await_connected"]
 
 
 class ProcessSet:
@@ -90,6 +90,8 @@ class ProcessSet:
         group = dist.new_group(list(members))
         cpu_group = group if w.backend == "gloo" else dist.new_group(list(members), backend="gloo")
         side = by_name_group(list(members), runtime.store, runtime.config)
+        if w.rank in members:
+            await_connected(side if side is not None else cpu_group)
         self._setup(w, members, group, cpu_group, runtime.allocate_set_id(), side_group=side)
         runtime.sets[self.set_id] = self
 
@@ -263,6 +265,23 @@ def _coordinator(runtime: Any, rank: int, members: Sequence[int], prefix: str) -
         timeline=runtime.timeline if runtime else None,
         peer_watch=getattr(runtime, "peer_watch", None),
     )
+
+
+def await_connected(last_created: dist.ProcessGroup | None) -> None:
+    """Return once every member of ``last_created`` (a gloo group, the last of the groups this
+    rank just created collectively) has finished creating it, and so every group before it.
+
+    Creating a gloo group is not a synchronization point: the rank that opens a connection
+    returns as soon as it has sent its handshake, while its peer has yet to read it. A rank
+    that destroyed its groups at once (``shutdown()`` right after ``init()``, or exiting) made
+    the peer's ``new_group`` fail with "Connection closed by peer", and that peer's failure
+    left the first rank waiting in the next rendezvous. A barrier on the last group ends only
+    after every member has returned from every creation before it.
+    """
+    if last_created is None or last_created == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if dist.get_world_size(last_created) > 1:
+        dist.barrier(group=last_created)
 
 
 def by_name_group(members: list[int], store: Any, config: CommConfig) -> dist.ProcessGroup | None:
