@@ -280,6 +280,8 @@ class _HorovodStrategyLogic:
             # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
             _local_config(int(outer_overlap_steps) + 1 if isinstance(outer_overlap_steps, int) else 1,
                           **self._outer_args, compression=self._compression)
+        if sync_every is None and not self._auto["sync_every"] and not self._auto["compression"]:
+            _check_no_outer_args(self._outer_args)
         self._local = _local_config(sync_every, **self._outer_args, compression=self._compression)
         self._outer: OuterSync | None = None
         zero_stage = check_zero_stage(zero_stage, StrategyConfigError)
@@ -1058,6 +1060,23 @@ def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float
                               sync_warmup_steps=sync_warmup_steps)
     except LocalSGDConfigError as exc:
         raise StrategyConfigError(str(exc)) from None
+
+
+_OUTER_DEFAULTS = {"outer_lr": ("outer_lr", 0.7), "outer_momentum": ("outer_momentum", 0.9),
+                   "nesterov": ("outer_nesterov", True), "overlap_steps": ("outer_overlap_steps", 0),
+                   "sync_warmup_steps": ("sync_warmup_steps", None)}
+"""Each outer-loop argument's ``__init__`` name and default, by its ``LocalSGDConfig`` name."""
+
+
+def _check_no_outer_args(outer_args: dict[str, Any]) -> None:
+    """Raise StrategyConfigError for an outer-loop argument set away from its default while no
+    local steps can run (no ``sync_every`` and no ``"auto"``): it would be silently ignored."""
+    given = [f"{_OUTER_DEFAULTS[k][0]}={v!r}" for k, v in outer_args.items() if v != _OUTER_DEFAULTS[k][1]]
+    if given:
+        raise StrategyConfigError(
+            f"{', '.join(given)} set without sync_every: the outer loop runs only with local steps, "
+            "so this would change nothing. HINT: add sync_every=32 (or sync_every='auto'), or drop it."
+        )
 
 
 def _elastic_config(

@@ -9,6 +9,7 @@ builds one."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -20,11 +21,16 @@ SLOW_LINK_KEYS_DOC = ("trainer.sync_every, trainer.outer_lr, trainer.outer_momen
                       "trainer.outer_overlap_steps, trainer.sync_warmup_steps, trainer.compression")
 
 
+_OUTER_KEYS = ("outer_lr", "outer_momentum", "outer_overlap_steps", "sync_warmup_steps")
+"""The keys of the outer loop, which runs only with local steps."""
+
+
 def check_slow_link_keys(cfg: Any) -> None:
     """Validate ``cfg`` (a recipe's TrainerConfig) in ``__post_init__``.
 
     Raises:
         ValueError: ``sync_every`` neither an int >= 0 nor "auto", ``sync_warmup_steps`` below -1,
+            an outer-loop key away from its default without ``sync_every`` (nor ``compression=auto``),
             or a slow-link option with a strategy other than "horovod".
     """
     auto = cfg.sync_every == "auto"
@@ -36,6 +42,13 @@ def check_slow_link_keys(cfg: Any) -> None:
         raise ValueError(f"trainer.sync_warmup_steps={warmup!r} must be an int >= 0 (steps averaged one by "
                          "one before local steps begin) or -1 (the library's default, 128). HINT: 0 starts "
                          "local steps at once.")
+    if not cfg.sync_every and cfg.compression != "auto":  # no local steps can run
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        given = [f"trainer.{k}={getattr(cfg, k)!r}" for k in _OUTER_KEYS if getattr(cfg, k) != defaults[k]]
+        if given:
+            raise ValueError(f"{', '.join(given)} set without trainer.sync_every: the outer loop runs "
+                             "only with local steps, so this would change nothing. HINT: add "
+                             "trainer.sync_every=32 (or auto), or drop it.")
     if cfg.strategy != "horovod" and (cfg.sync_every or cfg.compression != "none"):
         raise ValueError(
             f"trainer.sync_every / trainer.compression need trainer.strategy=horovod, got "

@@ -187,6 +187,12 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
         HorovodStrategy(sync_every=4, outer_momentum=1.5)
     with pytest.raises(StrategyConfigError, match="overlap_steps=4 must be an int in"):
         HorovodStrategy(sync_every=4, outer_overlap_steps=4)
+    # an outer-loop argument without local steps would be ignored: it is refused, naming it
+    refused = r"^outer_lr=0.5, outer_nesterov=False set without sync_every.*HINT"
+    with pytest.raises(StrategyConfigError, match=refused):
+        HorovodStrategy(outer_lr=0.5, outer_nesterov=False)
+    HorovodStrategy(outer_lr=0.5, compression="auto")  # auto may choose local steps: kept for them
+    HorovodStrategy(outer_lr=0.7, outer_momentum=0.9)  # the defaults, spelled out
 
 
 def _auto_worker() -> dict[str, Any]:

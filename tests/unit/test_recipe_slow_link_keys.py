@@ -33,6 +33,9 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
     off = build_strategy(module.TrainerConfig(sync_every=16, sync_warmup_steps=0))
     assert off._local.sync_warmup_steps == 0
     assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
+    with pytest.raises(ValueError, match=r"trainer.outer_lr=0.5 set without trainer.sync_every.*HINT"):
+        module.TrainerConfig(outer_lr=0.5)  # trainer.outer_lr=0.5 alone would change nothing
+    assert module.TrainerConfig(outer_lr=0.5, compression="auto").outer_lr == 0.5  # auto may use it
 
 
 def test_invalid_keys_raise() -> None:
