@@ -224,7 +224,11 @@ def test_lightning_measures_then_switches_to_local_steps_or_bf16(tmp_path) -> No
     assert np.array_equal(bf16[0]["weights"], bf16[1]["weights"])
 
 
-# -- Keras: DistributedOptimizer(compression="auto"), both backends ------------------------------
+def _keras_flat(model: Any) -> list[float]:
+    return np.concatenate([np.asarray(w).ravel() for w in model.get_weights()]).tolist()
+
+
+# -- Keras: DistributedOptimizer(compression="auto") and LocalSGDCallback(sync_every="auto"), both backends
 def _keras_worker() -> dict[str, Any]:
     import keras
 
@@ -244,13 +248,45 @@ def _keras_worker() -> dict[str, Any]:
             model.train_on_batch(x.numpy(), y.numpy())
             names.append(opt.compression.name)
         flat = np.concatenate([np.asarray(w).ravel() for w in model.get_weights()])
-    return {"names": names, "weights": flat.tolist(), "seen": seen, "said": said.getvalue(),
-            "sent": opt.wire_bytes_sent}
+    out = {"names": names, "weights": flat.tolist(), "seen": seen, "said": said.getvalue(),
+           "sent": opt.wire_bytes_sent}
+    said = io.StringIO()
+    with _verdict(Compression.none, 4) as seen, contextlib.redirect_stdout(said):
+        keras.utils.set_random_seed(rank)  # different starts: rank 0's weights are broadcast
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7, activation="tanh"),
+                                  keras.layers.Dense(3)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        local = hvd_keras.callbacks.LocalSGDCallback(sync_every="auto", outer_lr=0.5, outer_momentum=0.0,
+                                                     nesterov=False, sync_warmup_steps=0)
+        flats, periods = [], []
+
+        def after_batch(batch: int, logs: Any) -> None:  # runs after the LocalSGD callback's
+            flats.append(_keras_flat(model))
+            periods.append(local.sync_every)
+
+        seen_weights = keras.callbacks.LambdaCallback(on_train_batch_end=after_batch)
+        batches = [local_cases._shard(step, rank) for step in range(DECIDES_AT + 8)]
+        x = np.concatenate([b[0].numpy() for b in batches])
+        y = np.concatenate([b[1].numpy() for b in batches])
+        model.fit(x, y, batch_size=len(batches[0][0]), epochs=1, shuffle=False, verbose=0,
+                  callbacks=[local, seen_weights])
+        saved = local.state_dict()
+        resumed = hvd_keras.callbacks.LocalSGDCallback(sync_every="auto", outer_lr=0.5, outer_momentum=0.0,
+                                                       nesterov=False, sync_warmup_steps=0)
+        resumed.set_model(model)
+        resumed.load_state_dict(saved)
+        resumed.on_train_begin()  # saved after auto chose local steps: that period, no measuring
+        out["local"] = {"flats": flats, "periods": periods, "seen": list(seen), "said": said.getvalue(),
+                        "final": _keras_flat(model),
+                        "outer": [local.outer.config.outer_lr, local.outer.config.outer_momentum,
+                                  local.outer.config.nesterov],
+                        "resumed": resumed.sync_every}
+    return out
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_keras_measures_then_switches_to_bf16(backend: str) -> None:
+def test_keras_measures_then_switches_to_bf16_or_local_steps(backend: str) -> None:
     env = {**TWO_HOSTS, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
     results = run_workers(_keras_worker, WORLD, env=env, timeout_seconds=220)
     _check_seen(results, 4 * (5 * 7 + 7 + 7 * 3 + 3), local_steps=False)
@@ -259,3 +295,14 @@ def test_keras_measures_then_switches_to_bf16(backend: str) -> None:
         assert r["names"] == ["none"] * (DECIDES_AT - 1) + ["bf16"] * 4, (backend, r["names"])
         assert r["sent"] > 0
     assert results[0]["weights"] == results[1]["weights"]
+    # LocalSGDCallback(sync_every="auto"): the first batches averaged (equal weights after each),
+    # then local steps with the user's outer settings: apart in between, equal at each outer step
+    local = [r["local"] for r in results]
+    _check_seen(local, 4 * (5 * 7 + 7 + 7 * 3 + 3), local_steps=True)
+    _said(local, "hvd_trainer: sync_every=auto chose sync_every=4: the test's verdict.")
+    assert local[0]["periods"] == [1] * (DECIDES_AT - 1) + [4] * 9, local[0]["periods"]  # chosen at the 7th
+    equal = [a == b for a, b in zip(local[0]["flats"], local[1]["flats"], strict=True)]
+    assert equal == [True] * DECIDES_AT + [False, False, False, True] * 2, equal
+    assert local[0]["final"] == local[1]["final"]
+    assert [r["resumed"] for r in local] == [4, 4]
+    assert [r["outer"] for r in local] == [[0.5, 0.0, False]] * WORLD  # the user's outer settings

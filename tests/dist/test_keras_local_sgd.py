@@ -1,8 +1,12 @@
 """hvd_trainer.keras.callbacks.LocalSGDCallback on 2 processes (Keras on the torch and TensorFlow backends):
-sync_every=1 with outer SGD lr 1 equals one process on the global batch; with DiLoCo's defaults
+sync_every=1 with outer SGD lr 1 (and sync_every="auto" on one host) equals one process on the
+global batch; with DiLoCo's defaults
 the ranks end with equal weights after the final outer step; an int8 outer gradient too."""
 
 from __future__ import annotations
+
+import contextlib
+import io
 
 import numpy as np
 import pytest
@@ -83,6 +87,17 @@ def _worker() -> dict:
 
     diff, moved = max_diff(model, ref), max_diff(_mlp(seed=3), ref)
 
+    # sync_every="auto" on one host: no local steps, the weights averaged after every batch (with
+    # SGD: one process on the global batch)
+    auto_model = _mlp(seed=3 + rank)
+    auto_model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse")
+    auto_cb = hk.callbacks.LocalSGDCallback(sync_every="auto")
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        auto_model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                       callbacks=[auto_cb])
+    auto = {"diff": max_diff(auto_model, ref), "said": said.getvalue(), "sync_every": auto_cb.sync_every}
+
     dilo = _mlp(seed=3)
     dilo.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
     cb = hk.callbacks.LocalSGDCallback(sync_every=3, sync_warmup_steps=0)
@@ -119,7 +134,7 @@ def _worker() -> dict:
     expected = _overlap_reference(x, y, shards, batches=8, h=3, tau=1)
     hidden_diff = max(float(np.abs(a - b).max()) for a, b in zip(hidden.get_weights(), expected, strict=True))
     blocking_diff = max(float(np.abs(a - b).max()) for a, b in zip(dilo.get_weights(), expected, strict=True))
-    return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps,
+    return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps, "auto": auto,
             "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict()),
             "int8": [w.tolist() for w in narrow.get_weights()], "int8_bytes": cb8.outer.bytes_sent,
             "int8_diff": max(float(np.abs(a - b).max()) for a, b in
@@ -138,6 +153,9 @@ def test_keras_local_steps(backend: str) -> None:
         assert r["moved"] > 1e-2 and r["h1_diff"] < 1e-5
         assert r["outer_steps"] == 3  # 8 batches: after 3, 6 and the final one at the end
         assert "anchors" in r["state_keys"]
+        assert r["auto"]["diff"] < 1e-5 and r["auto"]["sync_every"] == 1, r["auto"]
+    line = "hvd_trainer: sync_every=auto chose no local steps: all ranks on one host: plain allreduce.\n"
+    assert [r["auto"]["said"] for r in results] == [line, ""]
     assert results[0]["dilo"] == results[1]["dilo"]
     assert results[0]["after_warmup"] == results[1]["after_warmup"]  # averaged after each batch
     assert results[0]["warm"] == results[1]["warm"] != results[0]["dilo"]

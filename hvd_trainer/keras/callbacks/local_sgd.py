@@ -4,13 +4,18 @@ weights every ``sync_every`` batches with an outer Nesterov SGD (see
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import keras
 import numpy as np
 import torch
 
+from hvd_trainer.comm.ops.compression import Compression
+from hvd_trainer.comm.ops.process_set import resolve_set
+from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterSync
 from hvd_trainer.comm.world.world import get_world
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
@@ -45,8 +50,15 @@ class LocalSGDCallback(keras.callbacks.Callback):
     runs again on every rank (the same steps everywhere: a restarted worker knows nothing of the
     last world).
 
+    ``sync_every="auto"`` chooses ``H`` with the rule every front end uses
+    (:mod:`hvd_trainer.comm.reduce.auto`; rank 0 prints one line): on one host, no local steps;
+    across hosts, the first training batches are timed while the weights are averaged after
+    each one (synchronous), then either local steps start from those equal weights (with the
+    outer settings given here) or the averaging after every batch goes on (in bf16 when the
+    rule chose bf16). A resumed run takes up the saved period instead of measuring again.
+
     Args:
-        sync_every: training batches per outer step (``H``).
+        sync_every: training batches per outer step (``H``), or ``"auto"``.
         outer_lr, outer_momentum, nesterov: the outer SGD (DiLoCo: 0.7, 0.9, True).
         compression: wire format of the outer gradient: ``None`` (fp32), ``"fp16"``, ``"bf16"``
             or ``"int8"`` (block-quantised allgather, ~4x fewer bytes at 2 ranks, no error
@@ -63,13 +75,18 @@ class LocalSGDCallback(keras.callbacks.Callback):
         LocalSGDConfigError: an invalid setting (``powersgd`` as ``compression`` included).
     """
 
-    def __init__(self, sync_every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+    def __init__(self, sync_every: int | str, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: Any = None, *, overlap_steps: int = 0,
                  sync_warmup_steps: int | None = None) -> None:
         super().__init__()
-        self.config = LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                                     nesterov=nesterov, compression=compression, overlap_steps=overlap_steps,
+        self._auto_asked = sync_every == AUTO
+        # with "auto" the outer settings are checked now, with an H the overlap fits in
+        placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
+        self.config = LocalSGDConfig(sync_every=placeholder if self._auto_asked else sync_every,
+                                     outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                                     compression=compression, overlap_steps=overlap_steps,
                                      sync_warmup_steps=sync_warmup_steps)
+        self._auto: AutoMode | None = None
         self._outer: OuterSync | None = None
         self._vars: list[Any] = []
         self._mirrors: list[torch.Tensor] = []
@@ -78,8 +95,26 @@ class LocalSGDCallback(keras.callbacks.Callback):
 
     @property
     def outer(self) -> OuterSync | None:
-        """The outer loop (after the start of training)."""
+        """The outer loop (after the start of training; with ``"auto"``, while measuring or
+        after a synchronous choice, one that averages the weights after every batch)."""
         return self._outer
+
+    @property
+    def sync_every(self) -> int | None:
+        """Training batches per outer step (1: synchronous; ``None`` before training starts)."""
+        return None if self._outer is None else self._outer.config.sync_every
+
+    def _averaging(self, compression: Any) -> LocalSGDConfig:
+        """The synchronous loop of ``"auto"``: the weights averaged after every batch."""
+        return LocalSGDConfig(sync_every=1, outer_lr=1.0, outer_momentum=0.0, nesterov=False,
+                              compression=compression, sync_warmup_steps=0)
+
+    def _take_auto(self, choice: AutoChoice) -> None:
+        """The loop ``"auto"`` chose, anchored at the weights now (equal on every rank)."""
+        local = choice.sync_every is not None
+        config = replace(self.config, sync_every=choice.sync_every) if local else \
+            self._averaging(choice.compression)
+        self._outer = OuterSync(self._mirrors, config, world=self._world)
 
     def _start(self) -> None:
         self._world = get_world()
@@ -88,10 +123,24 @@ class LocalSGDCallback(keras.callbacks.Callback):
         self._mirrors = [torch.from_numpy(np.array(self._read(v), dtype=np.float32)) for v in self._vars]
         for m in self._mirrors:
             m.requires_grad_(True)
-        self._outer = OuterSync(self._mirrors, self.config, world=self._world)
-        if self._pending is not None:
-            self._outer.load_state_dict(self._pending)
-            self._pending = None
+        pending, self._pending = self._pending, None
+        if not self._auto_asked:
+            self._outer = OuterSync(self._mirrors, self.config, world=self._world)
+        else:
+            grad_bytes = sum(m.numel() for m in self._mirrors) * 4  # fp32 on the wire
+            self._auto = AutoMode(self._world, resolve_set(None, self._world, "sync_every=auto"),
+                                  torch.device("cpu"), grad_bytes, asked={"sync_every": True})
+            if self._auto.measuring and pending and pending.get("sync_every", 1) > 1:
+                # saved after "auto" chose local steps: take up that period, measure nothing
+                self._auto.adopt(AutoChoice(Compression.none, int(pending["sync_every"]), "resumed"))
+            if self._auto.measuring:
+                self._outer = OuterSync(self._mirrors, self._averaging(None), world=self._world)
+            else:
+                self._take_auto(self._auto.choice)
+            if self._auto.measuring or self._auto.choice.sync_every is None:
+                pending = None  # a synchronous loop holds nothing to take up
+        if pending is not None:
+            self._outer.load_state_dict(pending)
 
     @staticmethod
     def _read(var: Any) -> np.ndarray:
@@ -108,7 +157,7 @@ class LocalSGDCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict | None = None) -> None:
         if self._outer is not None and self._world is not get_world():  # in-process recovery
-            self._outer = None
+            self._outer = None  # and "auto" measures again, in the new world
         if self._outer is None and self.model.built:
             self._start()
 
@@ -116,10 +165,16 @@ class LocalSGDCallback(keras.callbacks.Callback):
         if self._outer is None:  # a model built by its first step (TensorFlow, subclassed)
             self._start()
             return
+        measuring = self._auto is not None and self._auto.measuring
         if self._outer.due():  # a warm-up average or an outer step: the weights change
-            self._sync(self._outer.after_inner_step)
+            with self._auto.waiting() if measuring else contextlib.nullcontext():
+                self._sync(self._outer.after_inner_step)
         else:
             self._outer.after_inner_step()
+        if measuring:
+            choice = self._auto.step_end(self._world)
+            if choice is not None:
+                self._take_auto(choice)
 
     def on_train_end(self, logs: dict | None = None) -> None:
         if self._outer is not None and (self._outer.inner_steps or self._outer.in_flight):
