@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import tempfile
 import time
 import traceback
 from collections import OrderedDict
@@ -65,16 +66,17 @@ def _serve(rank: int, size: int, env: dict[str, str], tasks, results) -> None:
         task = tasks.get()
         if task is None:
             return
-        task_id, port, fn, args, deadline = task
+        task_id, port, fn, args, deadline, stacks_path = task
         # A rank still running shortly before the parent gives up (``deadline``: the parent's,
-        # wall-clock) prints every thread's stack to stderr (the test's captured output) and
-        # exits: the failure then says where it hung.
+        # wall-clock) writes every thread's stack to ``stacks_path`` and exits: the parent puts
+        # them in the failure, which then says where it hung.
         stacks_in = deadline - _STACKS_BEFORE_SECONDS - time.time()
-        faulthandler.dump_traceback_later(max(1.0, stacks_in), exit=True)
-        try:
-            results.put((task_id, rank, *_run_one(port, fn, args, env, hvd_trainer)))
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        with open(stacks_path.format(rank=rank), "w") as stacks:
+            faulthandler.dump_traceback_later(max(1.0, stacks_in), exit=True, file=stacks)
+            try:
+                results.put((task_id, rank, *_run_one(port, fn, args, env, hvd_trainer)))
+            finally:
+                faulthandler.cancel_dump_traceback_later()
 
 
 def _run_one(port: int, fn: Callable, args: tuple, env: dict[str, str], hvd_trainer) -> tuple[str, Any]:
@@ -113,6 +115,8 @@ class _Pool:
     procs: list = field(default_factory=list)
     tasks: list = field(default_factory=list)
     results: Any = None
+    stacks_path: str = ""
+    """Where each rank writes its stacks if the current run's time runs out (``{rank}`` in it)."""
 
     def start(self) -> _Pool:
         ctx = mp.get_context("spawn")
@@ -133,9 +137,22 @@ class _Pool:
     def run(self, task_id: int, fn: Callable, args: tuple,
             timeout_seconds: float) -> dict[int, tuple[str, Any]]:
         port = free_port()
-        for q in self.tasks:
-            q.put((task_id, port, fn, args, time.time() + timeout_seconds))
-        return self._collect(task_id, timeout_seconds)
+        with tempfile.TemporaryDirectory(prefix="hvd-test-stacks-") as tmp:
+            self.stacks_path = os.path.join(tmp, "rank{rank}.txt")
+            for q in self.tasks:
+                q.put((task_id, port, fn, args, time.time() + timeout_seconds, self.stacks_path))
+            return self._collect(task_id, timeout_seconds)
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """The stacks ``ranks`` wrote when their time ran out (nothing for a rank that wrote none)."""
+        out = []
+        for r in ranks:
+            with contextlib.suppress(OSError), open(self.stacks_path.format(rank=r)) as f:
+                text = f.read()
+                if text:
+                    out.append(f"\n--- rank {r}: stacks {_STACKS_BEFORE_SECONDS:g} s before the timeout ---\n"
+                               f"{text}")
+        return "".join(out)
 
     def _collect(self, task_id: int, timeout_seconds: float) -> dict[int, tuple[str, Any]]:
         """Results by rank; raises AssertionError naming ranks that hang or die without a result."""
@@ -146,7 +163,7 @@ class _Pool:
             if remaining <= 0:
                 missing = sorted(set(range(self.size)) - set(results))
                 raise AssertionError(f"ranks {missing} did not finish within {timeout_seconds}s"
-                                     f"{_reported(results)}")
+                                     f"{_reported(results)}{self._stacks(missing)}")
             try:
                 self._take(task_id, results, min(remaining, 1.0))
                 continue
@@ -159,10 +176,8 @@ class _Pool:
                 self._drain(task_id, results)  # a result sent just before dying still counts
                 codes = {r: p.exitcode for r, p in dead.items() if r not in results}
                 if codes:
-                    raise AssertionError(
-                        f"ranks died without a result: exit codes {codes} (a hung rank prints its "
-                        f"stacks to stderr and exits {_STACKS_BEFORE_SECONDS:g} s before the "
-                        f"timeout){_reported(results)}")
+                    raise AssertionError(f"ranks died without a result: exit codes {codes}"
+                                         f"{_reported(results)}{self._stacks(sorted(codes))}")
         return results
 
     def _take(self, task_id: int, results: dict, timeout: float) -> None:
