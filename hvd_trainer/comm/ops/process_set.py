@@ -272,11 +272,11 @@ def await_connected(last_created: dist.ProcessGroup | None) -> None:
     rank just created collectively) has finished creating it, and so every group before it.
 
     Creating a gloo group is not a synchronization point: the rank that opens a connection
-    returns as soon as it has sent its handshake, while its peer has yet to read it. A rank
-    that destroyed its groups at once (``shutdown()`` right after ``init()``, or exiting) made
-    the peer's ``new_group`` fail with "Connection closed by peer", and that peer's failure
-    left the first rank waiting in the next rendezvous. A barrier on the last group ends only
-    after every member has returned from every creation before it.
+    returns as soon as it has sent its handshake, while its peer has yet to read it. Without
+    this barrier a rank that destroys its groups at once (``shutdown()`` right after
+    ``init()``, or exiting) can make a peer's creation fail with "Connection closed by peer".
+    The barrier on the last group ends only after every member has returned from every
+    creation before it. A collective over ``last_created`` (every member calls it).
     """
     if last_created is None or last_created == dist.GroupMember.NON_GROUP_MEMBER:
         return
