@@ -117,6 +117,23 @@ def _resolve_named(
     return [(n, p) for n, p in named if id(p) in in_opt]
 
 
+def _check_sparse_arg(sparse: Any, sparse_as_dense: bool) -> None:
+    """Validate Horovod 0.21's ``sparse=`` (see :class:`DistributedOptimizer`)."""
+    if sparse is None:
+        return
+    if not isinstance(sparse, bool | dict):
+        raise OptimizerConfigError(
+            f"sparse={sparse!r} must be True, False or a dict of parameter to bool (Horovod 0.21). "
+            "HINT: drop it: sparse gradients are allgathered by default (sparse_as_dense=False)."
+        )
+    wants_sparse = sparse is True or (isinstance(sparse, dict) and any(sparse.values()))
+    if wants_sparse and sparse_as_dense:
+        raise OptimizerConfigError(
+            "sparse=True with sparse_as_dense=True: one asks for sparse gradients to travel "
+            "sparse, the other dense. HINT: keep sparse_as_dense and drop sparse."
+        )
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Average gradients over ranks (overlapping backward), then run the wrapped optimizer.
 
@@ -176,6 +193,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             parameters in no group are bucketed as without groups. ``None``/``0``: no groups.
         sparse_as_dense: reduce sparse gradients as dense tensors (allreduce) instead of by
             allgather of indices and values.
+        sparse: Horovod 0.21's flag (``True``, ``False`` or a dict of parameter to bool; later
+            replaced by ``sparse_as_dense``), accepted with its behaviour there: a sparse
+            gradient travels sparse (allgather), a dense one dense, whatever it says; with
+            ``sparse_as_dense=True`` it must not ask for sparse.
         process_set: the comm layer's process set to reduce over (``None`` = all ranks).
         zero_stage: ``0`` (default): every rank keeps the whole optimizer state. ``1``: the
             optimizer state is sharded: each parameter is owned by one rank, which alone steps
@@ -197,8 +218,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         OptimizerConfigError: invalid ``named_parameters``, ``compression``,
-            ``backward_passes_per_step`` (``True`` included), ``op`` or
-            ``gradient_predivide_factor``; an option the comm layer lacks.
+            ``backward_passes_per_step`` (``True`` included), ``op``,
+            ``gradient_predivide_factor`` or ``sparse``; an option the comm layer lacks.
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         NotInitializedError: ``hvd_trainer.init()`` has not run.
     """
@@ -225,7 +246,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         zero_overlap_exchange: bool = False,
         fusion_config: FusionConfig | None = None,
         world: World | None = None,
+        sparse: bool | dict[Any, bool] | None = None,
     ) -> None:
+        _check_sparse_arg(sparse, sparse_as_dense)
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap it only once.")
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -346,6 +346,17 @@ def _sparse_adam(idx: torch.Tensor, rank: int) -> dict:
                                        emb.named_parameters(), sparse_as_dense=sparse_as_dense)
         train(emb, opt, slice(rank * B, (rank + 1) * B))
         out[f"sparse_adam-{sparse_as_dense}"] = float((emb.weight - ref.weight).abs().max())
+    # Horovod 0.21's spelling, as its test_sparse_embeddings writes it
+    emb = copy.deepcopy(emb0)
+    train(emb, hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1), sparse=True),
+          slice(rank * B, (rank + 1) * B))
+    out["sparse_adam-sparse=True"] = float((emb.weight - ref.weight).abs().max())
+    for bad in ({"sparse": True, "sparse_as_dense": True}, {"sparse": "yes"}):
+        try:
+            hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1), **bad)
+            out[f"refused-{bad}"] = "accepted"
+        except hvd.OptimizerConfigError as exc:
+            out[f"refused-{bad}"] = str(exc)
     return out
 
 
@@ -512,6 +523,9 @@ def test_sparse_gradients(results: list[dict]) -> None:
         assert sp["one_sided"] == expected
         assert sp["empty_nnz"] == 0
         assert sp["sparse_adam-False"] <= 1e-6 and sp["sparse_adam-True"] <= 1e-6
+        assert sp["sparse_adam-sparse=True"] <= 1e-6
+        assert "HINT: keep sparse_as_dense" in sp["refused-{'sparse': True, 'sparse_as_dense': True}"]
+        assert "sparse='yes' must be True, False or a dict" in sp["refused-{'sparse': 'yes'}"]
     for mode in ("False", "True"):
         assert results[0]["sparse"][f"{mode}-w"] == results[1]["sparse"][f"{mode}-w"]
 
