@@ -14,7 +14,8 @@
 ``import hvd_trainer.keras as hvd`` also gives Horovod's module-level names: ``hvd.init()``,
 ``hvd.size()``, ``hvd.rank()``, ``hvd.local_rank()``, ``hvd.allreduce(value)``,
 ``hvd.allgather(value)``, ``hvd.broadcast(value, root_rank)``, ``hvd.broadcast_variables(vars,
-root_rank)``, ``hvd.load_model(path)``, ``hvd.PartialDistributedOptimizer(opt, local_layers=...)``
+root_rank)``, the process sets (``ProcessSet``, ``add_process_set``, ``remove_process_set``,
+``global_process_set``), ``hvd.load_model(path)``, ``hvd.PartialDistributedOptimizer(opt, local_layers=...)``
 and ``hvd.elastic`` (``KerasState``, ``run`` and the elastic callbacks).
 
 Importing this module imports Keras, so ``KERAS_BACKEND`` must be set first.
@@ -34,11 +35,13 @@ from hvd_trainer.comm import (
     broadcast_object,
     cross_rank,
     cross_size,
+    global_process_set,
     init,
     is_initialized,
     local_rank,
     local_size,
     rank,
+    remove_process_set,
     shutdown,
     size,
 )
@@ -55,7 +58,7 @@ __all__ = [
     "callbacks", "elastic", "load_model",
     "Average", "Sum", "Min", "Max", "Product",
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-    "cross_size", "cross_rank", "ProcessSet", "add_process_set",
+    "cross_size", "cross_rank", "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",
     "allgather_object", "KerasCollectiveError",
 ]

@@ -154,6 +154,16 @@ def process_sets(rank: int) -> dict:
         model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.SGD(LR), **kwargs), loss="mse")
         model.train_on_batch(x, y)
         out[name] = _w(model.get_weights())
+    # Horovod's module-level process-set API, as horovod.tensorflow has it
+    added = hk.add_process_set([1])
+    for name, pset in (("global", hk.global_process_set), ("added1", added)):
+        model = _mlp(seed=3)
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(LR), process_set=pset)
+        model.compile(optimizer=opt, loss="mse")
+        model.train_on_batch(x, y)
+        out[name] = _w(model.get_weights())
+    out["global_set"] = [hk.global_process_set.process_set_id, hk.global_process_set.ranks]
+    out["removed"] = [hk.remove_process_set(added), added.process_set_id]
     ref = _mlp(seed=3)
     ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")
     ref.train_on_batch(x, y)

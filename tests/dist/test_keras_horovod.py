@@ -74,6 +74,9 @@ def test_process_set_reduces_over_its_members_only(results):
     assert not _close(a["default"], a["alone"], tol=1e-4)  # averaging changed the step
     for r in (a, b):
         assert _close(r["only0"], r["alone"], tol=1e-6)  # member of a 1-rank set, or outside it
+        assert _close(r["added1"], r["alone"], tol=1e-6)  # hvd.add_process_set([1])
+        assert _close(r["global"], a["default"], tol=1e-6)  # hvd.global_process_set
+        assert r["global_set"] == [0, [0, 1]] and r["removed"] == [True, None]
 
 
 def test_sparse_as_dense_both_ways_match_one_process(results):
