@@ -106,7 +106,9 @@ from hvd_trainer.comm.ops.ops import (
 )
 from hvd_trainer.comm.ops.process_set import ProcessSet, global_process_set
 from hvd_trainer.comm.ops.process_set_registry import (
+    HorovodBasics,
     add_process_set,
+    process_set_ranks,
     register_process_sets,
     remove_process_set,
 )
@@ -174,4 +176,5 @@ __all__ = [
     "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
     "grouped_reducescatter_async",
     "global_process_set", "add_process_set", "remove_process_set", "register_process_sets",
+    "process_set_ranks", "HorovodBasics",
 ]

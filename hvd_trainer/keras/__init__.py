@@ -45,7 +45,11 @@ from hvd_trainer.comm import (
     shutdown,
     size,
 )
-from hvd_trainer.keras import callbacks, elastic
+from hvd_trainer.keras import (
+    callbacks,
+    elastic,
+    mpi_ops,  # noqa: F401 - Horovod code reaches hvd.mpi_ops._basics
+)
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 from hvd_trainer.keras.collectives import KerasCollectiveError, allgather, allreduce, broadcast
 from hvd_trainer.keras.compression import Compression

@@ -163,6 +163,7 @@ def process_sets(rank: int) -> dict:
         model.train_on_batch(x, y)
         out[name] = _w(model.get_weights())
     out["global_set"] = [hk.global_process_set.process_set_id, hk.global_process_set.ranks]
+    out["ids_and_ranks"] = hk.mpi_ops._basics._get_process_set_ids_and_ranks()  # Horovod's internal
     out["removed"] = [hk.remove_process_set(added), added.process_set_id]
     ref = _mlp(seed=3)
     ref.compile(optimizer=keras.optimizers.SGD(LR), loss="mse")

@@ -77,6 +77,7 @@ def test_process_set_reduces_over_its_members_only(results):
         assert _close(r["added1"], r["alone"], tol=1e-6)  # hvd.add_process_set([1])
         assert _close(r["global"], a["default"], tol=1e-6)  # hvd.global_process_set
         assert r["global_set"] == [0, [0, 1]] and r["removed"] == [True, None]
+        assert r["ids_and_ranks"] == {0: [0, 1], 1: [0, 1], 2: [0], 3: [1]}, r["ids_and_ranks"]
 
 
 def test_sparse_as_dense_both_ways_match_one_process(results):

@@ -29,6 +29,9 @@ def _static(hvd, r: int) -> dict:
     evens, odd = hvd.ProcessSet([2, 0]), hvd.ProcessSet([1])  # recorded, not created yet
     before = (evens.process_set_id, hvd.global_process_set.process_set_id)
     unusable = _error(lambda: hvd.allreduce(torch.ones(1), process_set=evens))
+    # a duplicate (the same ranks in another order) refuses the whole list: no id is used up
+    duplicate = _error(lambda: hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([1, 2]),
+                                                      hvd.ProcessSet([2, 1])], timeout_seconds=60))
     hvd.init(process_sets=[evens, odd], timeout_seconds=60)
     x = torch.tensor([float(r + 1)])
     mine = evens if r in (0, 2) else odd
@@ -42,7 +45,15 @@ def _static(hvd, r: int) -> dict:
                    hvd.global_process_set.included(), list(hvd.global_process_set.ranks)),
         "global_sum": hvd.allreduce(x, op=hvd.Sum, process_set=hvd.global_process_set).item(),
         "global_bcast": hvd.broadcast(x, 2, process_set=hvd.global_process_set).item(),
+        "ids_and_ranks": _ids_and_ranks(),
+        "duplicate": duplicate,
     }
+
+
+def _ids_and_ranks() -> dict[int, list[int]]:
+    from hvd_trainer.torch import mpi_ops
+
+    return mpi_ops._basics._get_process_set_ids_and_ranks()  # Horovod's internal, as its tests use it
 
 
 def _dynamic(hvd, r: int) -> dict:
@@ -88,7 +99,9 @@ def test_process_set_registry_three_ranks() -> None:
     for r, res in enumerate(results):
         assert res["before"] == (None, 0)
         assert "not created yet" in res["unusable_before_init"] and "HINT" in res["unusable_before_init"]
-        assert res["ids"] == (1, 2)
+        assert res["ids"] == (1, 2)  # after the refused list
+        assert "entry 2 (ranks [1, 2]) duplicates entry 1; nothing was created" in res["duplicate"]
+        assert res["ids_and_ranks"] == {0: [0, 1, 2], 1: [0, 2], 2: [1]}
         assert res["set_sum"] == (4.0 if r in (0, 2) else 2.0)
         assert res["set_rank"] == {0: 0, 1: 0, 2: 1}[r]
         assert res["global"] == (3, r, True, [0, 1, 2])

@@ -46,7 +46,7 @@ def test_horovod_arguments_are_checked_and_sets_hold_rank_ranks_coordinator() ->
     assert recorded.global_rank is None and not recorded.removed
     with pytest.raises(comm.CommValueError, match=r"ranks \[0, 1\].*HINT"):
         comm.init(comm=[0, 1], environ={})  # the launched world is one process
-    with pytest.raises(comm.CommValueError, match="already has these ranks"):
+    with pytest.raises(comm.CommValueError, match=r"duplicates the whole job \(process set 0\).*HINT"):
         comm.init(process_sets=[recorded], environ={})  # [0] is the whole job here
     world = comm.init([0], "dynamic", environ={})
     try:

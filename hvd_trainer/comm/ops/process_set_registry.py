@@ -18,7 +18,8 @@ from hvd_trainer.comm.ops.checks import Signature
 from hvd_trainer.comm.ops.process_set import ProcessSet, _GlobalProcessSet, _validate
 from hvd_trainer.comm.world.world import World, get_world
 
-__all__ = ["add_process_set", "remove_process_set", "register_process_sets"]
+__all__ = ["add_process_set", "remove_process_set", "register_process_sets", "process_set_ranks",
+           "HorovodBasics"]
 
 
 def _agree(world: World, kind: str, ranks: tuple[int, ...]) -> None:
@@ -133,6 +134,29 @@ def remove_process_set(process_set: ProcessSet, *, world: World | None = None) -
     return True
 
 
+def process_set_ranks(*, world: World | None = None) -> dict[int, list[int]]:
+    """Every live process set of ``world`` (default: the current one), by id: its global ranks
+    in order (id 0, the whole job, included).
+
+    Raises:
+        NotInitializedError: no world.
+    """
+    w = get_world() if world is None else world
+    live = w.runtime.sets if w.runtime is not None else {0: ProcessSet._for_world(w, 0)}
+    return {set_id: list(pset.ranks) for set_id, pset in sorted(live.items())}
+
+
+class HorovodBasics:
+    """What Horovod code reaches as ``mpi_ops._basics`` (``horovod.common.basics.HorovodBasics``)
+    beyond the module-level functions: its process-set query, which Horovod's own process-set
+    tests use."""
+
+    @staticmethod
+    def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+        """:func:`process_set_ranks` of the current world."""
+        return process_set_ranks()
+
+
 def register_process_sets(
     process_sets: Iterable[ProcessSet] | str | None, *, world: World | None = None
 ) -> list[ProcessSet]:
@@ -157,14 +181,34 @@ def register_process_sets(
             return []
         raise CommValueError(f"init(process_sets={process_sets!r}): expected a list of ProcessSet or "
                              "'dynamic'.")
-    created = []
+    process_sets = list(process_sets)
     for i, pset in enumerate(process_sets):
         if not isinstance(pset, ProcessSet):
             raise CommTypeError(
                 f"init(process_sets=...) entry {i} is a {type(pset).__name__}, not a ProcessSet. "
                 "HINT: process_sets=[hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])]."
             )
-        created.append(add_process_set(pset, world=world))
-    return created
+    _check_no_duplicates(process_sets, get_world() if world is None else world)
+    return [add_process_set(pset, world=world) for pset in process_sets]
+
+
+def _check_no_duplicates(process_sets: list[ProcessSet], world: World) -> None:
+    """Refuse the whole list before creating any set (so no set id is used up): an entry with
+    the same ranks as an earlier entry, as the whole job, or as a set already created."""
+    seen = {tuple(range(world.size)): "the whole job (process set 0)"}
+    live = world.runtime.sets if world.runtime is not None else {}
+    for pset in list(live.values()):
+        if pset.set_id is not None:
+            seen.setdefault(tuple(pset.ranks), f"process set {pset.set_id}")
+    for i, pset in enumerate(process_sets):
+        ranks = tuple(sorted(pset.ranks))
+        if pset.set_id is not None and live.get(pset.set_id) is pset:
+            continue  # created already: add_process_set hands it back
+        if ranks in seen:
+            raise CommValueError(
+                f"init(process_sets=...) entry {i} (ranks {list(ranks)}) duplicates {seen[ranks]}; "
+                "nothing was created. HINT: list each set of ranks once."
+            )
+        seen[ranks] = f"entry {i}"
 
 
