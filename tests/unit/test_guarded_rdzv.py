@@ -223,9 +223,9 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     port = free_port()
 
-    def agent(addr: str, *, is_host: bool = False, record: DoorRecord | None = None):
+    def agent(addr: str, *, is_host: bool = False, record: DoorRecord | None = None, join_timeout: int = 10):
         params = _params(port, is_host=is_host, nodes=2, local_addr=addr, in_process="true",
-                         keep_alive_interval=1, keep_alive_max_attempt=2)
+                         keep_alive_interval=1, keep_alive_max_attempt=2, join_timeout=join_timeout)
         return _create_handler(params, secret="s", spares=True, record=record)
 
     h1, h2 = agent("10.0.0.1", is_host=True), agent("10.0.0.2")
@@ -239,7 +239,9 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
     assert [infos[n].rank for n in ("h1", "h2")] == [0, 1], infos
 
     record = DoorRecord()
-    spare = agent("10.0.0.3", record=record)
+    # the spare waits while both agents live, then for h2's heartbeat to go stale: its own
+    # join deadline must outlast both (10 s did not under CI's load: it timed out first)
+    spare = agent("10.0.0.3", record=record, join_timeout=60)
     taken: list[object] = []
     arriving = threading.Thread(target=lambda: taken.append(spare.next_rendezvous()))
     arriving.start()
