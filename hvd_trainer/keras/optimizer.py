@@ -29,7 +29,7 @@ from hvd_trainer.comm import (
 from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
+from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback, rename_feedback
 from hvd_trainer.comm.zero import ShardedGradientReducer, check_zero_stage
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
@@ -656,7 +656,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         self._resolve_auto_compression(var_list)
         self._state_names = tuple(_state_name(i, v) for i, v in enumerate(var_list))
-        if self._feedback is not None and (self._feedback.residuals or self._feedback.q):
+        if self._feedback is not None and not self._feedback.empty:
             self._feedback.load_state_dict(self._rekeyed(self._feedback.state_dict()))
         if self._passes > 1:
             kind = _accumulate.TFAccumulation if self._tf else _accumulate.TorchAccumulation
@@ -736,7 +736,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._reducer = kind(named, world=self.world, op=op, compression=self._compression,
                                         prescale_factor=pre, postscale_factor=post,
                                         process_set=self._process_set)
-        if carry is not None and (carry.residuals or carry.q):
+        if carry is not None and not carry.empty:
             self._reducer.load_compression_state_dict(carry.state_dict())
 
     def apply(self, grads, trainable_variables=None):
@@ -997,10 +997,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return state
         by_index = {n.partition(":")[0]: n for n in self._state_names}
 
-        def move(entries: dict[str, Any]) -> dict[str, Any]:
-            return {by_index.get(k.partition(":")[0], k): v for k, v in entries.items()}
-
-        return {**state, "residuals": move(state["residuals"]), "q": move(state["q"])}
+        return rename_feedback(state, lambda k: by_index.get(k.partition(":")[0], k))
 
 
 def _state_name(index: int, variable: Any) -> str:

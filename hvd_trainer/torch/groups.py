@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import FusionConfig, GradientReducer
+from hvd_trainer.comm.reduce.compressed import merge_feedback
 
 __all__ = ["resolve_groups", "ReducerSet", "ONE_BUCKET"]
 
@@ -116,9 +117,7 @@ class ReducerSet:
         states = [s for s in states if s is not None]
         if not states:
             return None
-        return {"compressor": states[0]["compressor"],
-                "residuals": {k: v for s in states for k, v in s["residuals"].items()},
-                "q": {k: v for s in states for k, v in s["q"].items()}}
+        return merge_feedback(states)
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
         for r in self.reducers:

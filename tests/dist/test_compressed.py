@@ -15,6 +15,7 @@ from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape,
 from tests.multiproc import run_workers
 
 B, WORLD, LR = 4, 2, 0.1
+WARM = 2  # "powersgd_warm"'s synchronous warm-up
 
 
 def _model() -> torch.nn.Module:
@@ -40,7 +41,9 @@ def _compression(mode: str):  # noqa: ANN202
 
     if mode.startswith("int8"):
         return hvd.Compression.int8
-    return hvd.Compression.powersgd(rank=2, min_compress_numel=0)
+    # "powersgd": compressed from the first step; "powersgd_warm": the first WARM steps plain
+    return hvd.Compression.powersgd(rank=2, min_compress_numel=0,
+                                    sync_warmup_steps=WARM if mode == "powersgd_warm" else 0)
 
 
 def _train(mode: str, steps: int, passes: int) -> dict:
@@ -96,6 +99,9 @@ def _reference(mode: str, steps: int, passes: int) -> dict:
         avg = {}
         for n in names:
             xs = [grads[r][n] * (1.0 / WORLD) for r in range(WORLD)]
+            if mode == "powersgd_warm" and step < WARM:
+                avg[n] = xs[0] + xs[1]  # plain fp32 average: no residual, no Q yet
+                continue
             if mode.startswith("int8"):
                 total = torch.zeros(xs[0].numel())
                 for r in range(WORLD):
@@ -130,16 +136,22 @@ def _reference(mode: str, steps: int, passes: int) -> dict:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("mode", "passes"), [("int8", 1), ("int8", 2), ("powersgd", 1)])
+@pytest.mark.parametrize(("mode", "passes"), [("int8", 1), ("int8", 2), ("powersgd", 1),
+                                              ("powersgd_warm", 1)])
 def test_equals_single_process_reference_with_error_feedback(mode: str, passes: int) -> None:
-    steps = 3
+    """``powersgd_warm``: WARM plain steps, then PowerSGD from a zero residual and the initial
+    Q; its resume (after the warm-up) must not warm up again."""
+    steps = 3 if mode != "powersgd_warm" else WARM + 2
     results = run_workers(_train, WORLD, args=(mode, steps, passes), timeout_seconds=220)
     ref = _reference(mode, steps, passes)
+    if mode == "powersgd_warm":  # the warm-up changes the result: this case can fail without it
+        cold = _reference("powersgd", steps, passes)["params"][-1]
+        assert (cold - ref["params"][-1]).abs().max() > 1e-3
     for rank, r in enumerate(results):
         for got, want in zip(r["params"], ref["params"], strict=True):
             torch.testing.assert_close(torch.tensor(got), want, atol=1e-6, rtol=0)
         for n, want in ref["residuals"][rank].items():
-            if mode == "powersgd" and n not in ref["q"]:
+            if mode.startswith("powersgd") and n not in ref["q"]:
                 continue  # sent exactly: no residual
             got = torch.tensor(r["residuals"][n])
             assert got.abs().sum() > 0  # carried to the next step

@@ -85,6 +85,16 @@ def _state(opt) -> dict:
             "q": {k: v.cpu().numpy().tolist() for k, v in sd["q"].items()}}
 
 
+def _compressor(mode: str) -> object:
+    """``mode`` as the optimizer's ``compression``: PowerSGD from the first step (no warm-up),
+    as the references compute it."""
+    import hvd_trainer.keras as hk
+
+    if mode.startswith("powersgd:"):
+        return hk.Compression.powersgd(rank=int(mode.partition(":")[2]), sync_warmup_steps=0)
+    return mode
+
+
 def _two_steps(mode: str, passes: int) -> dict:
     """Two updates applied by hand (``passes`` apply() calls each) on a fresh optimizer."""
     import keras
@@ -93,7 +103,8 @@ def _two_steps(mode: str, passes: int) -> dict:
 
     rank = hk.rank()
     model, twin = _model(3), _model(3)  # the twin gives this rank's local gradients
-    opt = hk.DistributedOptimizer(keras.optimizers.SGD(LR), compression=mode, backward_passes_per_step=passes)
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(LR), compression=_compressor(mode),
+                                  backward_passes_per_step=passes)
     opt.build(model.trainable_variables)
     reducer = opt._reducer
     out = {"paths": [v.path for v in model.trainable_variables], "weights": [], "grads": [], "states": [],
@@ -126,7 +137,7 @@ def _fit_and_resume(mode: str, passes: int) -> dict:
 
     def make(state: dict | None = None):
         model = _model(5)
-        opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=mode,
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=_compressor(mode),
                                       backward_passes_per_step=passes)
         if state is not None:  # before build: kept until the torch reducer exists
             opt.load_compression_state_dict(state)

@@ -22,9 +22,11 @@ WORLD, B = 2, 4
 def _worker(tmp: str, compression: str) -> dict[str, Any]:
     import hvd_trainer
 
-    # Net's matrices are small: compress them all (min_compress_numel=0)
+    # Net's matrices are small: compress them all (min_compress_numel=0). PowerSGD's warm-up
+    # (2 plain steps) ends inside the checkpointed epoch: a resume that lost its count would
+    # warm up again and differ.
     kw = {"compression": "int8" if compression == "int8"
-          else hvd_trainer.Compression.powersgd(rank=2, min_compress_numel=0)}
+          else hvd_trainer.Compression.powersgd(rank=2, min_compress_numel=0, sync_warmup_steps=2)}
     data = make_data(WORLD * B * 4)  # 4 steps per epoch
     sampler = DistributedSampler(data, num_replicas=WORLD, rank=hvd_trainer.rank(), shuffle=False)
     loader = DataLoader(data, batch_size=B, sampler=sampler)

@@ -97,7 +97,8 @@ def test_keras_optimizer_accepts_every_compression_form(result: dict) -> None:
 
 
 def test_keras_optimizer_error_feedback_state_api(result: dict) -> None:
-    assert result["state"] == {"int8": {"compressor": "int8", "residuals": {}, "q": {}}, "fp16": None}
+    assert result["state"] == {"int8": {"compressor": "int8", "residuals": {}, "q": {}, "reductions": {}},
+                               "fp16": None}
     bad = result["state_bad"]
     assert bad["stateless"][0] == "DistributedOptimizerError"
     assert "compression=Compression.none" in bad["stateless"][1] and "'int8'" in bad["stateless"][1]

@@ -39,7 +39,7 @@ from hvd_trainer.comm.base.errors import CommValueError
 __all__ = [
     "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor", "Compression",
     "CompressionError", "ErrorFeedbackCompressor", "Int8Compressor", "PowerSGDCompressor",
-    "AUTO", "DEFAULT_POWERSGD_RANK", "compression_spellings",
+    "AUTO", "DEFAULT_POWERSGD_RANK", "DEFAULT_POWERSGD_WARMUP_STEPS", "compression_spellings",
 ]
 
 _WIRE_DTYPES = (None, torch.float16, torch.bfloat16)
@@ -183,6 +183,9 @@ DEFAULT_POWERSGD_RANK = 16
 """PowerSGD's rank when none is given (``Compression.powersgd()``, ``"powersgd"``, ``"auto"``'s
 choice); the README's "Slow links" has the sweep it was chosen from."""
 
+DEFAULT_POWERSGD_WARMUP_STEPS = 128
+"""Plain fp32 reductions of each gradient before PowerSGD starts (``sync_warmup_steps``)."""
+
 
 class PowerSGDCompressor(ErrorFeedbackCompressor):
     """PowerSGD (Vogels et al. 2019, arXiv:1905.13727): rank-``r`` approximation ``P Q^T`` of
@@ -190,17 +193,29 @@ class PowerSGDCompressor(ErrorFeedbackCompressor):
     warm-started from the previous ``Q``, with error feedback. 1-D tensors, tensors under
     ``min_compress_numel`` values and those a rank-``r`` factorisation would not shrink
     (``(n + m) r >= n m``) are sent uncompressed (fp32 sum) together with the ``P`` factors.
+
+    The first ``sync_warmup_steps`` reductions of each gradient are plain fp32 allreduces (no
+    residual, no ``Q`` update); compression starts after them from a zero residual. This is
+    torch DDP's ``PowerSGDState(start_powerSGD_iter=...)``: a low-rank approximation of the
+    large, fast-changing gradients of the first steps costs more quality than it saves bytes.
+    With ``backward_passes_per_step`` a reduction is one accumulation window.
     """
 
     def __init__(self, rank: int = DEFAULT_POWERSGD_RANK, min_compress_numel: int = 1024,
-                 seed: int = 0) -> None:
+                 seed: int = 0, sync_warmup_steps: int = DEFAULT_POWERSGD_WARMUP_STEPS) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise CompressionError(f"Compression.powersgd(rank={rank!r}): rank must be an int >= 1.")
         if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
             raise CompressionError(f"min_compress_numel={min_compress_numel!r} must be an int >= 0.")
+        if isinstance(sync_warmup_steps, bool) or not isinstance(sync_warmup_steps, int) \
+                or sync_warmup_steps < 0:
+            raise CompressionError(
+                f"Compression.powersgd(sync_warmup_steps={sync_warmup_steps!r}) must be an int >= 0 "
+                f"(0: compress from the first step). HINT: the default is {DEFAULT_POWERSGD_WARMUP_STEPS}.")
         self.rank = rank
         self.min_compress_numel = min_compress_numel
         self.seed = seed
+        self.sync_warmup_steps = sync_warmup_steps
         self.name = f"powersgd(rank={rank})"
 
 
@@ -213,9 +228,12 @@ class Compression:
     int8: Compressor = Int8Compressor()
 
     @staticmethod
-    def powersgd(rank: int = DEFAULT_POWERSGD_RANK, min_compress_numel: int = 1024) -> Compressor:
-        """PowerSGD of rank ``rank`` with error feedback (:class:`PowerSGDCompressor`)."""
-        return PowerSGDCompressor(rank=rank, min_compress_numel=min_compress_numel)
+    def powersgd(rank: int = DEFAULT_POWERSGD_RANK, min_compress_numel: int = 1024,
+                 sync_warmup_steps: int = DEFAULT_POWERSGD_WARMUP_STEPS) -> Compressor:
+        """PowerSGD of rank ``rank`` with error feedback, after ``sync_warmup_steps`` plain
+        reductions (:class:`PowerSGDCompressor`)."""
+        return PowerSGDCompressor(rank=rank, min_compress_numel=min_compress_numel,
+                                  sync_warmup_steps=sync_warmup_steps)
 
     @staticmethod
     def resolve(value: Any, *, error: type[Exception] = CompressionError,

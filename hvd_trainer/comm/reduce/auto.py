@@ -11,7 +11,8 @@ waited on communication, median of the first measured steps, the slowest rank's)
    half of ``c`` leaves room for the wire's jitter and the last bucket, which nothing covers;
 3. ``t / 2 <= c / 2``: ``bf16`` (half the bytes, no state);
 4. otherwise, for ``compression="auto"``: ``powersgd`` of the default rank
-   (:data:`~hvd_trainer.comm.ops.compression.DEFAULT_POWERSGD_RANK`); for ``sync_every="auto"``:
+   (:data:`~hvd_trainer.comm.ops.compression.DEFAULT_POWERSGD_RANK`) and its default synchronous
+   warm-up (counted from the choice); for ``sync_every="auto"``:
    local steps with ``H`` the power of two
    (at most 128) that keeps the blocking outer allreduce under a fifth of the period's compute,
    ``t / H <= c / 5`` (so at least ~0.83 of the time computes).

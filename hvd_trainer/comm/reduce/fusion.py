@@ -78,7 +78,12 @@ from hvd_trainer.comm.reduce.autotune import (
     candidate_thresholds,
     resolve_autotune,
 )
-from hvd_trainer.comm.reduce.compressed.reductions import BucketView, FeedbackState, start_bucket_reduction
+from hvd_trainer.comm.reduce.compressed.reductions import (
+    BucketView,
+    FeedbackState,
+    rename_feedback,
+    start_bucket_reduction,
+)
 from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology, build_topology
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link, time_paths
 from hvd_trainer.comm.world.world import World
@@ -575,9 +580,7 @@ class GradientReducer:
         if self._feedback is None:
             raise ValueError(f"this reducer uses {self.compression!r}, which has no state to load.")
         mine = {n for n, _ in self._named}
-        self._feedback.load_state_dict({
-            **state, "residuals": {k: v for k, v in state["residuals"].items() if k in mine},
-            "q": {k: v for k, v in state["q"].items() if k in mine}})
+        self._feedback.load_state_dict(rename_feedback(state, lambda k: k if k in mine else None))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from hvd_trainer.comm.reduce.compressed.reductions import (
     BucketView,
     FeedbackState,
+    merge_feedback,
     reduce_with_feedback,
+    rename_feedback,
     start_bucket_reduction,
 )
 
-__all__ = ["BucketView", "FeedbackState", "reduce_with_feedback", "start_bucket_reduction"]
+__all__ = ["BucketView", "FeedbackState", "merge_feedback", "reduce_with_feedback", "rename_feedback",
+           "start_bucket_reduction"]

@@ -27,7 +27,7 @@ where they leave the graph as numpy arrays; accumulated gradients reduced once p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,11 @@ from hvd_trainer.comm.reduce.compressed import int8 as q8
 from hvd_trainer.comm.reduce.compressed.powersgd import initial_q, matrix_shape, orthogonalize_
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["FeedbackState", "BucketView", "start_bucket_reduction", "reduce_with_feedback"]
+__all__ = ["FeedbackState", "BucketView", "start_bucket_reduction", "reduce_with_feedback",
+           "rename_feedback", "merge_feedback"]
+
+PER_PARAMETER_KEYS = ("residuals", "q", "reductions")
+"""The entries of :meth:`FeedbackState.state_dict` keyed by parameter name."""
 
 
 @dataclass(slots=True)
@@ -58,6 +62,20 @@ class FeedbackState:
     """PowerSGD's warm-start ``Q`` per compressed parameter (``m x r``, fp32; rank-independent)."""
     bytes_sent: int = 0
     """Bytes this rank put on the wire for these reductions (ring collectives)."""
+    reductions: dict[str, int] = field(default_factory=dict)
+    """How many times each parameter's gradient was reduced (PowerSGD's synchronous warm-up)."""
+    unseen_reductions: int = 0
+    """The count of a parameter missing from ``reductions`` (after loading a state saved before
+    the count was kept: past any warm-up)."""
+
+    def reduced(self, name: str) -> int:
+        """How many times ``name``'s gradient was reduced so far."""
+        return self.reductions.get(name, self.unseen_reductions)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing to carry: no residual, no ``Q`` and no reduction counted yet."""
+        return not (self.residuals or self.q or self.reductions)
 
     def residual(self, name: str, like: torch.Tensor) -> torch.Tensor:
         r = self.residuals.get(name)
@@ -69,7 +87,8 @@ class FeedbackState:
     def state_dict(self) -> dict[str, Any]:
         return {"compressor": self.compressor,
                 "residuals": {k: v.clone() for k, v in self.residuals.items()},
-                "q": {k: v.clone() for k, v in self.q.items()}}
+                "q": {k: v.clone() for k, v in self.q.items()},
+                "reductions": dict(self.reductions)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("compressor") != self.compressor:
@@ -79,6 +98,8 @@ class FeedbackState:
             )
         self.residuals = {k: v.detach().clone().float() for k, v in state["residuals"].items()}
         self.q = {k: v.detach().clone().float() for k, v in state["q"].items()}
+        self.reductions = {k: int(v) for k, v in state.get("reductions", {}).items()}
+        self.unseen_reductions = 0 if "reductions" in state else _PAST_ANY_WARMUP
 
 
 @dataclass(slots=True)
@@ -89,6 +110,27 @@ class BucketView:
     grad_numel: int
     names: list[str]
     views: list[torch.Tensor]
+
+
+def rename_feedback(state: dict[str, Any], rename: Callable[[str], str | None]) -> dict[str, Any]:
+    """``state`` (a :meth:`FeedbackState.state_dict`) with every per-parameter entry's name
+    replaced by ``rename(name)``, or dropped where it returns ``None``; an entry absent from
+    ``state`` (a state saved before it existed) stays absent."""
+    out = dict(state)
+    for key in PER_PARAMETER_KEYS:
+        if key in state:
+            out[key] = {new: v for k, v in state[key].items() if (new := rename(k)) is not None}
+    return out
+
+
+def merge_feedback(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One state holding the per-parameter entries of ``states`` (disjoint parameter names;
+    the first state's compressor)."""
+    out: dict[str, Any] = {"compressor": states[0]["compressor"]}
+    for key in PER_PARAMETER_KEYS:
+        if any(key in s for s in states):
+            out[key] = {k: v for s in states for k, v in s.get(key, {}).items()}
+    return out
 
 
 def start_bucket_reduction(
@@ -331,7 +373,11 @@ class _Int8Reduction:
 
 class _PowerSGDReduction:
     """Allreduce ``P = M Q`` (with the uncompressed tensors and flags), orthogonalise, allreduce
-    ``Q = M^T P``; ``G_hat = P Q^T``, residual ``M - G_hat / N`` (this rank's share)."""
+    ``Q = M^T P``; ``G_hat = P Q^T``, residual ``M - G_hat / N`` (this rank's share).
+
+    While any of the bucket's parameters has been reduced fewer than ``sync_warmup_steps``
+    times, the whole bucket travels uncompressed (fp32 sum, residuals and ``Q`` untouched); the
+    counts are the same on every rank, so every rank takes the same path."""
 
     def __init__(self, bucket: BucketView, comp: PowerSGDCompressor, state: FeedbackState,
                  pset: ProcessSet, sig: Signature, post_factor: float) -> None:
@@ -342,8 +388,11 @@ class _PowerSGDReduction:
         self.plain: list[int] = []
         p_parts: list[torch.Tensor] = []
         plain_parts: list[torch.Tensor] = []
+        warm = any(state.reduced(name) < comp.sync_warmup_steps for name in bucket.names)
+        for name in bucket.names:
+            state.reductions[name] = state.reduced(name) + 1
         for pos, (name, view) in enumerate(zip(bucket.names, bucket.views, strict=True)):
-            shape = matrix_shape(view.shape, r, comp.min_compress_numel)
+            shape = None if warm else matrix_shape(view.shape, r, comp.min_compress_numel)
             if shape is None:
                 self.plain.append(pos)
                 plain_parts.append(view.reshape(-1).to(torch.float32))
@@ -401,6 +450,9 @@ class _PowerSGDReduction:
             offset += k
         b.flat[b.grad_numel :].copy_(self.buf[offset:])
         return b.flat
+
+
+_PAST_ANY_WARMUP = 2**62
 
 
 def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
