@@ -12,7 +12,8 @@ Run every mode under the same launcher (the shaped-link lab runs it on its names
 Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
 ``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
 32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``localsgd_overlap[:H]``
-(the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``), ``auto``
+(the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``),
+``localsgd_overlap_bf16[:H]`` (the same, the outer gradient in bf16), ``auto``
 (``compression="auto"``: the link probe's choice), ``local`` (no communication; world of one),
 and torch's own for comparison: ``ddp`` (DDP,
 fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
@@ -47,8 +48,8 @@ from bench.lab.workers.common import Window, emit
 
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
-MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "localsgd_overlap", "auto",
-         "local", "ddp", "ddp_powersgd")
+MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "localsgd_overlap",
+         "localsgd_overlap_bf16", "auto", "local", "ddp", "ddp_powersgd")
 
 
 @dataclass
@@ -89,10 +90,10 @@ def parse_mode(mode: str) -> tuple[str, int]:
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
     default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "localsgd_overlap": 32,
-               "ddp_powersgd": 4}.get(name, 0)
+               "localsgd_overlap_bf16": 32, "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
-        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R, localsgd:H, localsgd_int8:H and "
-                         "localsgd_overlap:H take a number >= 1.")
+        raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R and the localsgd*:H modes "
+                         "take a number >= 1.")
     return name, int(num) if num else default
 
 
@@ -193,9 +194,9 @@ def _optimizer(name: str, num: int, net: nn.Module, args: SlowLinkArgs):  # noqa
     inner = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     if name in ("local", "ddp", "ddp_powersgd"):
         return inner
-    if name in ("localsgd", "localsgd_int8", "localsgd_overlap"):
-        outer_wire = "int8" if name == "localsgd_int8" else None
-        overlap = max(1, num // 4) if name == "localsgd_overlap" and num > 1 else 0
+    if name.startswith("localsgd"):
+        outer_wire = {"localsgd_int8": "int8", "localsgd_overlap_bf16": "bf16"}.get(name)
+        overlap = max(1, num // 4) if name.startswith("localsgd_overlap") and num > 1 else 0
         return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire, outer_lr=args.outer_lr,
                             outer_momentum=args.outer_momentum, overlap_steps=overlap)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from bench.lab.net import LinkMeasure
 from bench.lab.records import Summary, parse, summarise, wire_efficiency
 from bench.lab.slow_link import report
+from hvd_trainer.comm.ops.compression import DEFAULT_POWERSGD_WARMUP_STEPS
 from hvd_trainer.comm.reduce.auto import DEFAULT_MEASURE_STEPS, DEFAULT_SKIP_STEPS
 from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
 from tests.e2e.hvdrun_helpers import clean_env
@@ -53,6 +54,8 @@ class LabArgs:
     """A known target val_loss (0: run ``sync`` and ``ddp`` to find it)."""
     slow_link_max_factor: float = 2.0
     """The other modes stop at the target or after this many times ``slow_link_steps``."""
+    local_steps_modes: tuple[str, ...] = ("localsgd:32", "localsgd_overlap:32")
+    """Modes of ``local_steps``; the first is the one the others are compared with."""
     slow_link_outer: tuple[float, float] = (1.0, 0.0)
     """Outer lr and momentum of the local-steps modes. Plain averaging by default: from scratch
     at this scale DiLoCo's 0.7 / 0.9 lagged (README, "Slow links")."""
@@ -216,15 +219,25 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
 
 
 def _auto(tag: str, launch: _Launcher) -> list[dict]:
-    """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s. Across
-    hosts auto runs plain for its first ``DECIDES_AT`` steps while it times them; they are added
-    to ``--warmup`` (for both modes), so the timed steps run what it chose."""
+    """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s, the median
+    of each mode and of the per-round ratios with their spread. Across hosts auto runs plain for
+    its first ``DECIDES_AT`` steps while it times them, and a chosen PowerSGD runs
+    ``DEFAULT_POWERSGD_WARMUP_STEPS`` fp32 steps after that (its synchronous warm-up); both are
+    added to ``--warmup`` (for both modes), so the timed steps run what it chose, past its start."""
     args, recs = launch.args, []
-    common = _common(replace(args, warmup=args.warmup + DECIDES_AT))
+    common = _common(replace(args, warmup=args.warmup + DECIDES_AT + DEFAULT_POWERSGD_WARMUP_STEPS))
     worker = ["bench.slow_link_training", "--model", "gpt", *common]
     for r in range(args.rounds):
         for mode in ("sync", "auto"):
-            recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
+            new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
+            recs += [{**rec, "round": r} for rec in new]
+    rate: dict[tuple[str, int], float] = {}
+    for rec in recs:  # the slowest rank's seconds per step, per (mode, round)
+        key = (rec["mode"], rec["round"])
+        rate[key] = max(rate.get(key, 0.0), rec["seconds"] / rec["steps"])
+    per_round = [rate[("sync", r)] / rate[("auto", r)] for r in range(args.rounds)]
+    print(f"RATIO {tag}_auto_vs_sync_per_round median={statistics.median(per_round):.3f} "
+          f"spread={min(per_round):.3f}-{max(per_round):.3f} rounds={args.rounds}", flush=True)
     s = summarise(recs)
     chosen = sorted({r.get("compression") for r in recs if r["mode"] == "auto"} - {None})
     print(f"AUTO {tag} compression=auto chose {', '.join(chosen) or '?'}", flush=True)
@@ -237,14 +250,12 @@ def _auto(tag: str, launch: _Launcher) -> list[dict]:
     return recs
 
 
-LOCAL_STEPS_MODES = ("localsgd:32", "localsgd_overlap:32")
-
-
 def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
-    """Compute utilisation of local steps, blocking vs hidden outer step (``H=32``,
-    ``overlap_steps=8``), on the CNN and the GPT model: the step time of ``local`` (the same script
-    with no communication, run on every host at once) over the mode's, per interleaved round;
-    median and spread over the rounds. The window (``--steps`` after ``--warmup``) ends with a
+    """Compute utilisation of the local-steps modes (``--local-steps-modes``; by default
+    blocking vs hidden outer step, ``H=32``, ``overlap_steps=8``), on the CNN and the GPT model:
+    the step time of ``local`` (the same script with no communication, run on every host at
+    once) over the mode's, per interleaved round; median and spread over the rounds, and each
+    mode's utilisation over the first mode's. The window (``--steps`` after ``--warmup``) ends with a
     blocking outer step. The library's synchronous warm-up (``DEFAULT_SYNC_WARMUP_STEPS``, the
     modes' default) is added to ``--warmup``, outside the window: the figure is the steady
     state of local steps, not their start."""
@@ -253,7 +264,7 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     for model in ("cnn", "gpt"):
         worker = ["bench.slow_link_training", "--model", model, *common]
         for r in range(args.rounds):
-            for mode in (*LOCAL_STEPS_MODES, "local"):
+            for mode in (*args.local_steps_modes, "local"):
                 new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
                 recs += [{**rec, "round": r} for rec in new]
     step_s: dict[tuple[str, str, int], float] = {}
@@ -263,7 +274,7 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     for model in ("cnn", "gpt"):
         w = f"slow_link_{model}"
         util = {m: [step_s[(w, "local", r)] / step_s[(w, m, r)] for r in range(args.rounds)]
-                for m in LOCAL_STEPS_MODES}
+                for m in args.local_steps_modes}
         for mode, values in util.items():
             steps = [step_s[(w, mode, r)] for r in range(args.rounds)]
             print(f"STEP {tag} local_steps {model} {mode} step_s={statistics.median(steps):.4f} local_step_s="
@@ -272,9 +283,12 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
             print(f"RATIO {tag}_local_steps_{model}_{mode.replace(':', '')}_utilisation="
                   f"{statistics.median(values):.3f} spread={min(values):.3f}-{max(values):.3f} "
                   f"rounds={args.rounds}", flush=True)
-        gain = [a / b for a, b in zip(util[LOCAL_STEPS_MODES[1]], util[LOCAL_STEPS_MODES[0]], strict=True)]
-        print(f"RATIO {tag}_local_steps_{model}_overlap_vs_blocking={statistics.median(gain):.3f} "
-              f"spread={min(gain):.3f}-{max(gain):.3f} rounds={args.rounds}", flush=True)
+        first = args.local_steps_modes[0]
+        for mode in args.local_steps_modes[1:]:
+            gain = [a / b for a, b in zip(util[mode], util[first], strict=True)]
+            print(f"RATIO {tag}_local_steps_{model}_{mode.replace(':', '')}_vs_{first.replace(':', '')}="
+                  f"{statistics.median(gain):.3f} spread={min(gain):.3f}-{max(gain):.3f} "
+                  f"rounds={args.rounds}", flush=True)
     return recs
 
 
