@@ -11,6 +11,7 @@ import torch
 import hvd_trainer.comm as comm
 from hvd_trainer.comm.ops.compression import (
     DEFAULT_POWERSGD_RANK,
+    DEFAULT_POWERSGD_WARMUP_STEPS,
     BF16Compressor,
     Compression,
     CompressionError,
@@ -20,6 +21,7 @@ from hvd_trainer.comm.ops.compression import (
     compression_spellings,
 )
 from hvd_trainer.comm.reduce.auto import decide
+from hvd_trainer.comm.reduce.compressed import FeedbackState, merge_feedback, rename_feedback
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate
 from hvd_trainer.comm.world.world import World
 
@@ -275,3 +277,37 @@ def test_powersgd_default_rank_is_the_one_the_sweep_chose() -> None:
     assert Compression.resolve("powersgd", allow_error_feedback=True).name == "powersgd(rank=16)"
     slow = decide(LinkEstimate(bytes_per_s=2.5e6, latency_s=0.0), 2**22, local_steps=False, compute_s=0.01)
     assert slow.compression.name == "powersgd(rank=16)"
+
+
+def test_powersgd_warms_up_by_default_everywhere_and_refuses_a_bad_count() -> None:
+    """Every way to get PowerSGD (the factory, the strings, auto's choice) starts after the same
+    synchronous warm-up (the README's 3-seed runs: 1.010 of sync with it, 1.039 without)."""
+    assert DEFAULT_POWERSGD_WARMUP_STEPS == 128
+    slow = decide(LinkEstimate(bytes_per_s=2.5e6, latency_s=0.0), 2**22, local_steps=False, compute_s=0.01)
+    for comp in (Compression.powersgd(), Compression.resolve("powersgd:4", allow_error_feedback=True),
+                 slow.compression):
+        assert comp.sync_warmup_steps == DEFAULT_POWERSGD_WARMUP_STEPS
+    assert Compression.powersgd(sync_warmup_steps=0).sync_warmup_steps == 0
+    assert Compression.powersgd(sync_warmup_steps=0) != Compression.powersgd()
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(CompressionError, match="sync_warmup_steps=.* must be an int >= 0"):
+            Compression.powersgd(sync_warmup_steps=bad)
+
+
+def test_a_feedback_state_saved_before_the_warm_up_count_resumes_past_the_warm_up() -> None:
+    """A PowerSGD state from before the count existed (no ``"reductions"``) was past any warm-up;
+    it stays so through the state-dict round trips the front ends make (rename, merge)."""
+    old = {"compressor": "powersgd(rank=2)", "residuals": {"w": torch.ones(2)}, "q": {}}
+    state = FeedbackState("powersgd(rank=2)")
+    state.load_state_dict(old)
+    assert state.reduced("w") >= 2**40
+    for saved in (rename_feedback(state.state_dict(), lambda k: k), merge_feedback([state.state_dict()])):
+        again = FeedbackState("powersgd(rank=2)")
+        again.load_state_dict(saved)
+        assert again.reduced("w") == state.reduced("w") and again.reduced("new") == state.reduced("new")
+    fresh = FeedbackState("powersgd(rank=2)")
+    assert fresh.reduced("w") == 0 and fresh.empty
+    fresh.reductions["w"] = 3
+    kept = FeedbackState("powersgd(rank=2)")
+    kept.load_state_dict(rename_feedback(fresh.state_dict(), lambda k: None if k == "x" else k))
+    assert kept.reduced("w") == 3 and kept.reduced("other") == 0 and not kept.empty

@@ -97,7 +97,8 @@ def test_keras_optimizer_accepts_every_compression_form(result: dict) -> None:
 
 
 def test_keras_optimizer_error_feedback_state_api(result: dict) -> None:
-    assert result["state"] == {"int8": {"compressor": "int8", "residuals": {}, "q": {}, "reductions": {}},
+    assert result["state"] == {"int8": {"compressor": "int8", "residuals": {}, "q": {}, "reductions": {},
+                                        "unseen_reductions": 0},
                                "fp16": None}
     bad = result["state_bad"]
     assert bad["stateless"][0] == "DistributedOptimizerError"

@@ -88,7 +88,7 @@ class FeedbackState:
         return {"compressor": self.compressor,
                 "residuals": {k: v.clone() for k, v in self.residuals.items()},
                 "q": {k: v.clone() for k, v in self.q.items()},
-                "reductions": dict(self.reductions)}
+                "reductions": dict(self.reductions), "unseen_reductions": self.unseen_reductions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("compressor") != self.compressor:
@@ -99,7 +99,8 @@ class FeedbackState:
         self.residuals = {k: v.detach().clone().float() for k, v in state["residuals"].items()}
         self.q = {k: v.detach().clone().float() for k, v in state["q"].items()}
         self.reductions = {k: int(v) for k, v in state.get("reductions", {}).items()}
-        self.unseen_reductions = 0 if "reductions" in state else _PAST_ANY_WARMUP
+        self.unseen_reductions = int(state.get("unseen_reductions", 0)) if "reductions" in state \
+            else _PAST_ANY_WARMUP
 
 
 @dataclass(slots=True)
@@ -127,6 +128,8 @@ def merge_feedback(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One state holding the per-parameter entries of ``states`` (disjoint parameter names;
     the first state's compressor)."""
     out: dict[str, Any] = {"compressor": states[0]["compressor"]}
+    if "unseen_reductions" in states[0]:
+        out["unseen_reductions"] = states[0]["unseen_reductions"]
     for key in PER_PARAMETER_KEYS:
         if any(key in s for s in states):
             out[key] = {k: v for s in states for k, v in s.get(key, {}).items()}
