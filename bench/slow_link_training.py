@@ -13,7 +13,9 @@ Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``
 ``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
 32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``localsgd_overlap[:H]``
 (the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``),
-``localsgd_overlap_bf16[:H]`` (the same, the outer gradient in bf16), ``auto``
+``localsgd_overlap_bf16[:H]`` (the same, the outer gradient in bf16), ``localsgd_stream[:H]``
+(Streaming DiLoCo: 4 parts, one part's outer step every ``H / 4`` steps, hidden behind
+``H / 8``: ``fragments=4, overlap_steps=H // 8``), ``auto``
 (``compression="auto"``: the link probe's choice), ``local`` (no communication; world of one),
 and torch's own for comparison: ``ddp`` (DDP,
 fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
@@ -49,7 +51,7 @@ from bench.lab.workers.common import Window, emit
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
 MODES = ("sync", "bf16", "int8", "powersgd", "localsgd", "localsgd_int8", "localsgd_overlap",
-         "localsgd_overlap_bf16", "auto", "local", "ddp", "ddp_powersgd")
+         "localsgd_overlap_bf16", "localsgd_stream", "auto", "local", "ddp", "ddp_powersgd")
 
 
 @dataclass
@@ -78,6 +80,9 @@ class SlowLinkArgs:
     val_loss is at most this (0: run every step)."""
     min_steps: int = 0
 
+STREAM_FRAGMENTS = 4
+"""``localsgd_stream``'s parts (``fragments``)."""
+
 
 def parse_mode(mode: str) -> tuple[str, int]:
     """``"powersgd:4"`` -> ``("powersgd", 4)``; the number defaults to 4 (PowerSGD's rank) or 32
@@ -90,7 +95,7 @@ def parse_mode(mode: str) -> tuple[str, int]:
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
     default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "localsgd_overlap": 32,
-               "localsgd_overlap_bf16": 32, "ddp_powersgd": 4}.get(name, 0)
+               "localsgd_overlap_bf16": 32, "localsgd_stream": 32, "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
         raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R and the localsgd*:H modes "
                          "take a number >= 1.")
@@ -197,8 +202,11 @@ def _optimizer(name: str, num: int, net: nn.Module, args: SlowLinkArgs):  # noqa
     if name.startswith("localsgd"):
         outer_wire = {"localsgd_int8": "int8", "localsgd_overlap_bf16": "bf16"}.get(name)
         overlap = max(1, num // 4) if name.startswith("localsgd_overlap") and num > 1 else 0
+        fragments = STREAM_FRAGMENTS if name == "localsgd_stream" else 1
+        if fragments > 1:  # one part's step every num / 4 steps, hidden behind num / 8
+            overlap = num // (2 * fragments)
         return hvd.LocalSGD(inner, net, sync_every=num, compression=outer_wire, outer_lr=args.outer_lr,
-                            outer_momentum=args.outer_momentum, overlap_steps=overlap)
+                            outer_momentum=args.outer_momentum, overlap_steps=overlap, fragments=fragments)
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     compression = {"sync": None, "bf16": "bf16", "int8": "int8", "powersgd": f"powersgd:{num}",
                    "auto": "auto"}[name]

@@ -170,6 +170,12 @@ class _HorovodStrategyLogic:
             while training goes on (``0 <= n < sync_every``; 0, the default, blocks at every
             outer step); each rank then loads the new anchor plus its own progress since the
             launch (:mod:`hvd_trainer.comm.reduce.localsgd.outer`). Not with ``compression="int8"``.
+            With ``outer_fragments``: ``n < sync_every / outer_fragments``.
+        outer_fragments: with ``sync_every``: parts of the parameters (consecutive, of about
+            equal size) with outer steps of their own, one part's launched every ``sync_every /
+            outer_fragments`` optimizer steps, so each outer reduction moves ``1/outer_fragments``
+            of the bytes (Streaming DiLoCo; :mod:`hvd_trainer.comm.reduce.localsgd.outer`). Must
+            divide ``sync_every``; 1 (the default): all at once. Not with ``sync_every="auto"``.
         sync_warmup_steps: with ``sync_every``: optimizer steps at the start of training each
             followed by an average of the parameters, before local steps begin (``None``:
             128; 0: none, e.g. when fine-tuning; the synchronous warm-up of
@@ -238,6 +244,7 @@ class _HorovodStrategyLogic:
         outer_momentum: float = 0.9,
         outer_nesterov: bool = True,
         outer_overlap_steps: int = 0,
+        outer_fragments: int = 1,
         sync_warmup_steps: int | None = None,
         zero_stage: int = 0,
         zero_overlap_exchange: bool = False,
@@ -274,8 +281,14 @@ class _HorovodStrategyLogic:
         self._elastic: ElasticFit | None = None
         self._outer_args = {"outer_lr": outer_lr, "outer_momentum": outer_momentum,
                             "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps,
-                            "sync_warmup_steps": sync_warmup_steps}
+                            "fragments": outer_fragments, "sync_warmup_steps": sync_warmup_steps}
         """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
+        if self._auto["sync_every"] and outer_fragments != 1:
+            raise StrategyConfigError(
+                f"outer_fragments={outer_fragments!r} with sync_every='auto': the parts must divide a "
+                "period auto has not chosen yet. HINT: give sync_every (e.g. sync_every=32, "
+                "outer_fragments=4), or leave outer_fragments=1 with 'auto'."
+            )
         if self._auto["sync_every"]:
             # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
             _local_config(int(outer_overlap_steps) + 1 if isinstance(outer_overlap_steps, int) else 1,
@@ -1048,7 +1061,7 @@ def _unwrap(optimizer: Any) -> Any:
 
 
 def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
-                  overlap_steps: int, sync_warmup_steps: int | None,
+                  overlap_steps: int, fragments: int, sync_warmup_steps: int | None,
                   compression: Compressor) -> LocalSGDConfig | None:
     """The local-steps config (``None`` without ``sync_every``); the outer gradient travels in
     ``compression``. Raises StrategyConfigError for a bad combination."""
@@ -1057,13 +1070,14 @@ def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float
     try:
         return LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
                               nesterov=bool(nesterov), compression=compression, overlap_steps=overlap_steps,
-                              sync_warmup_steps=sync_warmup_steps)
+                              fragments=fragments, sync_warmup_steps=sync_warmup_steps)
     except LocalSGDConfigError as exc:
         raise StrategyConfigError(str(exc)) from None
 
 
 _OUTER_DEFAULTS = {"outer_lr": ("outer_lr", 0.7), "outer_momentum": ("outer_momentum", 0.9),
                    "nesterov": ("outer_nesterov", True), "overlap_steps": ("outer_overlap_steps", 0),
+                   "fragments": ("outer_fragments", 1),
                    "sync_warmup_steps": ("sync_warmup_steps", None)}
 """Each outer-loop argument's ``__init__`` name and default, by its ``LocalSGDConfig`` name."""
 

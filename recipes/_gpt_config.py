@@ -55,6 +55,9 @@ class TrainerConfig:
     outer_overlap_steps: int = 0
     """Steps the outer gradient's allreduce may stay on the wire while training goes on (local
     steps; 0: blocking)."""
+    outer_fragments: int = 1
+    """Local steps: parts of the parameters with outer steps of their own, one part's every
+    sync_every / outer_fragments steps (Streaming DiLoCo; 1: all at once)."""
     sync_warmup_steps: int = -1
     """Local steps: optimizer steps at the start each followed by an average of the parameters,
     before local steps begin (-1: the library's default, 128; 0: none)."""

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 __all__ = ["SLOW_LINK_KEYS_DOC", "build_strategy", "check_slow_link_keys"]
 
 SLOW_LINK_KEYS_DOC = ("trainer.sync_every, trainer.outer_lr, trainer.outer_momentum, "
-                      "trainer.outer_overlap_steps, trainer.sync_warmup_steps, trainer.compression")
+                      "trainer.outer_overlap_steps, trainer.outer_fragments, trainer.sync_warmup_steps, "
+                      "trainer.compression")
 
 
-_OUTER_KEYS = ("outer_lr", "outer_momentum", "outer_overlap_steps", "sync_warmup_steps")
+_OUTER_KEYS = ("outer_lr", "outer_momentum", "outer_overlap_steps", "outer_fragments", "sync_warmup_steps")
 """The keys of the outer loop, which runs only with local steps."""
 
 
@@ -66,7 +67,7 @@ def build_strategy(cfg: Any) -> str | HorovodStrategy:
 
     return HorovodStrategy(
         sync_every=cfg.sync_every or None, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        outer_overlap_steps=cfg.outer_overlap_steps,
+        outer_overlap_steps=cfg.outer_overlap_steps, outer_fragments=cfg.outer_fragments,
         sync_warmup_steps=None if cfg.sync_warmup_steps == -1 else cfg.sync_warmup_steps,
         compression=cfg.compression, zero_stage=zero_stage,
         zero_overlap_exchange=getattr(cfg, "zero_overlap_exchange", False),

@@ -72,7 +72,13 @@ class LocalSGD(torch.optim.Optimizer):
             training goes on (``0 <= overlap_steps < sync_every``; 0, the default, blocks at
             every outer step). Each rank then loads the new anchor plus its own progress since
             the launch (the "hidden outer step" of :mod:`hvd_trainer.comm.reduce.localsgd.outer`);
-            not with ``compression="int8"``.
+            not with ``compression="int8"``. With ``fragments``: ``overlap_steps <
+            sync_every / fragments``.
+        fragments: parts of the parameters (consecutive, of about equal size) with outer steps
+            of their own, one part's launched every ``sync_every / fragments`` steps, so each
+            outer reduction moves ``1/fragments`` of the bytes (Streaming DiLoCo; the module
+            :mod:`hvd_trainer.comm.reduce.localsgd.outer`). Must divide ``sync_every``; 1 (the
+            default): all parameters at once. Not with ``sync_every="auto"``.
         sync_warmup_steps: steps at the start each followed by an average of the parameters,
             before local steps begin (``None``: 128; 0: none, e.g. when
             fine-tuning a trained model; the synchronous warm-up of
@@ -97,6 +103,7 @@ class LocalSGD(torch.optim.Optimizer):
         *,
         compression: Compressor | type[Compressor] | str | None = Compression.none,
         overlap_steps: int = 0,
+        fragments: int = 1,
         sync_warmup_steps: int | None = None,
         process_set: ProcessSet | None = None,
         world: World | None = None,
@@ -110,11 +117,17 @@ class LocalSGD(torch.optim.Optimizer):
         self._grad_compression: Compressor | None = None  # set: synchronous steps (auto)
         self._sync_bytes = 0
         auto = sync_every == AUTO
+        if auto and fragments != 1:
+            raise LocalSGDConfigError(
+                f"fragments={fragments!r} with sync_every='auto': the parts must divide a period "
+                "auto has not chosen yet. HINT: give sync_every (e.g. sync_every=32, fragments=4), "
+                "or leave fragments=1 with 'auto'."
+            )
         # with "auto" the outer settings are checked now, with an H the overlap fits in
         placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
         config = LocalSGDConfig(sync_every=placeholder if auto else sync_every, outer_lr=outer_lr,
                                 outer_momentum=outer_momentum, nesterov=nesterov, compression=compression,
-                                overlap_steps=overlap_steps,
+                                overlap_steps=overlap_steps, fragments=fragments,
                                 sync_warmup_steps=sync_warmup_steps)
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]

@@ -194,13 +194,13 @@ def test_int8_outer_gradient_equals_reference_and_counts_its_bytes() -> None:
         assert a == b
 
 
-def _train_overlapped(steps: int, h: int, tau: int) -> dict:
+def _train_overlapped(steps: int, h: int, tau: int, fragments: int = 1) -> dict:
     import hvd_trainer as hvd
 
     rank = hvd.rank()
     model = _model()
     opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=h, overlap_steps=tau,
-                       sync_warmup_steps=0)
+                       fragments=fragments, sync_warmup_steps=0)
     seen = []
     for step in range(steps):
         opt.zero_grad()
@@ -208,9 +208,13 @@ def _train_overlapped(steps: int, h: int, tau: int) -> dict:
         opt.step()
         seen.append((opt.outer.in_flight, opt.outer.outer_steps))
     before_sync = _flat(model).tolist()
-    opt.sync()
-    return {"before_sync": before_sync, "final": _flat(model).tolist(), "seen": seen,
-            "outer_steps": opt.outer.outer_steps}
+    unsettled = opt.outer.unsettled
+    opt.settle()
+    after_settle = _flat(model).tolist()
+    opt.settle()  # nothing left to reduce: must not move the parameters (outer momentum)
+    return {"before_sync": before_sync, "final": after_settle, "seen": seen, "unsettled": unsettled,
+            "outer_steps": opt.outer.outer_steps, "parts": opt.outer.parts,
+            "settled_twice": _flat(model).tolist() == after_settle}
 
 
 def _settle_after_a_launch(steps: int, h: int, tau: int) -> dict:
@@ -240,11 +244,14 @@ def test_settle_finishes_an_outer_step_launched_at_the_last_step_without_another
     assert results[0]["final"] == results[1]["final"]
 
 
-def _overlapped_reference(steps: int, h: int, tau: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _overlapped_reference(steps: int, h: int, tau: int, parts: list[list[int]] | None = None  # noqa: C901
+                          ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The hidden outer step by hand in one process (two replicas, Adam inside, outer Nesterov
     SGD 0.7 / 0.9): after inner step ``h`` the mean of (anchor - replica) is taken and each
     replica's parameters are kept; ``tau`` inner steps later the anchor steps and each replica
     becomes anchor + (its parameters now - those kept). Then a final blocking outer step.
+    ``parts`` (Streaming DiLoCo's fragments, parameter indices): the same per part, part ``k``
+    of ``F`` launched after every ``h / F`` steps in turn, the others untouched.
     Returns each replica's parameters before the final step, and the parameters after it."""
     lr, mu = 0.7, 0.9
     replicas = [_model(), _model()]
@@ -252,18 +259,27 @@ def _overlapped_reference(steps: int, h: int, tau: int) -> tuple[list[torch.Tens
     anchor = [p.detach().clone() for p in replicas[0].parameters()]
     buf = [torch.zeros_like(a) for a in anchor]
 
-    def mean_delta() -> list[torch.Tensor]:
-        flat = [torch.cat([(a - p).reshape(-1) for a, p in zip(anchor, m.parameters(), strict=True)])
-                for m in replicas]
-        return [d.view_as(a) for d, a in zip(((flat[0] + flat[1]) / 2).split(
-            [a.numel() for a in anchor]), anchor, strict=True)]
+    everything = list(range(len(anchor)))
+    parts = parts or [everything]
 
-    def outer_step(delta: list[torch.Tensor]) -> None:
-        for i, a in enumerate(anchor):
-            buf[i] = mu * buf[i] + delta[i]
-            a -= lr * (delta[i] + mu * buf[i])
+    def mean_delta(part: list[int]) -> dict[int, torch.Tensor]:
+        params = [list(m.parameters()) for m in replicas]
+        return {i: ((anchor[i] - params[0][i]) + (anchor[i] - params[1][i])) / 2 for i in part}
 
-    launched = None  # (mean delta, each replica's parameters at the launch, inner steps since)
+    def outer_step(delta: dict[int, torch.Tensor]) -> None:
+        for i, d in delta.items():
+            buf[i] = mu * buf[i] + d
+            anchor[i] -= lr * (d + mu * buf[i])
+
+    def finish(delta: dict[int, torch.Tensor], kept: list[list[torch.Tensor]]) -> None:
+        outer_step(delta)
+        for m, mine in zip(replicas, kept, strict=True):
+            params = list(m.parameters())
+            for i in delta:
+                params[i].add_(anchor[i] - mine[i])
+
+    launched = None  # (mean delta by index, each replica's parameters at the launch, steps since)
+    launches = 0
     for step in range(steps):
         for rank, (m, o) in enumerate(zip(replicas, inners, strict=True)):
             o.zero_grad()
@@ -273,17 +289,16 @@ def _overlapped_reference(steps: int, h: int, tau: int) -> tuple[list[torch.Tens
             if launched is not None:
                 launched[2] += 1
                 if launched[2] == tau:
-                    outer_step(launched[0])
-                    for m, kept in zip(replicas, launched[1], strict=True):
-                        for p, a, k in zip(m.parameters(), anchor, kept, strict=True):
-                            p.add_(a - k)
+                    finish(*launched[:2])
                     launched = None
-            if (step + 1) % h == 0:
-                launched = [mean_delta(), [[p.clone() for p in m.parameters()] for m in replicas], 0]
+            if (step + 1) % (h // len(parts)) == 0:
+                part = parts[launches % len(parts)]
+                launches += 1
+                launched = [mean_delta(part), [[p.clone() for p in m.parameters()] for m in replicas], 0]
     assert launched is None, "end the reference on a finished outer step"
     before = [_flat(m) for m in replicas]
     with torch.no_grad():
-        outer_step(mean_delta())
+        outer_step(mean_delta(everything))
     return before, torch.cat([a.reshape(-1) for a in anchor])
 
 
@@ -297,18 +312,38 @@ def test_a_hidden_outer_step_equals_the_delayed_reference_and_sync_makes_ranks_e
         # in flight from the launch until tau inner steps later, never blocking the launch step
         assert [f for f, _ in r["seen"]] == [s % h in (0, 1) and s >= h for s in range(1, steps + 1)]
         assert r["seen"][h - 1] == (True, 0) and r["seen"][h + tau - 1] == (False, 1)
-        assert r["outer_steps"] == steps // h + 1
+        assert r["outer_steps"] == steps // h + 1 and r["unsettled"] and r["settled_twice"]
         torch.testing.assert_close(torch.tensor(r["before_sync"]), before[rank], atol=1e-6, rtol=0)
         torch.testing.assert_close(torch.tensor(r["final"]), final, atol=1e-6, rtol=0)
-    assert results[0]["final"] == results[1]["final"]  # bit-identical after sync()
+    assert results[0]["final"] == results[1]["final"]  # bit-identical after settle()
 
 
-def _resume(save_at: int, more: int, warmup: int) -> tuple[torch.Tensor, torch.Tensor]:
+@pytest.mark.timeout(120)
+def test_fragments_step_their_parts_in_turn_and_equal_the_streaming_reference() -> None:
+    """Streaming DiLoCo's fragments: 2 parts (the first weight, 35 values; the rest, 31),
+    ``H=4``: one part's outer step launched every 2 steps, finished 1 step later."""
+    steps, h, tau, fragments = 13, 4, 1, 2  # launches after 2, 4, ..., 12; each finished 1 later
+    parts = [[0], [1, 2, 3]]
+    results = run_workers(_train_overlapped, WORLD, args=(steps, h, tau, fragments))
+    before, final = _overlapped_reference(steps, h, tau, parts)
+    whole_before, _ = _overlapped_reference(steps, h, tau)
+    assert not torch.allclose(before[0], whole_before[0], atol=1e-4)  # the parts change the result
+    for rank, r in enumerate(results):
+        assert r["parts"] == parts
+        assert [f for f, _ in r["seen"]] == [s % 2 == 0 for s in range(1, steps + 1)]
+        assert r["outer_steps"] == steps // 2 + 1 and r["unsettled"] and r["settled_twice"]
+        torch.testing.assert_close(torch.tensor(r["before_sync"]), before[rank], atol=1e-6, rtol=0)
+        torch.testing.assert_close(torch.tensor(r["final"]), final, atol=1e-6, rtol=0)
+    assert results[0]["final"] == results[1]["final"]  # bit-identical after settle()
+
+
+def _resume(save_at: int, more: int, warmup: int, fragments: int) -> tuple[torch.Tensor, torch.Tensor]:
     import hvd_trainer as hvd
 
     rank = hvd.rank()
     model = _model()
-    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=4, sync_warmup_steps=warmup)
+    opt = hvd.LocalSGD(INNER["adam"](model.parameters()), model, sync_every=4, sync_warmup_steps=warmup,
+                       fragments=fragments)
 
     def train(m: torch.nn.Module, o: torch.optim.Optimizer, first: int, n: int) -> None:
         for step in range(first, first + n):
@@ -320,7 +355,7 @@ def _resume(save_at: int, more: int, warmup: int) -> tuple[torch.Tensor, torch.T
     saved_model = copy.deepcopy(model.state_dict())
     saved_opt = copy.deepcopy(opt.state_dict())
     assert set(saved_opt) == {"inner", "outer"}
-    assert saved_opt["outer"]["inner_steps"] == max(0, save_at - warmup) % 4
+    assert saved_opt["outer"]["inner_steps"] == max(0, save_at - warmup) % (4 // fragments)
     assert saved_opt["outer"]["warmup_left"] == max(0, warmup - save_at)
     train(model, opt, save_at, more)
     straight = _flat(model)
@@ -329,7 +364,8 @@ def _resume(save_at: int, more: int, warmup: int) -> tuple[torch.Tensor, torch.T
     with torch.no_grad():
         for p in model2.parameters():
             p.mul_(3.0)  # anything: the checkpoint overwrites it
-    opt2 = hvd.LocalSGD(INNER["adam"](model2.parameters()), model2, sync_every=4, sync_warmup_steps=warmup)
+    opt2 = hvd.LocalSGD(INNER["adam"](model2.parameters()), model2, sync_every=4, sync_warmup_steps=warmup,
+                        fragments=fragments)
     model2.load_state_dict(saved_model)
     opt2.load_state_dict(saved_opt)
     train(model2, opt2, save_at, more)
@@ -337,9 +373,11 @@ def _resume(save_at: int, more: int, warmup: int) -> tuple[torch.Tensor, torch.T
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("warmup", [0, 8])  # saved mid-period; saved mid-warm-up
-def test_state_dict_resumes_bit_identically_mid_period(warmup: int) -> None:
-    for straight, resumed in run_workers(_resume, WORLD, args=(6, 7, warmup)):
+@pytest.mark.parametrize(("warmup", "fragments"), [(0, 1), (8, 1), (0, 2)])
+def test_state_dict_resumes_bit_identically_mid_period(warmup: int, fragments: int) -> None:
+    """Saved mid-period; mid-warm-up; with 2 parts after the first part's step (the second next)."""
+    save_at = 6 if fragments == 1 else 3
+    for straight, resumed in run_workers(_resume, WORLD, args=(save_at, 7, warmup, fragments)):
         assert straight == resumed
 
 
@@ -351,9 +389,37 @@ def test_invalid_settings_raise_with_a_hint() -> None:
                 {"sync_every": 2, "compression": "powersgd:2"}, {"sync_every": 2, "overlap_steps": 2},
                 {"sync_every": 2, "overlap_steps": -1}, {"sync_every": 4, "overlap_steps": 1,
                                                           "compression": "int8"},
-                {"sync_every": 2, "sync_warmup_steps": -1}, {"sync_every": 2, "sync_warmup_steps": 1.5}):
+                {"sync_every": 2, "sync_warmup_steps": -1}, {"sync_every": 2, "sync_warmup_steps": 1.5},
+                {"sync_every": 4, "fragments": 3}, {"sync_every": 4, "fragments": 0},
+                {"sync_every": 4, "fragments": 2, "overlap_steps": 2}):
         with pytest.raises(LocalSGDConfigError, match="HINT"):
             LocalSGDConfig(**bad)
+    within = r"overlap_steps=2 must be an int in \[0, sync_every / fragments=2\)"
+    with pytest.raises(LocalSGDConfigError, match=within):
+        LocalSGDConfig(sync_every=4, fragments=2, overlap_steps=2)
+
+
+def _refusals() -> dict:
+    import hvd_trainer as hvd
+    from hvd_trainer.comm.reduce.localsgd import LocalSGDConfigError
+
+    out = {}
+    for key, kwargs in {"auto": {"sync_every": "auto", "fragments": 2},
+                        "more_parts_than_parameters": {"sync_every": 8, "fragments": 8}}.items():
+        model = _model()  # 4 parameters
+        try:
+            hvd.LocalSGD(INNER["sgd"](model.parameters()), model, **kwargs)
+            out[key] = None
+        except LocalSGDConfigError as exc:
+            out[key] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_fragments_refused_with_auto_and_beyond_the_parameter_count() -> None:
+    for r in run_workers(_refusals, WORLD):
+        assert "fragments=2 with sync_every='auto'" in r["auto"] and "HINT" in r["auto"]
+        assert "fragments=8 for 4 floating-point parameters" in r["more_parts_than_parameters"]
 
 
 def _train_auto(steps: int) -> dict:

@@ -193,6 +193,13 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
         HorovodStrategy(outer_lr=0.5, outer_nesterov=False)
     HorovodStrategy(outer_lr=0.5, compression="auto")  # auto may choose local steps: kept for them
     HorovodStrategy(outer_lr=0.7, outer_momentum=0.9)  # the defaults, spelled out
+    with pytest.raises(StrategyConfigError, match=r"^outer_fragments=2 set without sync_every.*HINT"):
+        HorovodStrategy(outer_fragments=2)
+    with pytest.raises(StrategyConfigError, match=r"outer_fragments=2 with sync_every='auto'.*HINT"):
+        HorovodStrategy(sync_every="auto", outer_fragments=2)
+    with pytest.raises(StrategyConfigError, match=r"fragments=3 must be an int >= 1 that divides"):
+        HorovodStrategy(sync_every=4, outer_fragments=3)
+    assert HorovodStrategy(sync_every=8, outer_fragments=4, outer_overlap_steps=1)._local.fragments == 4
 
 
 def _auto_worker() -> dict[str, Any]:

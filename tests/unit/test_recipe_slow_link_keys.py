@@ -22,12 +22,12 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
     from hvd_trainer.strategy import HorovodStrategy
 
     cfg = module.TrainerConfig(sync_every=16, outer_lr=0.5, outer_momentum=0.8, compression="bf16",
-                               outer_overlap_steps=4)
+                               outer_overlap_steps=3, outer_fragments=4)
     strategy = build_strategy(cfg)
     assert isinstance(strategy, HorovodStrategy)
     local = strategy._local
-    assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov, local.overlap_steps) == \
-        (16, 0.5, 0.8, True, 4)
+    assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov, local.overlap_steps,
+            local.fragments) == (16, 0.5, 0.8, True, 3, 4)
     assert local.compression.name == "bf16"
     assert local.sync_warmup_steps == 128  # the key's -1: the library's default
     off = build_strategy(module.TrainerConfig(sync_every=16, sync_warmup_steps=0))
@@ -35,6 +35,8 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
     assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
     with pytest.raises(ValueError, match=r"trainer.outer_lr=0.5 set without trainer.sync_every.*HINT"):
         module.TrainerConfig(outer_lr=0.5)  # trainer.outer_lr=0.5 alone would change nothing
+    with pytest.raises(ValueError, match=r"trainer.outer_fragments=4 set without trainer.sync_every"):
+        module.TrainerConfig(outer_fragments=4)
     assert module.TrainerConfig(outer_lr=0.5, compression="auto").outer_lr == 0.5  # auto may use it
 
 

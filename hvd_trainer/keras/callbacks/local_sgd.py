@@ -177,7 +177,7 @@ class LocalSGDCallback(keras.callbacks.Callback):
                 self._take_auto(choice)
 
     def on_train_end(self, logs: dict | None = None) -> None:
-        if self._outer is not None and (self._outer.inner_steps or self._outer.in_flight):
+        if self._outer is not None and self._outer.unsettled:
             self._sync(self._outer.settle)  # equal weights on every rank
 
     def state_dict(self) -> dict[str, Any]:

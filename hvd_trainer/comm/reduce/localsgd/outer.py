@@ -43,6 +43,15 @@ launch is ``H`` inner steps after this one). The ranks' parameters are equal onl
 more copy of the parameters (``theta_s``, fp32 for narrower floating parameters) while the
 reduction is in flight. ``tau = 0`` is the blocking outer step above.
 
+Fragments (``fragments`` = ``F`` > 1; Streaming DiLoCo, Douillard et al. 2025,
+arXiv:2501.18512, section 2.1): the parameters, in their order, are cut into ``F`` consecutive
+parts of about equal size, and each part has its own outer step, with the anchors, momentum and
+(with ``tau``) the delay above restricted to it. An outer step of one part is launched every
+``H / F`` inner steps, part ``0``, ``1``, ..., ``F - 1`` in turn, so each part is synchronised
+every ``H`` inner steps as before, while one reduction moves ``1/F`` of the bytes: the wire is
+busy evenly instead of in bursts, and a reduction is hidden behind ``tau < H / F`` steps. A full
+:meth:`OuterSync.sync` steps every part at once.
+
 Traffic: one allreduce of the parameters every ``H`` inner steps instead of one of the gradients
 every step (``H`` times fewer bytes at fp32). ``compression=Compression.int8`` quantises the outer
 gradient per block of 256 values (one fp32 scale ``absmax / 127`` each,
@@ -100,7 +109,12 @@ class LocalSGDConfig:
     dtype) or ``Compression.int8`` (block-quantised allgather, no error feedback)."""
     overlap_steps: int = 0
     """Inner steps the outer gradient's reduction may take on the wire while training goes on
-    (``tau`` of the module docstring; ``0 <= tau < sync_every``); 0 blocks at every outer step."""
+    (``tau`` of the module docstring; ``0 <= tau < sync_every / fragments``); 0 blocks at every
+    outer step."""
+    fragments: int = 1
+    """Parts of the parameters with outer steps of their own, one launched every
+    ``sync_every / fragments`` inner steps (``F`` of the module docstring; it must divide
+    ``sync_every``); 1: all parameters at once."""
     sync_warmup_steps: int | None = None
     """Inner steps at the start each followed by a plain average of the parameters, before
     local steps begin (``W`` of the module docstring; ``None``: :data:`DEFAULT_SYNC_WARMUP_STEPS`;
@@ -120,12 +134,22 @@ class LocalSGDConfig:
             )
         self.compression = Compression.resolve(self.compression, error=LocalSGDConfigError,
                                                allow_error_feedback=True)
-        if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) \
-                or not 0 <= self.overlap_steps < self.sync_every:
+        if isinstance(self.fragments, bool) or not isinstance(self.fragments, int) or self.fragments < 1 \
+                or self.sync_every % self.fragments:
             raise LocalSGDConfigError(
-                f"overlap_steps={self.overlap_steps!r} must be an int in [0, sync_every={self.sync_every}) "
-                "(inner steps the outer reduction runs behind). HINT: overlap_steps=sync_every // 4; "
-                "0 blocks at every outer step."
+                f"fragments={self.fragments!r} must be an int >= 1 that divides sync_every={self.sync_every} "
+                "(one part's outer step every sync_every / fragments steps). HINT: fragments=4 with "
+                "sync_every=32; 1 steps all parameters at once."
+            )
+        period = self.sync_every // self.fragments
+        if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) \
+                or not 0 <= self.overlap_steps < period:
+            within = f"sync_every={self.sync_every}" if self.fragments == 1 else \
+                f"sync_every / fragments={period}"
+            raise LocalSGDConfigError(
+                f"overlap_steps={self.overlap_steps!r} must be an int in [0, {within}) "
+                "(inner steps the outer reduction runs behind, finished before the next one is "
+                "launched). HINT: overlap_steps=sync_every // 4; 0 blocks at every outer step."
             )
         if self.sync_warmup_steps is None:
             self.sync_warmup_steps = DEFAULT_SYNC_WARMUP_STEPS
@@ -189,8 +213,20 @@ class OuterSync:
         self.outer = torch.optim.SGD(
             self.anchors, lr=config.outer_lr, momentum=momentum, nesterov=config.nesterov and momentum > 0
         )
+        if config.fragments > len(self.params):
+            raise LocalSGDConfigError(
+                f"fragments={config.fragments} for {len(self.params)} floating-point parameters: "
+                "each part needs one. HINT: fragments=1, or at most the number of parameters."
+            )
+        self.parts = _split_parts([p.numel() for p in self.params], config.fragments)
+        """Indices into :attr:`params` of each part (``fragments`` consecutive runs)."""
+        self.next_part = 0
+        """The part whose outer step is launched next."""
         self.inner_steps = 0
-        """Inner steps since the last outer step."""
+        """Inner steps since the last outer step (of any part) was launched."""
+        self.since_sync = 0
+        """Inner steps since the last outer step of every part at once (:meth:`sync`): with
+        ``fragments``, whether some part holds local progress :meth:`settle` must reduce."""
         self.warmup_left = config.sync_warmup_steps
         """Inner steps still to be averaged one by one (the synchronous warm-up)."""
         self.outer_steps = 0
@@ -210,13 +246,19 @@ class OuterSync:
         warm-up average, an outer step launched, or one finished): a front end whose parameters
         live elsewhere (Keras) copies them in before that call and out after it."""
         steps = self.inner_steps + 1
-        return (self.warmup_left > 0 or steps >= self.config.sync_every
+        return (self.warmup_left > 0 or steps >= self._period
                 or (self._pending is not None and steps >= self.config.overlap_steps))
+
+    @property
+    def _period(self) -> int:
+        """Inner steps between two launches (of consecutive parts)."""
+        return self.config.sync_every // self.config.fragments
 
     def after_inner_step(self) -> bool:
         """Count one inner step; during the synchronous warm-up, average the parameters (a
-        collective); then on every ``sync_every``-th step run the outer step (a collective): at
-        once, or with ``overlap_steps`` launch it and finish it that many inner steps later.
+        collective); then on every ``sync_every``-th step run the outer step (a collective; with
+        ``fragments``, one part's every ``sync_every / fragments`` steps): at once, or with
+        ``overlap_steps`` launch it and finish it that many inner steps later.
 
         Returns:
             Whether the parameters were averaged, or an outer step was launched or ran.
@@ -227,14 +269,16 @@ class OuterSync:
             self._finish(plain=True)
             return True
         self.inner_steps += 1
+        self.since_sync += 1
         if self._pending is not None and self.inner_steps >= self.config.overlap_steps:
             self._finish()
-        if self.inner_steps < self.config.sync_every:
+        if self.inner_steps < self._period:
             return False
-        if self.config.overlap_steps:
-            self._launch(overlap=True)
-        else:
-            self.sync()
+        part = None if self.config.fragments == 1 else self.parts[self.next_part]
+        self.next_part = (self.next_part + 1) % self.config.fragments
+        self._launch(overlap=bool(self.config.overlap_steps), part=part)
+        if not self.config.overlap_steps:
+            self._finish()
         return True
 
     @torch.no_grad()
@@ -245,16 +289,27 @@ class OuterSync:
         self.finish_in_flight()
         self._launch(overlap=False)
         self._finish()
+        self.since_sync = 0
 
     def settle(self) -> None:
         """End of training: make the ranks' parameters equal with the fewest collectives (every
         rank must call it). An outer step launched at the last inner step is finished (the
         parameters become the anchors exactly); inner steps since the last launch get an outer
-        step (:meth:`sync`); nothing to do when neither."""
-        if self._pending is not None and self.inner_steps == 0:
+        step (:meth:`sync`); nothing to do when neither. With ``fragments``, the other parts'
+        local progress since their own outer steps gets one too (:meth:`sync`)."""
+        if not self.unsettled:
+            return
+        if self.config.fragments == 1 and self._pending is not None and self.inner_steps == 0:
             self._finish()
-        elif self._pending is not None or self.inner_steps:
+        else:
             self.sync()
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether :meth:`settle` would communicate: a reduction is in flight, or some
+        parameters hold local progress no outer step has reduced yet."""
+        progress = self.since_sync if self.config.fragments > 1 else self.inner_steps
+        return self._pending is not None or progress > 0
 
     def finish_in_flight(self) -> None:
         """Finish an outer step still on the wire (a collective when one is; no-op otherwise):
@@ -263,14 +318,16 @@ class OuterSync:
             self._finish()
 
     @torch.no_grad()
-    def _launch(self, *, overlap: bool) -> None:
-        """Start averaging ``anchor - param`` over the ranks (int8: done here, blocking);
-        ``overlap``: inner steps follow before :meth:`_finish` (keep the parameters now)."""
-        pairs = list(zip(self.anchors, self.params, strict=True))
-        deltas = [a - p.to(a.dtype) for a, p in pairs]
-        snapshots = [p.detach().to(a.dtype, copy=True) for a, p in pairs] if overlap else None
+    def _launch(self, *, overlap: bool, part: Sequence[int] | None = None) -> None:
+        """Start averaging ``anchor - param`` over the ranks (int8: done here, blocking) for the
+        parameters ``part`` (indices; ``None``: all); ``overlap``: inner steps follow before
+        :meth:`_finish` (keep the parameters now)."""
+        indices = list(range(len(self.params))) if part is None else list(part)
+        deltas = {i: self.anchors[i] - self.params[i].to(self.anchors[i].dtype) for i in indices}
+        snapshots = {i: self.params[i].detach().to(self.anchors[i].dtype, copy=True)
+                     for i in indices} if overlap else None
         groups = []
-        for group in _by_device_dtype(deltas):
+        for group in _by_device_dtype(indices, deltas):
             flat = torch.cat([deltas[i].reshape(-1) for i in group])
             if isinstance(self.config.compression, Int8Compressor) and flat.is_floating_point():
                 groups.append((group, self._int8_average(flat), None))
@@ -280,7 +337,7 @@ class OuterSync:
                                      compression=self.config.compression, kind="outer")
             self.bytes_sent += _ring_bytes(flat, self.config.compression, self._pset.size())
             groups.append((group, flat, handle))
-        self._pending = _InFlight(groups, snapshots)
+        self._pending = _InFlight(indices, groups, snapshots)
         self.inner_steps = 0
 
     @torch.no_grad()
@@ -299,9 +356,10 @@ class OuterSync:
                 else:
                     self.anchors[i].grad = piece.view_as(self.anchors[i])
         if not plain:
-            self.outer.step()
+            self.outer.step()  # torch's SGD skips the anchors without a gradient (other parts)
         snapshots = pending.snapshots
-        for k, (a, p) in enumerate(zip(self.anchors, self.params, strict=True)):
+        for k in pending.indices:
+            a, p = self.anchors[k], self.params[k]
             a.grad = None
             if snapshots is None or self.inner_steps == 0:  # no inner step since the launch
                 p.copy_(a)
@@ -331,6 +389,8 @@ class OuterSync:
             "outer_steps": self.outer_steps,
             "sync_every": self.config.sync_every,
             "warmup_left": self.warmup_left,
+            "next_part": self.next_part,
+            "since_sync": self.since_sync,
         }
 
     @torch.no_grad()
@@ -355,16 +415,19 @@ class OuterSync:
         self.outer_steps = int(state["outer_steps"])
         # a state saved before the warm-up existed was saved past its start: no warm-up again
         self.warmup_left = int(state.get("warmup_left", 0))
+        self.next_part = int(state.get("next_part", 0)) % self.config.fragments
+        self.since_sync = int(state.get("since_sync", self.inner_steps))
 
 
 @dataclass(slots=True)
 class _InFlight:
-    """A launched outer step: per (device, dtype) group of parameter indices, the flat outer
-    gradient being averaged in place and its handle (``None``: averaged already, int8), and the
-    parameters at the launch (``None`` for a blocking step)."""
+    """A launched outer step: the indices of the parameters it covers; per (device, dtype) group
+    of them, the flat outer gradient being averaged in place and its handle (``None``: averaged
+    already, int8); and those parameters at the launch, by index (``None`` for a blocking step)."""
 
+    indices: list[int]
     groups: list[tuple[list[int], torch.Tensor, Any]]
-    snapshots: list[torch.Tensor] | None
+    snapshots: dict[int, torch.Tensor] | None
 
 
 def _anchor_copy(p: torch.Tensor) -> torch.Tensor:
@@ -374,11 +437,28 @@ def _anchor_copy(p: torch.Tensor) -> torch.Tensor:
     return (t.float() if wide else t.clone()).contiguous()
 
 
-def _by_device_dtype(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+def _by_device_dtype(indices: Sequence[int], tensors: dict[int, torch.Tensor]) -> list[list[int]]:
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
+    for i in indices:
+        groups.setdefault((tensors[i].device, tensors[i].dtype), []).append(i)
     return list(groups.values())
+
+
+def _split_parts(numels: Sequence[int], parts: int) -> list[list[int]]:
+    """Cut ``range(len(numels))`` into ``parts`` non-empty consecutive runs of about equal total
+    ``numel``: run ``k`` ends at the first index where the running total reaches
+    ``(k + 1) / parts`` of the whole (leaving at least one index for each later run)."""
+    total, out, start, acc = sum(numels), [], 0, 0
+    for k in range(parts - 1):
+        end = start
+        acc += numels[end]
+        while end + 1 < len(numels) - (parts - 1 - k) and acc * parts < (k + 1) * total:
+            end += 1
+            acc += numels[end]
+        out.append(list(range(start, end + 1)))
+        start = end + 1
+    out.append(list(range(start, len(numels))))
+    return out
 
 
 def _ring_bytes(flat: torch.Tensor, compression: Compressor, n: int) -> int:
