@@ -56,7 +56,12 @@ from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
+from hvd_trainer.comm.reduce.localsgd import (
+    LocalSGDConfig,
+    LocalSGDConfigError,
+    OuterSync,
+    refuse_fragments_with_auto,
+)
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
 from hvd_trainer.lightning._compat import (
@@ -283,12 +288,11 @@ class _HorovodStrategyLogic:
                             "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps,
                             "fragments": outer_fragments, "sync_warmup_steps": sync_warmup_steps}
         """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
-        if self._auto["sync_every"] and outer_fragments != 1:
-            raise StrategyConfigError(
-                f"outer_fragments={outer_fragments!r} with sync_every='auto': the parts must divide a "
-                "period auto has not chosen yet. HINT: give sync_every (e.g. sync_every=32, "
-                "outer_fragments=4), or leave outer_fragments=1 with 'auto'."
-            )
+        if self._auto["sync_every"]:
+            try:
+                refuse_fragments_with_auto(outer_fragments, name="outer_fragments")
+            except LocalSGDConfigError as exc:
+                raise StrategyConfigError(str(exc)) from None
         if self._auto["sync_every"]:
             # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
             _local_config(int(outer_overlap_steps) + 1 if isinstance(outer_overlap_steps, int) else 1,

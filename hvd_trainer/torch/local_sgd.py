@@ -20,7 +20,12 @@ from hvd_trainer.comm import Average, Compression, Compressor, World, get_world,
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterSync
+from hvd_trainer.comm.reduce.localsgd import (
+    LocalSGDConfig,
+    LocalSGDConfigError,
+    OuterSync,
+    refuse_fragments_with_auto,
+)
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
 __all__ = ["LocalSGD", "LocalSGDConfigError"]
@@ -117,12 +122,8 @@ class LocalSGD(torch.optim.Optimizer):
         self._grad_compression: Compressor | None = None  # set: synchronous steps (auto)
         self._sync_bytes = 0
         auto = sync_every == AUTO
-        if auto and fragments != 1:
-            raise LocalSGDConfigError(
-                f"fragments={fragments!r} with sync_every='auto': the parts must divide a period "
-                "auto has not chosen yet. HINT: give sync_every (e.g. sync_every=32, fragments=4), "
-                "or leave fragments=1 with 'auto'."
-            )
+        if auto:
+            refuse_fragments_with_auto(fragments)
         # with "auto" the outer settings are checked now, with an H the overlap fits in
         placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
         config = LocalSGDConfig(sync_every=placeholder if auto else sync_every, outer_lr=outer_lr,

@@ -16,13 +16,16 @@ from tests.multiproc import run_workers
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONWARNINGS": "ignore"}
 
 
-def _overlap_reference(x: np.ndarray, y: np.ndarray, shards: list[np.ndarray], batches: int, h: int,
-                       tau: int) -> list[np.ndarray]:
+def _overlap_reference(x: np.ndarray, y: np.ndarray, shards: list[np.ndarray], batches: int, h: int,  # noqa: C901
+                       tau: int, parts: list[list[int]] | None = None) -> list[np.ndarray]:
     """The hidden outer step by hand (``sync_every=h``, ``overlap_steps=tau``, no warm-up, outer
     Nesterov SGD 0.7 / 0.9): two Keras replicas with their own Adam, each on its shard's batches
     in order; after batch ``h`` the mean of (anchor - replica) is taken and each replica's weights
     kept, ``tau`` batches later the anchor steps and each replica becomes anchor + (its weights now
-    - those kept); the end of ``fit`` settles with a blocking outer step. Returns the weights."""
+    - those kept); the end of ``fit`` settles with a blocking outer step. ``parts`` (fragments,
+    weight indices): the same per part, part ``k`` of ``F`` launched after every ``h / F``
+    batches in turn; ``fit``'s end finishes one launched at its last batch first. Returns the
+    weights."""
     import keras
 
     from tests.dist._keras_suite import BATCH, _mlp
@@ -33,17 +36,27 @@ def _overlap_reference(x: np.ndarray, y: np.ndarray, shards: list[np.ndarray], b
     anchor = [w.copy() for w in reps[0].get_weights()]
     buf = [np.zeros_like(a) for a in anchor]
 
-    def mean_delta() -> list[np.ndarray]:
-        return [((a - w0) + (a - w1)) / 2 for a, w0, w1 in
-                zip(anchor, reps[0].get_weights(), reps[1].get_weights(), strict=True)]
+    everything = list(range(len(anchor)))
+    parts = parts or [everything]
 
-    def outer(delta: list[np.ndarray]) -> None:
-        for i, d in enumerate(delta):
+    def mean_delta(part: list[int]) -> dict[int, np.ndarray]:
+        w0, w1 = reps[0].get_weights(), reps[1].get_weights()
+        return {i: ((anchor[i] - w0[i]) + (anchor[i] - w1[i])) / 2 for i in part}
+
+    def outer(delta: dict[int, np.ndarray]) -> None:
+        for i, d in delta.items():
             buf[i] = 0.9 * buf[i] + d
             anchor[i] = anchor[i] - 0.7 * (d + 0.9 * buf[i])
 
+    def finish(delta: dict[int, np.ndarray], kept: list[list[np.ndarray]]) -> None:
+        outer(delta)
+        for m, mine in zip(reps, kept, strict=True):
+            m.set_weights([w + (anchor[i] - mine[i]) if i in delta else w
+                           for i, w in enumerate(m.get_weights())])
+
     per_epoch = len(shards[0]) // BATCH
     launched = None  # (mean delta, each replica's weights at the launch, batches since)
+    launches = 0
     for k in range(batches):
         for m, shard in zip(reps, shards, strict=True):
             idx = shard[(k % per_epoch) * BATCH:(k % per_epoch + 1) * BATCH]
@@ -51,14 +64,17 @@ def _overlap_reference(x: np.ndarray, y: np.ndarray, shards: list[np.ndarray], b
         if launched is not None:
             launched[2] += 1
             if launched[2] == tau:
-                outer(launched[0])
-                for m, kept in zip(reps, launched[1], strict=True):
-                    m.set_weights([w + (a - c) for w, a, c in zip(m.get_weights(), anchor, kept, strict=True)])
+                finish(*launched[:2])
                 launched = None
-        if (k + 1) % h == 0:
-            launched = [mean_delta(), [m.get_weights() for m in reps], 0]
-    assert launched is None, "end the reference on a finished outer step"
-    outer(mean_delta())
+        if (k + 1) % (h // len(parts)) == 0:
+            launched = [mean_delta(parts[launches % len(parts)]), [m.get_weights() for m in reps], 0]
+            launches += 1
+    if launched is not None:  # launched at the last batch: fit's end finishes it
+        assert launched[2] == 0
+        finish(*launched[:2])
+        if len(parts) == 1:
+            return anchor  # the weights are the anchors: nothing left to reduce
+    outer(mean_delta(everything))  # the steps since the last one (with parts: every part's)
     return anchor
 
 
@@ -133,6 +149,18 @@ def _worker() -> dict:
                               for k in range(4)]) for r in range(size)]
     expected = _overlap_reference(x, y, shards, batches=8, h=3, tau=1)
     hidden_diff = max(float(np.abs(a - b).max()) for a, b in zip(hidden.get_weights(), expected, strict=True))
+
+    # fragments: 2 parts (the first kernel; the rest), sync_every=4: a part's outer step
+    # launched after batches 2, 4, 6, 8 in turn, finished one batch later; fit's end finishes
+    # the one launched at 8 and steps both parts
+    parted = _mlp(seed=3)
+    parted.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    cbf = hk.callbacks.LocalSGDCallback(sync_every=4, overlap_steps=1, fragments=2, sync_warmup_steps=0)
+    parted.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False, verbose=0, callbacks=[cbf])
+    streamed = _overlap_reference(x, y, shards, batches=8, h=4, tau=1, parts=cbf.outer.parts)
+    whole = _overlap_reference(x, y, shards, batches=8, h=4, tau=1)
+    parted_diff = max(float(np.abs(a - b).max()) for a, b in zip(parted.get_weights(), streamed, strict=True))
+    whole_diff = max(float(np.abs(a - b).max()) for a, b in zip(parted.get_weights(), whole, strict=True))
     blocking_diff = max(float(np.abs(a - b).max()) for a, b in zip(dilo.get_weights(), expected, strict=True))
     return {"h1_diff": diff, "moved": moved, "outer_steps": cb.outer.outer_steps, "auto": auto,
             "dilo": [w.tolist() for w in dilo.get_weights()], "state_keys": sorted(cb.state_dict()),
@@ -142,7 +170,9 @@ def _worker() -> dict:
             "n_values": n_values, "warm": [w.tolist() for w in warm.get_weights()],
             "warm_outer_steps": cbw.outer.outer_steps, "after_warmup": after_warmup[0],
             "hidden": [w.tolist() for w in hidden.get_weights()], "hidden_diff": hidden_diff,
-            "blocking_diff": blocking_diff, "hidden_outer_steps": cbo.outer.outer_steps}
+            "blocking_diff": blocking_diff, "hidden_outer_steps": cbo.outer.outer_steps,
+            "parted": [w.tolist() for w in parted.get_weights()], "parts": cbf.outer.parts,
+            "parted_diff": parted_diff, "whole_diff": whole_diff, "parted_outer_steps": cbf.outer.outer_steps}
 
 
 @pytest.mark.timeout(300)
@@ -165,6 +195,12 @@ def test_keras_local_steps(backend: str) -> None:
     for r in results:
         assert r["hidden_diff"] < 1e-5 < r["blocking_diff"], (r["hidden_diff"], r["blocking_diff"])
         assert r["hidden_outer_steps"] == 3
+    # fragments equal the streaming reference (and not the whole-model one)
+    assert results[0]["parted"] == results[1]["parted"]
+    for r in results:
+        assert r["parts"] == [[0], [1, 2, 3]]  # 30 values; 6 + 6 + 1
+        assert r["parted_diff"] < 1e-5 < r["whole_diff"], (r["parted_diff"], r["whole_diff"])
+        assert r["parted_outer_steps"] == 5  # 4 parts' steps and the final step of both
     # int8 outer gradient: equal on every rank, close to (not equal to) the fp32 outer step, and
     # one int8 byte per value, a 4-byte scale per 256 and a 4-byte "used" flag to the other
     # rank, per outer step

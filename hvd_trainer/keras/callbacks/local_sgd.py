@@ -16,7 +16,7 @@ import torch
 from hvd_trainer.comm.ops.compression import Compression
 from hvd_trainer.comm.ops.process_set import resolve_set
 from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterSync
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterSync, refuse_fragments_with_auto
 from hvd_trainer.comm.world.world import get_world
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 
@@ -67,6 +67,11 @@ class LocalSGDCallback(keras.callbacks.Callback):
             training goes on (``0 <= overlap_steps < sync_every``; 0 blocks at every outer step);
             each rank then loads the new anchor plus its own change since the launch (the hidden
             outer step of :mod:`hvd_trainer.comm.reduce.localsgd.outer`). Not with ``"int8"``.
+            With ``fragments``: ``overlap_steps < sync_every / fragments``.
+        fragments: parts of the weights (consecutive, of about equal size) with outer steps of
+            their own, one part's launched every ``sync_every / fragments`` batches, so each
+            outer reduction moves ``1/fragments`` of the bytes (Streaming DiLoCo). Must divide
+            ``sync_every``; 1 (the default): all at once. Not with ``sync_every="auto"``.
         sync_warmup_steps: training batches at the start after each of which the weights are
             averaged, before local steps begin (``None``: 128; 0: none; the
             synchronous warm-up of :mod:`hvd_trainer.comm.reduce.localsgd.outer`).
@@ -77,15 +82,17 @@ class LocalSGDCallback(keras.callbacks.Callback):
 
     def __init__(self, sync_every: int | str, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: Any = None, *, overlap_steps: int = 0,
-                 sync_warmup_steps: int | None = None) -> None:
+                 fragments: int = 1, sync_warmup_steps: int | None = None) -> None:
         super().__init__()
         self._auto_asked = sync_every == AUTO
+        if self._auto_asked:
+            refuse_fragments_with_auto(fragments)
         # with "auto" the outer settings are checked now, with an H the overlap fits in
         placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
         self.config = LocalSGDConfig(sync_every=placeholder if self._auto_asked else sync_every,
                                      outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                                      compression=compression, overlap_steps=overlap_steps,
-                                     sync_warmup_steps=sync_warmup_steps)
+                                     fragments=fragments, sync_warmup_steps=sync_warmup_steps)
         self._auto: AutoMode | None = None
         self._outer: OuterSync | None = None
         self._vars: list[Any] = []

@@ -8,6 +8,8 @@ from hvd_trainer.comm.reduce.localsgd.outer import (
     LocalSGDConfig,
     LocalSGDConfigError,
     OuterSync,
+    refuse_fragments_with_auto,
 )
 
-__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync",
+           "refuse_fragments_with_auto"]

@@ -82,7 +82,8 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync"]
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync",
+           "refuse_fragments_with_auto"]
 
 DEFAULT_SYNC_WARMUP_STEPS = 128
 """Inner steps averaged one by one before local steps begin, unless set (``sync_warmup_steps``)."""
@@ -90,6 +91,21 @@ DEFAULT_SYNC_WARMUP_STEPS = 128
 
 class LocalSGDConfigError(CommValueError):
     """An invalid local-steps setting; the message echoes it and gives the fix."""
+
+
+def refuse_fragments_with_auto(fragments: object, *, name: str = "fragments") -> None:
+    """Refuse ``fragments`` other than 1 with ``sync_every="auto"`` (``name``: the front end's
+    argument): the parts must divide a period not chosen yet.
+
+    Raises:
+        LocalSGDConfigError: naming the argument, with a HINT.
+    """
+    if fragments != 1:
+        raise LocalSGDConfigError(
+            f"{name}={fragments!r} with sync_every='auto': the parts must divide a period auto has "
+            f"not chosen yet. HINT: give sync_every (e.g. sync_every=32, {name}=4), or leave "
+            f"{name}=1 with 'auto'."
+        )
 
 
 @dataclass(kw_only=True, slots=True)
