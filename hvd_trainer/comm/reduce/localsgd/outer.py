@@ -246,7 +246,7 @@ class OuterSync:
         self.warmup_left = config.sync_warmup_steps
         """Inner steps still to be averaged one by one (the synchronous warm-up)."""
         self.outer_steps = 0
-        """Outer steps taken."""
+        """Outer steps taken (with ``fragments``, each part's step counts one)."""
         self.bytes_sent = 0
         """Bytes this rank put on the wire for outer steps (ring allreduce: ``2 (N-1)/N`` of
         the payload)."""
