@@ -23,14 +23,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # Counts the stop signals it gets: the first by its handler, a second one either by the handler
 # too or, once the handler is no longer wanted, by waiting up to 3 s with the signal blocked.
+# It waits for the first on signal.set_wakeup_fd's pipe, not with signal.pause(): a signal that
+# lands after the loop's check and before pause() sleeps is never seen by pause() (CI hung 30 s
+# there, the child busy between READY and pause() under load); the pipe keeps the wake-up byte.
 COUNTER = """
-import os, signal, sys
+import os, select, signal, sys
 seen = []
 STOP = signal.NAME
+wake_r, wake_w = os.pipe()
+os.set_blocking(wake_w, False)
+signal.set_wakeup_fd(wake_w)
 signal.signal(STOP, lambda signum, frame: seen.append(signum))
 print("READY", os.getpid(), os.getpgid(0), flush=True)
 while not seen:
-    signal.pause()
+    select.select([wake_r], [], [])
+    os.read(wake_r, 64)
 signal.pthread_sigmask(signal.SIG_BLOCK, {STOP})
 again = signal.sigtimedwait({STOP}, 3.0)
 print("COUNT", len(seen) + (again is not None), flush=True)
