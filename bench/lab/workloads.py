@@ -218,6 +218,15 @@ def _slow_link(tag: str, launch: _Launcher) -> list[dict]:
     return [{**r, "target_val_loss": target, "sync_steps": steps} for recs in runs.values() for r in recs]
 
 
+def _step_s_per_round(recs: list[dict]) -> dict[tuple[str, str, int], float]:
+    """The slowest rank's seconds per step, per ``(workload, mode, round)`` of ``recs``."""
+    step_s: dict[tuple[str, str, int], float] = {}
+    for rec in recs:
+        key = (rec["workload"], rec["mode"], rec["round"])
+        step_s[key] = max(step_s.get(key, 0.0), rec["seconds"] / rec["steps"])
+    return step_s
+
+
 def _auto(tag: str, launch: _Launcher) -> list[dict]:
     """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s, the median
     of each mode and of the per-round ratios with their spread. Across hosts auto runs plain for
@@ -229,13 +238,10 @@ def _auto(tag: str, launch: _Launcher) -> list[dict]:
     worker = ["bench.slow_link_training", "--model", "gpt", *common]
     for r in range(args.rounds):
         for mode in ("sync", "auto"):
-            new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
-            recs += [{**rec, "round": r} for rec in new]
-    rate: dict[tuple[str, int], float] = {}
-    for rec in recs:  # the slowest rank's seconds per step, per (mode, round)
-        key = (rec["mode"], rec["round"])
-        rate[key] = max(rate.get(key, 0.0), rec["seconds"] / rec["steps"])
-    per_round = [rate[("sync", r)] / rate[("auto", r)] for r in range(args.rounds)]
+            recs += launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=True)
+    rate = _step_s_per_round(recs)  # the records carry their round (the worker's --round)
+    per_round = [rate[("slow_link_gpt", "sync", r)] / rate[("slow_link_gpt", "auto", r)]
+                 for r in range(args.rounds)]
     print(f"RATIO {tag}_auto_vs_sync_per_round median={statistics.median(per_round):.3f} "
           f"spread={min(per_round):.3f}-{max(per_round):.3f} rounds={args.rounds}", flush=True)
     s = summarise(recs)
@@ -267,10 +273,7 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
             for mode in (*args.local_steps_modes, "local"):
                 new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
                 recs += [{**rec, "round": r} for rec in new]
-    step_s: dict[tuple[str, str, int], float] = {}
-    for rec in recs:  # the slowest rank's seconds per step, per (model, mode, round)
-        key = (rec["workload"], rec["mode"], rec["round"])
-        step_s[key] = max(step_s.get(key, 0.0), rec["seconds"] / rec["steps"])
+    step_s = _step_s_per_round(recs)
     for model in ("cnn", "gpt"):
         w = f"slow_link_{model}"
         util = {m: [step_s[(w, "local", r)] / step_s[(w, m, r)] for r in range(args.rounds)]

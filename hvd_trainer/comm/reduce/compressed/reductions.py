@@ -50,6 +50,9 @@ __all__ = ["FeedbackState", "BucketView", "start_bucket_reduction", "reduce_with
 PER_PARAMETER_KEYS = ("residuals", "q", "reductions")
 """The entries of :meth:`FeedbackState.state_dict` keyed by parameter name."""
 
+_PAST_ANY_WARMUP = 2**62
+"""The reduction count of a parameter in a state saved before counts were kept."""
+
 
 @dataclass(slots=True)
 class FeedbackState:
@@ -453,9 +456,6 @@ class _PowerSGDReduction:
             offset += k
         b.flat[b.grad_numel :].copy_(self.buf[offset:])
         return b.flat
-
-
-_PAST_ANY_WARMUP = 2**62
 
 
 def _ring_allreduce_bytes(nbytes: int, n: int) -> int:
