@@ -1,25 +1,29 @@
-"""``make test``: the whole suite as three pytest runs side by side, then the 30 slowest tests.
+"""``make test``: the whole suite as five pytest runs side by side, then the 30 slowest tests.
 
-* lane ``wait`` (``tests/multihost``, ``tests/engines``): namespace hosts, cut links, heartbeat
-  timeouts, Ray/Slurm/Spark daemons. Mostly waiting, and holding the suite's tightest timing
-  assertions (a survivor's next step within seconds of a fault), so it runs at normal priority.
+* lane ``multihost`` (``tests/multihost``): namespace hosts, cut links, heartbeat timeouts. Mostly
+  waiting, and holding the suite's tightest timing assertions (a survivor's next step within
+  seconds of a fault), so it runs at normal priority.
+* lane ``engines`` (``tests/engines``): Ray, Slurm, Spark and Kubernetes-style launches, each
+  server started by its module; mostly waiting on daemons; ``nice`` +5.
 * lane ``e2e`` (``tests/e2e``, ``tests/gpu``): hvdrun launches end to end, faults and recoveries
   with timing assertions of their own (a survivor's next step within 3 s); ``nice`` +5.
-* lane ``cpu`` (``tests/unit``, ``tests/dist``): one process, or rank pools computing values
-  against closed forms, with no timing assertion tighter than minutes; ``nice`` +10, so it takes
-  the CPU the other two leave idle.
+* lanes ``unit`` (``tests/unit``) and ``dist`` (``tests/dist``): one process, or rank pools
+  computing values against closed forms, with no timing assertion tighter than minutes;
+  ``nice`` +10, so they take the CPU the others leave idle. They are two lanes because one pytest
+  process spends long stretches on one core (a test in one interpreter, a pool starting) while
+  the waiting lanes leave the other idle.
 
-One lane after the other, the suite keeps a 2-core machine about half idle (the wait lane's tests
-sleep on a timeout or a link, a launch waits on its rendezvous); side by side, the suite takes about
-as long as its longest lane. The lanes share nothing: the wait lane's hosts are network namespaces
-of their own, every rank pool and launch takes a fresh port, and every test its own temporary
-folder.
+One lane after the other, the suite keeps a 2-core machine about half idle (the waiting lanes'
+tests sleep on a timeout or a link, a launch waits on its rendezvous); side by side, the suite
+takes about as long as its longest lane, or its CPU time over the cores, whichever is more. The
+lanes share nothing: the multihost lane's hosts are network namespaces of their own, every rank
+pool and launch takes a fresh port, and every test its own temporary folder.
 
 Usage: ``python -m tests.lanes [--reverse] [PYTEST_ARGS...]`` from the repository root; extra
 arguments go to every pytest run. ``--reverse`` gives each lane its test files in reverse order
 (the tests must not depend on order). Exit status: 0 when every lane passed, else the first
-non-zero of (cpu, e2e, wait); a lane where extra arguments selected nothing (pytest's 5) counts as
-passed unless no lane ran a test.
+non-zero in :data:`LANES`' order; a lane where extra arguments selected nothing (pytest's 5)
+counts as passed unless no lane ran a test.
 """
 
 from __future__ import annotations
@@ -49,11 +53,13 @@ class Lane:
 
 
 LANES = (
-    Lane(name="cpu", folders=("unit", "dist"), nice=10),
+    Lane(name="dist", folders=("dist",), nice=10),
+    Lane(name="unit", folders=("unit",), nice=10),
     Lane(name="e2e", folders=("e2e", "gpu"), nice=5),
-    Lane(name="wait", folders=("multihost", "engines"), nice=0),
+    Lane(name="multihost", folders=("multihost",), nice=0),
+    Lane(name="engines", folders=("engines",), nice=5),
 )
-STREAMED = "cpu"
+STREAMED = "dist"
 """The lane whose output is shown as it runs; the others' logs are printed when all have ended."""
 
 

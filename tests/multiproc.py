@@ -38,7 +38,7 @@ from typing import Any
 
 from hvd_trainer.comm.world.world import free_port
 
-MAX_IDLE_POOLS = 4
+MAX_IDLE_POOLS = 6
 """Pools kept alive at once; the least recently used one is stopped beyond that."""
 
 _STACKS_BEFORE_SECONDS = 5.0
