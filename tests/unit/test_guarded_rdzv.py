@@ -215,21 +215,27 @@ def test_the_rounds_after_the_first_wait_the_rejoin_timeout(monkeypatch) -> None
     handler.shutdown()
 
 
-def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(monkeypatch, capfd) -> None:
-    """In-process recovery (``in_process``): an agent arriving at a running job waits while every
-    agent is alive, then takes a lost agent's place (its rank, the round's size, the workers' store
-    address) in the same round; the survivor sees nobody waiting for a new round (torch's agents
-    would restart their workers for one)."""
-    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    port = free_port()
+NEVER_LOST = 3600
+"""``keep_alive_max_attempt`` (heartbeats of 1 s) of an agent that judges nobody lost within a
+test. Every agent of these tests lives in the test's process: when CI's load starves it for
+seconds, the first thread to run again sees every heartbeat old, so only the agent whose
+judgement a test asserts has a short limit."""
 
-    # an agent counts as lost 5 s after its last heartbeat (one a second): with 2 s, CI's load once
-    # delayed the first spare's heartbeat past the limit, and the second spare took its place
-    def agent(addr: str, *, is_host: bool = False, record: DoorRecord | None = None, join_timeout: int = 10):
+
+def _in_process_agents(port: int):
+    """``agent(addr, ...)``: a handler of a 2-host in-process job on ``port`` (secret ``s``,
+    heartbeats every second) that counts another agent lost ``lost_after`` s after its last one."""
+
+    def agent(addr: str, *, is_host: bool = False, record: DoorRecord | None = None, join_timeout: int = 10,
+              lost_after: int = NEVER_LOST):
         params = _params(port, is_host=is_host, nodes=2, local_addr=addr, in_process="true",
-                         keep_alive_interval=1, keep_alive_max_attempt=5, join_timeout=join_timeout)
+                         keep_alive_interval=1, keep_alive_max_attempt=lost_after, join_timeout=join_timeout)
         return _create_handler(params, secret="s", spares=True, record=record)
+    return agent
 
+
+def _formed(agent) -> tuple[object, object, dict[str, object]]:
+    """Hosts ``10.0.0.1`` (the store's) and ``10.0.0.2`` joined as ranks 0 and 1."""
     h1, h2 = agent("10.0.0.1", is_host=True), agent("10.0.0.2")
     infos: dict[str, object] = {}
     joining = [threading.Thread(target=lambda n=n, h=h: infos.__setitem__(n, h.next_rendezvous()))
@@ -239,19 +245,34 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
     for t in joining:
         t.join(timeout=30)
     assert [infos[n].rank for n in ("h1", "h2")] == [0, 1], infos
+    return h1, h2, infos
 
+
+def _await_err(capfd, needle: str, seconds: float = 20) -> str:
+    """What the test's process wrote to stderr until ``needle`` appeared (or ``seconds`` passed)."""
+    seen, deadline = "", time.monotonic() + seconds
+    while needle not in seen and time.monotonic() < deadline:
+        seen += capfd.readouterr().err
+        time.sleep(0.05)
+    return seen
+
+
+def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(monkeypatch, capfd) -> None:
+    """In-process recovery (``in_process``): an agent arriving at a running job waits while every
+    agent is alive, then takes a lost agent's place (its rank, the round's size, the workers' store
+    address) in the same round; the survivor sees nobody waiting for a new round (torch's agents
+    would restart their workers for one)."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    agent = _in_process_agents(free_port())
+    h1, h2, infos = _formed(agent)
     record = DoorRecord()
-    # the spare waits while both agents live, then for h2's heartbeat to go stale: its own
-    # join deadline must outlast both (10 s did not under CI's load: it timed out first)
-    spare = agent("10.0.0.3", record=record, join_timeout=60)
+    # the spare counts an agent lost 5 s after its last heartbeat; it waits while both live, then
+    # for h2's heartbeat to go stale: its own join deadline must outlast both
+    spare = agent("10.0.0.3", record=record, join_timeout=60, lost_after=5)
     taken: list[object] = []
     arriving = threading.Thread(target=lambda: taken.append(spare.next_rendezvous()))
     arriving.start()
-    seen, deadline = "", time.monotonic() + 20
-    while "waits as a spare" not in seen and time.monotonic() < deadline:
-        seen += capfd.readouterr().err
-        time.sleep(0.05)
-    assert "waits as a spare" in seen and not taken and not record.joined
+    assert "waits as a spare" in _await_err(capfd, "waits as a spare") and not taken and not record.joined
     h2._stop_heartbeats()  # h2's agent is lost: its heartbeat goes stale after 5 s
     arriving.join(timeout=30)
     assert len(taken) == 1 and record.joined
@@ -261,14 +282,20 @@ def test_an_in_process_job_gives_a_lost_agents_place_to_an_agent_arriving_later(
         first.bootstrap_store_info.master_addr, first.bootstrap_store_info.master_port)
     assert "takes place 1 of 2 (that of 10.0.0.2)" in capfd.readouterr().err
     assert h1.num_nodes_waiting() == 0
-    # a second spare waits for as long as the job runs, then is told the job ended
-    waiting, raised = _join_in_a_thread(agent("10.0.0.4"))
-    seen, deadline = "", time.monotonic() + 20
-    while "waits as a spare" not in seen and time.monotonic() < deadline:
-        seen += capfd.readouterr().err
-        time.sleep(0.05)
-    assert "waits as a spare" in seen and not raised
     for handler in (spare, h1):
+        handler.shutdown()
+
+
+def test_a_spare_of_an_in_process_job_waits_while_it_runs_and_hears_when_it_ends(monkeypatch, capfd) -> None:
+    """An agent arriving at a full in-process job whose agents all live waits as a spare for as
+    long as the job runs, then ends with :class:`RendezvousEndedError` when the job's rendezvous
+    closes."""
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    agent = _in_process_agents(free_port())
+    h1, h2, _ = _formed(agent)
+    waiting, raised = _join_in_a_thread(agent("10.0.0.4"))
+    assert "waits as a spare" in _await_err(capfd, "waits as a spare") and not raised
+    for handler in (h2, h1):
         handler.shutdown()
     waiting.join(timeout=20)
     assert len(raised) == 1 and isinstance(raised[0], RendezvousEndedError), (raised, capfd.readouterr().err)
