@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -270,15 +271,22 @@ def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data:
     window = Window()
     curve: list[dict[str, float]] = []
     eval_s = 0.0
+    compute_s: list[float] = []  # per timed step: batch, forward and backward
+    step_call_s: list[float] = []  # per timed step: opt.step() (launches, waits, outer steps)
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             if distributed:
                 hvd.barrier()
             window.start()
             bytes_before = _bytes_sent(opt)
+        t0 = time.perf_counter()
         opt.zero_grad()
         _loss(net, *data.batch(args.batch, gen)).backward()
+        t1 = time.perf_counter()
         opt.step()
+        if i >= args.warmup:
+            compute_s.append(t1 - t0)
+            step_call_s.append(time.perf_counter() - t1)
         if not args.eval_every or i < args.warmup or (i + 1) % args.eval_every:
             continue
         t0 = time.perf_counter()
@@ -296,7 +304,21 @@ def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data:
         hvd.barrier()
     timed = window.stop()
     timed["seconds"] -= eval_s
+    timed.update(_step_breakdown(compute_s, step_call_s))
     return i + 1 - args.warmup, timed, _bytes_sent(opt) - bytes_before, curve
+
+
+def _step_breakdown(compute_s: list[float], step_call_s: list[float]) -> dict[str, float]:
+    """Where a timed step's seconds went: ``compute_s`` (batch, forward, backward) and
+    ``opt_step_s`` (``opt.step()``), each the mean over the window's steps, and
+    ``opt_step_max_s`` / ``opt_step_p90_s``, the longest and 90th-percentile ``opt.step()``
+    (a blocking outer step or a wait on one still on the wire shows there). Seconds; the
+    window's final ``settle()`` and barrier are in ``seconds`` only."""
+    if not compute_s:
+        return {}
+    ordered = sorted(step_call_s)
+    return {"compute_s": statistics.fmean(compute_s), "opt_step_s": statistics.fmean(step_call_s),
+            "opt_step_max_s": ordered[-1], "opt_step_p90_s": ordered[int(0.9 * (len(ordered) - 1))]}
 
 
 @torch.no_grad()

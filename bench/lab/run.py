@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="of horovod, ddp, horovod_bf16, ddp_bf16 (also for the GPT recipe)")
     p.add_argument("--local-steps-modes", default="localsgd:32,localsgd_overlap:32",
                    help="local_steps workload: modes, the first the one the others are compared with")
+    p.add_argument("--local-steps-models", default="cnn,gpt",
+                   help="local_steps workload: models of bench.slow_link_training (cnn, gpt)")
     p.add_argument("--slow-link-modes", default="powersgd:16,ddp_powersgd:16,localsgd:32,localsgd_int8:32",
                    help="slow_link workload: modes of bench.slow_link_training besides sync and ddp")
     p.add_argument("--slow-link-steps", type=int, default=384,
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                    keras_backends=tuple(a.keras_backends.split(",")),
                    lightning_modes=tuple(a.lightning_modes.split(",")),
                    local_steps_modes=tuple(a.local_steps_modes.split(",")),
+                   local_steps_models=tuple(a.local_steps_models.split(",")),
                    slow_link_modes=tuple(a.slow_link_modes.split(",")), slow_link_steps=a.slow_link_steps,
                    slow_link_eval_every=a.slow_link_eval_every, slow_link_max_factor=a.slow_link_max_factor,
                    slow_link_target=a.slow_link_target,

@@ -56,6 +56,8 @@ class LabArgs:
     """The other modes stop at the target or after this many times ``slow_link_steps``."""
     local_steps_modes: tuple[str, ...] = ("localsgd:32", "localsgd_overlap:32")
     """Modes of ``local_steps``; the first is the one the others are compared with."""
+    local_steps_models: tuple[str, ...] = ("cnn", "gpt")
+    """Models of ``local_steps`` (``bench.slow_link_training --model``)."""
     slow_link_outer: tuple[float, float] = (1.0, 0.0)
     """Outer lr and momentum of the local-steps modes. Plain averaging by default: from scratch
     at this scale DiLoCo's 0.7 / 0.9 lagged (README, "Slow links")."""
@@ -227,6 +229,17 @@ def _step_s_per_round(recs: list[dict]) -> dict[tuple[str, str, int], float]:
     return step_s
 
 
+def _print_breakdown(tag: str, model: str, mode: str, recs: list[dict]) -> None:
+    """One ``PHASES`` line: the medians over ``recs`` (every rank and round of one mode) of
+    ``bench.slow_link_training``'s per-step breakdown (forward and backward, ``opt.step()``: mean,
+    90th percentile, longest), seconds; nothing for records without it."""
+    keys = ("compute_s", "opt_step_s", "opt_step_p90_s", "opt_step_max_s")
+    recs = [r for r in recs if all(k in r for k in keys)]
+    if recs:
+        medians = " ".join(f"{k}={statistics.median(r[k] for r in recs):.4f}" for k in keys)
+        print(f"PHASES {tag} local_steps {model} {mode} {medians} records={len(recs)}", flush=True)
+
+
 def _auto(tag: str, launch: _Launcher) -> list[dict]:
     """``compression="auto"`` against plain ``sync`` in interleaved rounds: tokens/s, the median
     of each mode and of the per-round ratios with their spread. Across hosts auto runs plain for
@@ -267,14 +280,14 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     state of local steps, not their start."""
     args, recs = launch.args, []
     common = _common(replace(args, warmup=args.warmup + DEFAULT_SYNC_WARMUP_STEPS))
-    for model in ("cnn", "gpt"):
+    for model in args.local_steps_models:
         worker = ["bench.slow_link_training", "--model", model, *common]
         for r in range(args.rounds):
             for mode in (*args.local_steps_modes, "local"):
                 new = launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")
                 recs += [{**rec, "round": r} for rec in new]
     step_s = _step_s_per_round(recs)
-    for model in ("cnn", "gpt"):
+    for model in args.local_steps_models:
         w = f"slow_link_{model}"
         util = {m: [step_s[(w, "local", r)] / step_s[(w, m, r)] for r in range(args.rounds)]
                 for m in args.local_steps_modes}
@@ -283,9 +296,11 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
             print(f"STEP {tag} local_steps {model} {mode} step_s={statistics.median(steps):.4f} local_step_s="
                   f"{statistics.median(step_s[(w, 'local', r)] for r in range(args.rounds)):.4f} "
                   f"rounds={args.rounds}", flush=True)
+            _print_breakdown(tag, model, mode, [r for r in recs if (r["workload"], r["mode"]) == (w, mode)])
             print(f"RATIO {tag}_local_steps_{model}_{mode.replace(':', '')}_utilisation="
                   f"{statistics.median(values):.3f} spread={min(values):.3f}-{max(values):.3f} "
                   f"rounds={args.rounds}", flush=True)
+        _print_breakdown(tag, model, "local", [r for r in recs if (r["workload"], r["mode"]) == (w, "local")])
         first = args.local_steps_modes[0]
         for mode in args.local_steps_modes[1:]:
             gain = [a / b for a, b in zip(util[mode], util[first], strict=True)]
