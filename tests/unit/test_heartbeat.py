@@ -18,7 +18,14 @@ import pytest
 
 from hvd_trainer.comm.base.config import CommConfig
 from hvd_trainer.comm.base.errors import HostUnreachableError, RankFailedError
-from hvd_trainer.comm.world.heartbeat import PeerState, PeerWatch, interval_for, judge, read_records
+from hvd_trainer.comm.world.heartbeat import (
+    AwakeClock,
+    PeerState,
+    PeerWatch,
+    interval_for,
+    judge,
+    read_records,
+)
 from hvd_trainer.comm.world.world import free_port
 from hvd_trainer.launch.partition_watch import partition_line
 
@@ -67,6 +74,18 @@ def test_the_timeout_comes_from_horovods_gloo_timeout_variable() -> None:
     assert CommConfig.from_env({"HOROVOD_GLOO_TIMEOUT_SECONDS": "0"}).peer_timeout_seconds == 0.0
     with pytest.raises(ValueError, match="peer_timeout_seconds"):
         CommConfig(peer_timeout_seconds=-1)
+
+
+def test_the_awake_clock_counts_a_gap_between_readings_as_at_most_its_step() -> None:
+    clock = AwakeClock(max_step=0.2)
+    before = clock.read()
+    time.sleep(0.6)  # the gap itself is what is measured: three steps' worth of not reading
+    gap = clock.read() - before
+    assert 0.0 < gap <= 0.2
+    readings = [clock.read() for _ in range(1000)]
+    assert readings == sorted(readings)  # never decreasing
+    with pytest.raises(ValueError, match="max_step"):
+        AwakeClock(max_step=0)
 
 
 class _Exits:
@@ -214,7 +233,7 @@ def test_a_store_that_stalls_past_a_calls_timeout_keeps_the_watch_beating(tmp_pa
         os.kill(server.pid, signal.SIGSTOP)
         time.sleep(3.8)  # the fault's length: past a call's 3 s timeout, short of the 6 s silence
         os.kill(server.pid, signal.SIGCONT)
-        thawed_at = time.monotonic()
+        thawed_at = a.clock.read()
         assert _wait_for(lambda: a.last_round_at > thawed_at and b.last_round_at > thawed_at, timeout=10)
         assert not a.store_gone and not b.store_gone
         assert a.failure is None and b.failure is None and exits.codes == []
@@ -240,3 +259,46 @@ def test_a_store_that_stops_answering_is_reported_as_cut_off(tmp_path) -> None:
         finally:
             a.stop()
     assert read_records(tmp_path)[0]["hosts"] == ["127.0.0.1"]
+
+
+_FROZEN = """
+import json, sys
+from hvd_trainer.comm.world.heartbeat import PeerWatch
+exits = []
+watches = [PeerWatch(store_host="127.0.0.1", store_port=int(sys.argv[1]), key_prefix="frozen",
+                     rank=r, size=2, timeout_seconds=1.0, hard_exit=exits.append) for r in (0, 1)]
+for w in watches:
+    w.start()
+for line in sys.stdin:  # one report per line asked for
+    print(json.dumps({"rounds": [w._count for w in watches], "exits": exits,
+                      "failures": [w.failure.message if w.failure else None for w in watches]}), flush=True)
+"""
+
+
+def test_a_process_frozen_past_the_timeout_finds_nothing_once_it_runs_again(server) -> None:
+    """Both ranks of a 1 s watch in one process, frozen 3 s (a paused VM, a starved process):
+    nobody was heard from, but nobody could have been, so no failure once the process runs again
+    and its watches have beaten and judged a few rounds (a watch on ``time.monotonic()`` reported
+    rank 1 silent, or itself cut off, at its first judgement after the freeze)."""
+    proc = subprocess.Popen([sys.executable, "-c", _FROZEN, str(server)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+    def report() -> dict:
+        proc.stdin.write("report\n")
+        proc.stdin.flush()
+        return json.loads(proc.stdout.readline())
+
+    try:
+        assert _wait_for(lambda: min(report()["rounds"]) >= 5)  # both beating, each seeing the other
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # the freeze's length: three timeouts
+        os.kill(proc.pid, signal.SIGCONT)
+        at_thaw = report()["rounds"]
+        assert _wait_for(lambda: all(n >= t + 5 for n, t in zip(report()["rounds"], at_thaw, strict=True)))
+        got = report()
+        assert got["failures"] == [None, None] and got["exits"] == [], got
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()

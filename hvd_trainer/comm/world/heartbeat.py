@@ -9,8 +9,9 @@ two daemon threads:
    calls) and, every ``interval_seconds``, writes ``<count>|<host>|<pid>`` under its rank, then
    reads every rank's entry (``check`` + ``multi_get``: two round trips, whatever the size);
 2. the *judge* (``hvd-peer-judge``) never touches the network. It decides, from the times the
-   beater last completed a round and last saw each peer's count change (this host's monotonic
-   clock, so clocks of different hosts never matter):
+   beater last completed a round and last saw each peer's count change, read on this process's
+   :class:`AwakeClock` (clocks of different hosts never matter, and time this process itself
+   did not run, frozen or starved of CPU, is not counted as anybody's silence):
 
    * this rank has not completed a round for ``timeout_seconds``: it is cut off from the
      store's host (the far side of a partition);
@@ -60,7 +61,7 @@ from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE, pid_alive
 
 __all__ = [
     "PeerWatch", "PeerState", "Failure", "UNREACHABLE_RECORD", "TIMEOUT_ENV", "read_records",
-    "judge", "interval_for",
+    "judge", "interval_for", "AwakeClock",
 ]
 
 TIMEOUT_ENV = "HOROVOD_GLOO_TIMEOUT_SECONDS"
@@ -72,6 +73,35 @@ UNREACHABLE_RECORD = "unreachable.{rank}.json"
 _STOPPED = "stopped"
 
 
+class AwakeClock:
+    """Seconds this process was awake to see: ``time.monotonic()``, except that a gap between two
+    readings (from any thread) longer than ``max_step`` counts as ``max_step``.
+
+    A process that was frozen (``SIGSTOP``, a paused VM) or starved of CPU saw nothing meanwhile;
+    on the monotonic clock its first reading after it runs again makes every peer and the store
+    look silent for the whole freeze. On this clock the freeze counts as ``max_step`` at most,
+    so silence is measured only over time the process could have heard it. A watch reads its
+    clock every 0.1 s while it runs; ``max_step`` is its round interval (0.2-2 s): a real cut is
+    still found after ``timeout_seconds`` plus at most one interval per freeze. Thread-safe.
+    """
+
+    def __init__(self, max_step: float) -> None:
+        if not max_step > 0:
+            raise ValueError(f"max_step={max_step} must be > 0 (seconds).")
+        self.max_step = max_step
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._awake = 0.0
+
+    def read(self) -> float:
+        """The awake time now, in seconds (non-decreasing; its origin is arbitrary)."""
+        with self._lock:
+            now = time.monotonic()
+            self._awake += min(now - self._last, self.max_step)
+            self._last = now
+            return self._awake
+
+
 def interval_for(timeout_seconds: float) -> float:
     """Seconds between two heartbeat rounds: a tenth of the timeout, within [0.2, 2] s."""
     return max(0.2, min(2.0, timeout_seconds / 10))
@@ -79,7 +109,7 @@ def interval_for(timeout_seconds: float) -> float:
 
 @dataclass(slots=True)
 class PeerState:
-    """What this rank last heard from one peer (times: this host's ``time.monotonic()``)."""
+    """What this rank last heard from one peer (times: its watch's :class:`AwakeClock`)."""
 
     host: str = "?"
     pid: int = 0
@@ -118,8 +148,9 @@ def judge(
     """The partition visible at ``now``, if any (pure: every time is passed in).
 
     Args:
-        now: this host's monotonic clock, seconds. last_round_at: when this rank last completed
-            a heartbeat round. peers: every other rank's state. me, my_host: this rank.
+        now: the time, in seconds, on the clock of every other time passed (a watch passes its
+            :class:`AwakeClock`'s). last_round_at: when this rank last completed a heartbeat
+            round. peers: every other rank's state. me, my_host: this rank.
         store_addr: ``host:port`` of the job's store. timeout_seconds: the allowed silence.
     """
     hint = (f"HINT: check the network between the hosts (cable, switch, firewall: the store port "
@@ -193,6 +224,9 @@ class PeerWatch:
         self.rank, self.size = rank, size
         self.timeout_seconds, self.grace_seconds = timeout_seconds, grace_seconds
         self.interval_seconds = interval_for(timeout_seconds)
+        self.clock = AwakeClock(max_step=self.interval_seconds)
+        """The clock of :attr:`last_round_at`, each peer's ``changed_at`` and a failure's
+        ``found_at``."""
         self._keys = [f"{key_prefix}/{r}" for r in range(size)]
         self._job_dir, self._hard_exit = job_dir, hard_exit
         self.host = socket.gethostname()
@@ -200,7 +234,7 @@ class PeerWatch:
         self.failure: Failure | None = None
         self.raised = False
         """Set by the main thread once it raised :attr:`failure` (the judge then waits longer)."""
-        self.last_round_at = time.monotonic()
+        self.last_round_at = self.clock.read()
         self._count = 0
         self._stop = threading.Event()
         self.store_gone = False
@@ -210,7 +244,7 @@ class PeerWatch:
 
     def start(self) -> None:
         """Start both daemon threads (the beater connects in its own thread)."""
-        self.last_round_at = time.monotonic()
+        self.last_round_at = self.clock.read()
         for name, target in (("hvd-heartbeat", self._beat_loop), ("hvd-peer-judge", self._judge_loop)):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -275,10 +309,10 @@ class PeerWatch:
         if not self._all_seen:  # until every peer has beaten once (so every host is known)
             self._all_seen = bool(client.check([self._keys[r] for r in others]))
             if not self._all_seen:
-                self.last_round_at = time.monotonic()  # the store answers: not cut off
+                self.last_round_at = self.clock.read()  # the store answers: not cut off
                 return
         values = client.multi_get([self._keys[r] for r in others]) if others else []
-        now = time.monotonic()
+        now = self.clock.read()
         for r, raw in zip(others, values, strict=True):
             self._update(r, raw.decode() if isinstance(raw, bytes) else str(raw), now)
         self.last_round_at = now
@@ -298,14 +332,14 @@ class PeerWatch:
         while not self._stop.wait(0.1) and not self.store_gone:
             if self.failure is None:
                 self.failure = judge(
-                    now=time.monotonic(), last_round_at=self.last_round_at, peers=dict(self.peers),
+                    now=self.clock.read(), last_round_at=self.last_round_at, peers=dict(self.peers),
                     me=self.rank, my_host=self.host, store_addr=self.store_addr,
                     timeout_seconds=self.timeout_seconds,
                 )
                 if self.failure is not None:
                     self._write_record(self.failure)
                 continue
-            waited = time.monotonic() - self.failure.found_at
+            waited = self.clock.read() - self.failure.found_at
             if waited >= (self.grace_seconds * 5 if self.raised else self.grace_seconds):
                 self._end_process(self.failure)
                 return
