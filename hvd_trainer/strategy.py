@@ -53,17 +53,13 @@ from hvd_trainer.comm.base.launch_env import torchelastic_env
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.flatten import flat_collective_
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.reduce.localsgd import (
-    LocalSGDConfig,
-    LocalSGDConfigError,
-    OuterSync,
-    refuse_fragments_with_auto,
-)
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterArgs, OuterSync
+from hvd_trainer.comm.sync_options import SyncOptions
 from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -81,7 +77,7 @@ from hvd_trainer.lightning.elastic import (
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
 from hvd_trainer.lightning.signals import install_sigterm_handler
-from hvd_trainer.torch.zero_optimizer import ZeroStep, check_overlap_arg, check_same_plan
+from hvd_trainer.torch.zero_optimizer import ZeroStep, check_same_plan
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -201,10 +197,14 @@ class _HorovodStrategyLogic:
             ``trainer.strategy.finish_parameter_exchange()`` first. Default ``False``.
 
     Raises:
-        StrategyConfigError: a negative byte size or timeout; ``zero_stage`` not an int 0, 1
-            or 2 (a str or bool included); ``zero_overlap_exchange`` not a bool, or ``True``
-            without ``zero_stage`` (or with ``sync_every``/``"auto"``; 2 with an error-feedback
-            or fp16 compression, several optimizers, or parameters unfrozen during the fit);
+        StrategyConfigError: a negative byte size or timeout; a combination of the sync options
+            that does not run (:class:`~hvd_trainer.comm.sync_options.SyncOptions`, the same
+            checks as the torch and Keras ``DistributedOptimizer``): ``zero_stage`` not an int 0,
+            1 or 2 (a str or bool included), or with ``sync_every``, an ``"auto"`` option or an
+            error-feedback compression (2: or fp16); ``zero_overlap_exchange`` not a bool, or
+            ``True`` without ``zero_stage``; an outer-loop argument away from its default
+            without ``sync_every``; ``compression="auto"`` with an int ``sync_every``; at fit,
+            ZeRO with several optimizers or parameters unfrozen during the fit;
             ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
             an int >= 0.
@@ -266,12 +266,16 @@ class _HorovodStrategyLogic:
                 f"timeout_seconds={timeout_seconds!r} must be > 0. HINT: e.g. timeout_seconds=600."
             )
         self._fusion = _fusion_config(fusion_threshold_bytes, first_bucket_bytes, autotune)
-        self._auto = {"compression": compression == AUTO, "sync_every": sync_every == AUTO}
+        self._opts = SyncOptions.check(
+            error=StrategyConfigError, compression=compression, zero_stage=zero_stage,
+            zero_overlap_exchange=zero_overlap_exchange, sync_every=sync_every, names=_OUTER_NAMES,
+            outer=OuterArgs(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=outer_nesterov,
+                            overlap_steps=outer_overlap_steps, fragments=outer_fragments,
+                            sync_warmup_steps=sync_warmup_steps),
+        )
+        self._auto = self._opts.asked
         self._auto_mode: AutoMode | None = None  # measuring the first steps, then chosen
-        compression = None if compression == AUTO else compression
-        sync_every = None if sync_every == AUTO else sync_every
-        self._compression = Compression.resolve(compression, error=StrategyConfigError,
-                                                allow_error_feedback=True, allow_auto=True)
+        self._compression = self._opts.compression
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -284,41 +288,11 @@ class _HorovodStrategyLogic:
         self._sync_depth = 0  # > 0 inside block_backward_sync
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
-        self._outer_args = {"outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                            "nesterov": outer_nesterov, "overlap_steps": outer_overlap_steps,
-                            "fragments": outer_fragments, "sync_warmup_steps": sync_warmup_steps}
-        """The outer optimizer the user asked for; ``sync_every="auto"`` keeps it when it chooses H."""
-        if self._auto["sync_every"]:
-            try:
-                refuse_fragments_with_auto(outer_fragments, name="outer_fragments")
-            except LocalSGDConfigError as exc:
-                raise StrategyConfigError(str(exc)) from None
-        if self._auto["sync_every"]:
-            # checked now, not at fit (with an H the overlap fits in: auto's H is not known yet)
-            _local_config(int(outer_overlap_steps) + 1 if isinstance(outer_overlap_steps, int) else 1,
-                          **self._outer_args, compression=self._compression)
-        if sync_every is None and not self._auto["sync_every"] and not self._auto["compression"]:
-            _check_no_outer_args(self._outer_args)
-        self._local = _local_config(sync_every, **self._outer_args, compression=self._compression)
+        self._local: LocalSGDConfig | None = self._opts.local
+        """The outer loop's settings while local steps run (``sync_every="auto"``: once chosen)."""
         self._outer: OuterSync | None = None
-        zero_stage = check_zero_stage(zero_stage, StrategyConfigError)
-        if zero_stage and (self._local is not None or any(self._auto.values())):
-            raise StrategyConfigError(
-                f"zero_stage={zero_stage} with sync_every or an 'auto' option: local steps average "
-                "parameter changes (nothing to shard), and 'auto' may choose them or an "
-                "error-feedback compression. HINT: zero_stage with sync_every=None and an explicit "
-                "compression ('none' or 'bf16')."
-            )
-        if zero_stage == 2 and (self._compression.error_feedback
-                                or getattr(self._compression, "needs_global_scale", False)):
-            raise StrategyConfigError(
-                f"zero_stage=2 with compression={self._compression.name}: the buckets are "
-                "reduce-scattered, which takes no error feedback or fp16 global scale. HINT: "
-                "compression='none' or 'bf16'."
-            )
-        check_overlap_arg(zero_stage, zero_overlap_exchange, StrategyConfigError)
-        self._zero_stage = zero_stage
-        self._zero_overlap = zero_overlap_exchange
+        self._zero_stage = self._opts.zero_stage
+        self._zero_overlap = self._opts.zero_overlap_exchange
         self._zero: dict[int, ZeroSharding] = {}  # id(optimizer) -> its sharding
 
     # -- topology ---------------------------------------------------------------------------
@@ -579,7 +553,7 @@ class _HorovodStrategyLogic:
         if self._auto["compression"]:
             self._compression = choice.compression
         if self._auto["sync_every"] and choice.sync_every is not None:
-            self._local = _local_config(choice.sync_every, **self._outer_args, compression=self._compression)
+            self._local = self._opts.local_for(choice.sync_every, self._compression)
 
     @property
     def auto_choice(self) -> str:
@@ -1064,37 +1038,9 @@ def _unwrap(optimizer: Any) -> Any:
     return getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's optimizer
 
 
-def _local_config(sync_every: int | None, outer_lr: float, outer_momentum: float, nesterov: bool,
-                  overlap_steps: int, fragments: int, sync_warmup_steps: int | None,
-                  compression: Compressor) -> LocalSGDConfig | None:
-    """The local-steps config (``None`` without ``sync_every``); the outer gradient travels in
-    ``compression``. Raises StrategyConfigError for a bad combination."""
-    if sync_every is None:
-        return None
-    try:
-        return LocalSGDConfig(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum,
-                              nesterov=bool(nesterov), compression=compression, overlap_steps=overlap_steps,
-                              fragments=fragments, sync_warmup_steps=sync_warmup_steps)
-    except LocalSGDConfigError as exc:
-        raise StrategyConfigError(str(exc)) from None
-
-
-_OUTER_DEFAULTS = {"outer_lr": ("outer_lr", 0.7), "outer_momentum": ("outer_momentum", 0.9),
-                   "nesterov": ("outer_nesterov", True), "overlap_steps": ("outer_overlap_steps", 0),
-                   "fragments": ("outer_fragments", 1),
-                   "sync_warmup_steps": ("sync_warmup_steps", None)}
-"""Each outer-loop argument's ``__init__`` name and default, by its ``LocalSGDConfig`` name."""
-
-
-def _check_no_outer_args(outer_args: dict[str, Any]) -> None:
-    """Raise StrategyConfigError for an outer-loop argument set away from its default while no
-    local steps can run (no ``sync_every`` and no ``"auto"``): it would be silently ignored."""
-    given = [f"{_OUTER_DEFAULTS[k][0]}={v!r}" for k, v in outer_args.items() if v != _OUTER_DEFAULTS[k][1]]
-    if given:
-        raise StrategyConfigError(
-            f"{', '.join(given)} set without sync_every: the outer loop runs only with local steps, "
-            "so this would change nothing. HINT: add sync_every=32 (or sync_every='auto'), or drop it."
-        )
+_OUTER_NAMES = {"nesterov": "outer_nesterov", "overlap_steps": "outer_overlap_steps",
+                "fragments": "outer_fragments"}
+"""The strategy's names of the outer-loop arguments whose ``OuterArgs`` names differ."""
 
 
 def _elastic_config(

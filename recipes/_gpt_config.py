@@ -46,8 +46,9 @@ class TrainerConfig:
     """torch intra-op threads per process; 0 = CPU cores / processes on this node (at least 1)."""
     sync_every: int | str = 0
     """DiLoCo local steps: optimizer steps between two outer steps (each rank trains alone in
-    between; no gradient allreduce). 0: synchronous data parallel (the default). "auto" (with
-    trainer.compression=auto): chosen at the start of fit from the measured link."""
+    between; no gradient allreduce). 0: synchronous data parallel (the default). "auto": chosen
+    at the start of fit from the measured link and step (local steps, or a compression with
+    trainer.compression=auto)."""
     outer_lr: float = 0.7
     """Outer SGD learning rate of local steps (DiLoCo: 0.7)."""
     outer_momentum: float = 0.9

@@ -31,7 +31,8 @@ def check_slow_link_keys(cfg: Any) -> None:
 
     Raises:
         ValueError: ``sync_every`` neither an int >= 0 nor "auto", ``sync_warmup_steps`` below -1,
-            an outer-loop key away from its default without ``sync_every`` (nor ``compression=auto``),
+            an outer-loop key away from its default without ``sync_every``, ``compression=auto``
+            with an int ``sync_every`` (auto chooses the gradients' format; local steps have none),
             or a slow-link option with a strategy other than "horovod".
     """
     auto = cfg.sync_every == "auto"
@@ -43,13 +44,18 @@ def check_slow_link_keys(cfg: Any) -> None:
         raise ValueError(f"trainer.sync_warmup_steps={warmup!r} must be an int >= 0 (steps averaged one by "
                          "one before local steps begin) or -1 (the library's default, 128). HINT: 0 starts "
                          "local steps at once.")
-    if not cfg.sync_every and cfg.compression != "auto":  # no local steps can run
+    if not cfg.sync_every:  # no local steps can run (compression=auto alone never chooses them)
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         given = [f"trainer.{k}={getattr(cfg, k)!r}" for k in _OUTER_KEYS if getattr(cfg, k) != defaults[k]]
         if given:
             raise ValueError(f"{', '.join(given)} set without trainer.sync_every: the outer loop runs "
                              "only with local steps, so this would change nothing. HINT: add "
                              "trainer.sync_every=32 (or auto), or drop it.")
+    if cfg.compression == "auto" and cfg.sync_every and not auto:
+        raise ValueError(f"trainer.compression=auto with trainer.sync_every={cfg.sync_every}: auto chooses "
+                         "the gradients' wire format, and local steps reduce no gradients. HINT: "
+                         "trainer.sync_every=auto too, or the outer gradient's trainer.compression "
+                         "(none, bf16 or int8).")
     if cfg.strategy != "horovod" and (cfg.sync_every or cfg.compression != "none"):
         raise ValueError(
             f"trainer.sync_every / trainer.compression need trainer.strategy=horovod, got "

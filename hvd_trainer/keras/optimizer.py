@@ -26,11 +26,12 @@ from hvd_trainer.comm import (
     grouped_allreduce_,
     in_process_recovery,
 )
-from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_optimizer_args
+from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback, rename_feedback
-from hvd_trainer.comm.zero import ShardedGradientReducer, check_zero_stage
+from hvd_trainer.comm.sync_options import SyncOptions
+from hvd_trainer.comm.zero import ShardedGradientReducer
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 from hvd_trainer.keras._zero import KerasZero, replicated
@@ -237,7 +238,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     Raises:
         TypeError: ``optimizer`` is not a Keras optimizer, or an unknown keyword argument.
-        DistributedOptimizerError: unsupported ``op``, ``compression`` or factor,
+        DistributedOptimizerError: (the option matrix is
+            :class:`~hvd_trainer.comm.sync_options.SyncOptions`', shared with the torch optimizer
+            and ``HorovodStrategy``) unsupported ``op``, ``compression`` or factor,
             ``backward_passes_per_step`` not an int >= 1 (``True`` included), or a
             ``num_groups``/``groups`` other than the default; ``zero_stage`` not an int
             0, 1 or 2 (``True`` and ``"2"`` included), or ``zero_stage > 0`` on a backend other
@@ -284,14 +287,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "gradients twice. HINT: wrap the plain Keras optimizer once."
             )
         _check_unsupported(num_groups, groups)
-        args = check_optimizer_args(
-            op, backward_passes_per_step, gradient_predivide_factor, error=DistributedOptimizerError
+        args = SyncOptions.check(
+            error=DistributedOptimizerError, compression=compression, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage,
+            zero2_with_accumulation=False,  # an accumulation window is reduced by one allreduce
         )
-        auto = isinstance(compression, str) and compression == AUTO
-        compressor = Compression.resolve(None if auto else compression, error=DistributedOptimizerError,
-                                         allow_error_feedback=True, allow_auto=True)
-        zero_stage = check_zero_stage(zero_stage, DistributedOptimizerError)
-        _check_zero(zero_stage, optimizer, compressor, auto, args.backward_passes_per_step)
+        auto, compressor, zero_stage = args.auto_compression, args.compression, args.zero_stage
+        _check_zero(zero_stage, optimizer)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
             # would then skip our allreduce on one rank only. Own the LSO instead.
@@ -1014,8 +1017,9 @@ def _check_unsupported(num_groups: Any, groups: Any) -> None:
         )
 
 
-def _check_zero(stage: int, optimizer: Any, compressor: Compressor, auto: bool, passes: int) -> None:
-    """Refuse a combination ZeRO sharding (``stage``, already checked) does not support."""
+def _check_zero(stage: int, optimizer: Any) -> None:
+    """Refuse ZeRO (``stage``, checked with the other options) on a backend or with an inner
+    optimizer it does not run with."""
     if stage == 0:
         return
     backend = keras.backend.backend()
@@ -1024,23 +1028,6 @@ def _check_zero(stage: int, optimizer: Any, compressor: Compressor, auto: bool, 
             f"zero_stage={stage} is implemented for the torch backend only, got "
             f"KERAS_BACKEND={backend!r}. HINT: set KERAS_BACKEND=torch before importing keras, "
             "or use zero_stage=0 on this backend."
-        )
-    if auto or compressor.error_feedback:
-        raise DistributedOptimizerError(
-            f"zero_stage={stage} with compression={'auto' if auto else compressor.name!r}: error "
-            "feedback keeps a per-rank residual of every whole gradient (and 'auto' may choose "
-            "it). HINT: use compression=None or 'bf16' with zero_stage, or zero_stage=0."
-        )
-    if stage == 2 and getattr(compressor, "needs_global_scale", False):
-        raise DistributedOptimizerError(
-            f"zero_stage=2 with compression={compressor.name!r}: the fp16 global scale is not "
-            "applied to the reduce-scatter. HINT: use compression='bf16', or zero_stage=1."
-        )
-    if stage == 2 and passes > 1:
-        raise DistributedOptimizerError(
-            f"zero_stage=2 with backward_passes_per_step={passes}: the accumulated gradients are "
-            "reduced once per window by an allreduce, not reduce-scattered. HINT: use "
-            "zero_stage=1 with gradient accumulation (same optimizer-state sharding)."
         )
     _check_zero_optimizer(stage, optimizer)
 

@@ -19,13 +19,13 @@ import torch
 from hvd_trainer.comm import Average, Compression, Compressor, World, get_world, grouped_allreduce_
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
 from hvd_trainer.comm.reduce.localsgd import (
-    LocalSGDConfig,
     LocalSGDConfigError,
+    OuterArgs,
     OuterSync,
-    refuse_fragments_with_auto,
 )
+from hvd_trainer.comm.sync_options import local_steps_config
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
 __all__ = ["LocalSGD", "LocalSGDConfigError"]
@@ -121,15 +121,15 @@ class LocalSGD(torch.optim.Optimizer):
         named = list(model.named_parameters())
         self._grad_compression: Compressor | None = None  # set: synchronous steps (auto)
         self._sync_bytes = 0
-        auto = sync_every == AUTO
-        if auto:
-            refuse_fragments_with_auto(fragments)
-        # with "auto" the outer settings are checked now, with an H the overlap fits in
-        placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
-        config = LocalSGDConfig(sync_every=placeholder if auto else sync_every, outer_lr=outer_lr,
-                                outer_momentum=outer_momentum, nesterov=nesterov, compression=compression,
-                                overlap_steps=overlap_steps, fragments=fragments,
-                                sync_warmup_steps=sync_warmup_steps)
+        outer = OuterArgs(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                          overlap_steps=overlap_steps, fragments=fragments,
+                          sync_warmup_steps=sync_warmup_steps)
+        if sync_every is None:
+            raise LocalSGDConfigError("sync_every=None: LocalSGD runs local steps. HINT: sync_every=32, "
+                                      "or 'auto'; synchronous training is hvd.DistributedOptimizer.")
+        # with "auto", a placeholder period: the outer settings are checked now
+        config, auto = local_steps_config(sync_every, outer, compression, error=LocalSGDConfigError)
+        assert config is not None
         in_opt = {id(p) for g in optimizer.param_groups for p in g["params"]}
         outside = [n for n, p in named if p.requires_grad and id(p) not in in_opt]
         if outside:

@@ -49,14 +49,11 @@ from hvd_trainer.comm import (
     get_world,
 )
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.ops.optimizer_args import (
-    OptimizerArgumentError,
-    check_backward_passes_per_step,
-    check_optimizer_args,
-)
+from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_backward_passes_per_step
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
+from hvd_trainer.comm.sync_options import SyncOptions
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
@@ -218,8 +215,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Raises:
         OptimizerConfigError: invalid ``named_parameters``, ``compression``,
-            ``backward_passes_per_step`` (``True`` included), ``op``,
-            ``gradient_predivide_factor`` or ``sparse``; an option the comm layer lacks.
+            ``backward_passes_per_step`` (``True`` included), ``op`` (an unknown string
+            included), ``gradient_predivide_factor`` or ``sparse``; an option the comm layer
+            lacks; a combination that does not run
+            (:class:`~hvd_trainer.comm.sync_options.SyncOptions`, the same checks as
+            ``HorovodStrategy`` and the Keras optimizer): ``op=Adasum`` with ZeRO, an
+            error-feedback compression or ``"auto"``; ZeRO with ``groups``, ``"auto"`` or an
+            error-feedback compression (stage 2: or fp16).
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
         NotInitializedError: ``hvd_trainer.init()`` has not run.
     """
@@ -255,29 +257,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        args = check_optimizer_args(
-            op, backward_passes_per_step, gradient_predivide_factor, error=OptimizerConfigError,
-            allow_adasum=True,
-        )
-        self._op = args.op
-        self._auto_compression = compression == AUTO
-        self._compression = Compression.resolve(None if self._auto_compression else compression,
-                                                error=OptimizerConfigError, allow_error_feedback=True,
-                                                allow_auto=True)
-        zero_stage = check_zero_stage(zero_stage, OptimizerConfigError)  # before any hook is added
-        if self._compression.error_feedback and self._op is ReduceOp.ADASUM:
-            raise OptimizerConfigError(
-                f"compression={self._compression!r} with op=Adasum: Adasum combines weight changes "
-                "and has no error feedback. HINT: use op=Average, or compression fp16/bf16."
-            )
         self._pending_compression_state: dict[str, Any] | None = None
         self._inner = optimizer
         self._named = _resolve_named(optimizer, named_parameters)
         self._groups = resolve_groups([(n, p) for n, p in self._named if p.requires_grad],
                                       num_groups, groups, OptimizerConfigError)
+        # the option matrix, checked before any hook is added
+        opts = SyncOptions.check(
+            error=OptimizerConfigError, compression=compression, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage,
+            zero_overlap_exchange=zero_overlap_exchange, groups=bool(self._groups), allow_adasum=True,
+        )
+        self._op = opts.op
+        self._auto_compression = opts.auto_compression
+        self._compression = opts.compression
         self._names = {id(p): n for n, p in self._named}
-        self._bpps = args.backward_passes_per_step
-        self._predivide = args.gradient_predivide_factor
+        self._bpps = opts.backward_passes_per_step
+        self._predivide = opts.gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
         self._fusion_config = fusion_config
@@ -309,8 +306,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Reduced: what required grad at construction (Horovod registers its hooks then), even
         # if frozen when the first synchronize() builds the buckets.
         self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
-        self._zero: ZeroSharding | None = make_sharding(self, zero_stage, OptimizerConfigError,
-                                                        overlap_exchange=zero_overlap_exchange)
+        self._zero: ZeroSharding | None = make_sharding(self, opts.zero_stage,
+                                                        overlap_exchange=opts.zero_overlap_exchange)
         self._zero_world: World | None = self._world if self._zero is not None else None
         self._zero_needs_state = False  # shards planned again for a new world, nothing loaded yet
 

@@ -1,4 +1,4 @@
-"""ZeRO in the torch ``DistributedOptimizer``: argument checks and the wiring of
+"""ZeRO in the torch ``DistributedOptimizer``: the wiring of
 :class:`~hvd_trainer.comm.zero.ZeroSharding` (the algorithm lives in :mod:`hvd_trainer.comm.zero`).
 
 Usage (Horovod's loop; only ``zero_stage`` and the clipping call are new)::
@@ -33,45 +33,23 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import ReduceOp
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, check_zero_stage
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.comm.zero.reducer import stage2_config
 
-__all__ = ["ZeroStep", "make_sharding", "check_overlap_arg", "check_same_plan"]
+__all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
 
 
-def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
-                  overlap_exchange: bool = False) -> ZeroSharding | None:
+def make_sharding(opt: Any, zero_stage: int, *, overlap_exchange: bool = False) -> ZeroSharding | None:
     """The :class:`ZeroSharding` of the ``DistributedOptimizer`` ``opt`` (``None`` for stage 0).
+    ``zero_stage`` and its combination with the other options were checked by
+    :class:`~hvd_trainer.comm.sync_options.SyncOptions`.
 
     Raises:
-        error: ``zero_stage`` not an int 0, 1 or 2 (:func:`~hvd_trainer.comm.zero.check_zero_stage`;
-            ``True`` and ``"2"`` included), or combined with an option
-            ZeRO does not support (named in the message).
         UnshardableOptimizerError: the inner optimizer's step is not per parameter.
     """
-    zero_stage = check_zero_stage(zero_stage, error)
-    check_overlap_arg(zero_stage, overlap_exchange, error)
     if zero_stage == 0:
         return None
-    if opt._op is ReduceOp.ADASUM:
-        raise error(f"zero_stage={zero_stage} with op=Adasum: Adasum combines whole weight "
-                    "changes on every rank. HINT: use op=Average with ZeRO.")
-    if opt._groups:
-        raise error(f"zero_stage={zero_stage} with groups: the shard plan follows the fused "
-                    "buckets. HINT: drop groups=/num_groups= with ZeRO.")
-    if getattr(opt, "_auto_compression", False):
-        raise error(f"zero_stage={zero_stage} with compression='auto': auto may choose PowerSGD, "
-                    "whose error feedback keeps per-rank residuals of whole gradients, which ZeRO "
-                    "does not hold. HINT: use compression='none' or 'bf16' with ZeRO.")
-    if opt._compression.error_feedback:
-        raise error(f"zero_stage={zero_stage} with compression={opt._compression.name}: error "
-                    "feedback keeps per-rank residuals of whole gradients, which ZeRO does not "
-                    "hold. HINT: use compression='none' or 'bf16' with ZeRO.")
-    if zero_stage == 2 and getattr(opt._compression, "needs_global_scale", False):
-        raise error(f"zero_stage=2 with compression={opt._compression.name}: the fp16 global "
-                    "scale is not applied to reduce-scatter. HINT: use Compression.bf16.")
     if zero_stage == 2:
         # Bucket caps paced to the link now (a collective over the set on several hosts), so
         # the ownership planned here is the one the stage-2 reducer plans at the first step.
@@ -80,19 +58,6 @@ def make_sharding(opt: Any, zero_stage: Any, error: type[Exception], *,
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
                         config=opt._fusion_config, process_set=opt._process_set,
                         overlap_exchange=overlap_exchange)
-
-
-def check_overlap_arg(zero_stage: Any, overlap_exchange: Any, error: type[Exception]) -> None:
-    """Refuse a ``zero_overlap_exchange`` that is not a bool, or ``True`` without ZeRO.
-
-    Raises:
-        error: naming the argument and what to pass instead.
-    """
-    if not isinstance(overlap_exchange, bool):
-        raise error(f"zero_overlap_exchange={overlap_exchange!r} must be True or False.")
-    if overlap_exchange and not zero_stage:
-        raise error("zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no "
-                    "parameters are exchanged). HINT: pass zero_stage=1 or 2, or drop it.")
 
 
 def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:

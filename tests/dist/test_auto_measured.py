@@ -178,12 +178,6 @@ def _lightning_worker(tmp: str) -> dict[str, Any]:
         t.fit(resumed, loader, ckpt_path=ckpt.best_model_path or ckpt.last_model_path)
         out["resumed"] = {"choice": t.strategy.auto_choice, "new_decisions": len(seen) - decided,
                           "equal": bool(np.array_equal(weights(resumed), weights(straight)))}
-    # compression="auto" with an explicit sync_every: the outer loop runs from the first step and
-    # the verdict (for gradient buckets, which local steps do not have) leaves it alone
-    with _verdict(Compression.bf16, None):
-        model = Net("sgd")
-        cases._fit(model, DECIDES_AT + 3, {"compression": "auto", "sync_every": 2, "sync_warmup_steps": 0})
-        out["explicit_h"] = weights(model)
     said = io.StringIO()
     with _verdict(Compression.bf16, None) as seen, contextlib.redirect_stdout(said):
         model = Net("sgd")
@@ -214,9 +208,6 @@ def test_lightning_measures_then_switches_to_local_steps_or_bf16(tmp_path) -> No
     for r in results:  # resumed from the checkpoint: sync_every=2 again, not measured again
         assert r["resumed"] == {"choice": "compression=none, sync_every=2", "new_decisions": 0,
                                 "equal": True}, r["resumed"]
-    explicit = cases._reference(DECIDES_AT + 3, 2, lr=0.7, mu=0.9, inner="sgd")
-    for r in results:
-        np.testing.assert_allclose(r["explicit_h"], explicit, atol=1e-6, rtol=0)
     bf16 = [r["bf16"] for r in results]
     _check_seen(bf16, grad_bytes, local_steps=False)
     _said(bf16, "hvd_trainer: compression=auto chose compression=bf16: the test's verdict.")

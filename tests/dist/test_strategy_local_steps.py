@@ -191,7 +191,10 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
     refused = r"^outer_lr=0.5, outer_nesterov=False set without sync_every.*HINT"
     with pytest.raises(StrategyConfigError, match=refused):
         HorovodStrategy(outer_lr=0.5, outer_nesterov=False)
-    HorovodStrategy(outer_lr=0.5, compression="auto")  # auto may choose local steps: kept for them
+    # compression="auto" alone never chooses local steps (sync_every="auto" lets it): refused too
+    with pytest.raises(StrategyConfigError, match=r"^outer_lr=0.5 set without sync_every.*HINT"):
+        HorovodStrategy(outer_lr=0.5, compression="auto")
+    HorovodStrategy(outer_lr=0.5, sync_every="auto", compression="auto")  # kept for the local steps
     HorovodStrategy(outer_lr=0.7, outer_momentum=0.9)  # the defaults, spelled out
     with pytest.raises(StrategyConfigError, match=r"^outer_fragments=2 set without sync_every.*HINT"):
         HorovodStrategy(outer_fragments=2)

@@ -37,7 +37,11 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
         module.TrainerConfig(outer_lr=0.5)  # trainer.outer_lr=0.5 alone would change nothing
     with pytest.raises(ValueError, match=r"trainer.outer_fragments=4 set without trainer.sync_every"):
         module.TrainerConfig(outer_fragments=4)
-    assert module.TrainerConfig(outer_lr=0.5, compression="auto").outer_lr == 0.5  # auto may use it
+    with pytest.raises(ValueError, match=r"trainer.outer_lr=0.5 set without trainer.sync_every"):
+        module.TrainerConfig(outer_lr=0.5, compression="auto")  # compression=auto alone: no local steps
+    assert module.TrainerConfig(outer_lr=0.5, sync_every="auto", compression="auto").outer_lr == 0.5
+    with pytest.raises(ValueError, match=r"trainer.compression=auto with trainer.sync_every=16.*HINT"):
+        module.TrainerConfig(sync_every=16, compression="auto")
 
 
 def test_invalid_keys_raise() -> None:

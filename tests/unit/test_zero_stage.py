@@ -77,7 +77,7 @@ def test_torch_optimizer_uses_the_shared_check(value: Any, message: str) -> None
 
 @pytest.mark.parametrize(("compression", "message"), [
     ("auto", "zero_stage=2 with compression='auto': auto may choose PowerSGD"),
-    ("int8", "zero_stage=2 with compression=int8: error feedback keeps per-rank residuals"),
+    ("int8", "zero_stage=2 with compression='int8': error feedback keeps per-rank residuals"),
 ])
 def test_torch_optimizer_refuses_error_feedback_with_zero_naming_what_was_asked(compression: str,
                                                                                 message: str) -> None:

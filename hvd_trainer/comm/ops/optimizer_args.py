@@ -91,12 +91,14 @@ def check_optimizer_args(
         The normalised :class:`OptimizerArgs`.
 
     Raises:
-        OptimizerArgumentError (or ``error``): an op other than Average/Sum, a bad pass count or
-            factor; the message echoes the value and gives a HINT.
-        UnsupportedOpError: ``Adasum`` without ``allow_adasum``. ValueError: an unknown op string (from
-            :func:`~hvd_trainer.comm.ops.ops.to_reduce_op`).
+        OptimizerArgumentError (or ``error``): an op other than Average/Sum (an unknown string
+            included), a bad pass count or factor; the message echoes the value and gives a HINT.
+        UnsupportedOpError: ``Adasum`` without ``allow_adasum``.
     """
-    rop = to_reduce_op(op)
+    try:
+        rop = to_reduce_op(op)
+    except ValueError as exc:  # an unknown string or op: the front end's error, as documented
+        raise error(f"op={op!r}: {exc} HINT: op=Average (the gradients' mean) or op=Sum.") from None
     if not allow_adasum:
         reject_adasum(rop, "this DistributedOptimizer")
     if rop not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):

@@ -25,11 +25,11 @@ from hvd_trainer.comm.zero.sharding import (
     check_per_parameter,
     state_bytes,
 )
-from hvd_trainer.comm.zero.stage import ZERO_STAGES, check_zero_stage
+from hvd_trainer.comm.zero.stage import ZERO_STAGES, check_overlap_arg, check_zero_stage
 
 __all__ = [
     "BucketShard", "ShardPlan", "plan_shards", "plan_parameters",
     "start_reducescatter", "exchange_parameters", "ShardedGradientReducer",
     "ZeroSharding", "UnshardableOptimizerError", "check_per_parameter", "state_bytes",
-    "PER_PARAMETER", "NOT_PER_PARAMETER", "ZERO_STAGES", "check_zero_stage",
+    "PER_PARAMETER", "NOT_PER_PARAMETER", "ZERO_STAGES", "check_overlap_arg", "check_zero_stage",
 ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["ZERO_STAGES", "check_zero_stage"]
+__all__ = ["ZERO_STAGES", "check_overlap_arg", "check_zero_stage"]
 
 ZERO_STAGES = (0, 1, 2)
 """0: no sharding; 1: the optimizer state is sharded; 2: the averaged gradients are too."""
@@ -58,3 +58,17 @@ def _hint_for(value: Any) -> str:
     if named in ZERO_STAGES:
         return f"zero_stage={named} (an int)."
     return f"zero_stage={_MEANINGS}."
+
+
+def check_overlap_arg(zero_stage: int, overlap_exchange: Any, error: type[Exception]) -> None:
+    """Refuse a ``zero_overlap_exchange`` that is not a bool, or ``True`` without ZeRO
+    (``zero_stage`` already checked).
+
+    Raises:
+        error: naming the argument and what to pass instead.
+    """
+    if not isinstance(overlap_exchange, bool):
+        raise error(f"zero_overlap_exchange={overlap_exchange!r} must be True or False.")
+    if overlap_exchange and not zero_stage:
+        raise error("zero_overlap_exchange=True needs zero_stage=1 or 2 (without ZeRO no "
+                    "parameters are exchanged). HINT: pass zero_stage=1 or 2, or drop it.")

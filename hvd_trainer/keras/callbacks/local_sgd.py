@@ -15,8 +15,9 @@ import torch
 
 from hvd_trainer.comm.ops.compression import Compression
 from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AUTO, AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterSync, refuse_fragments_with_auto
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterArgs, OuterSync
+from hvd_trainer.comm.sync_options import local_steps_config
 from hvd_trainer.comm.world.world import get_world
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 
@@ -84,15 +85,18 @@ class LocalSGDCallback(keras.callbacks.Callback):
                  nesterov: bool = True, compression: Any = None, *, overlap_steps: int = 0,
                  fragments: int = 1, sync_warmup_steps: int | None = None) -> None:
         super().__init__()
-        self._auto_asked = sync_every == AUTO
-        if self._auto_asked:
-            refuse_fragments_with_auto(fragments)
-        # with "auto" the outer settings are checked now, with an H the overlap fits in
-        placeholder = overlap_steps + 1 if isinstance(overlap_steps, int) else 1
-        self.config = LocalSGDConfig(sync_every=placeholder if self._auto_asked else sync_every,
-                                     outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                                     compression=compression, overlap_steps=overlap_steps,
-                                     fragments=fragments, sync_warmup_steps=sync_warmup_steps)
+        outer = OuterArgs(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                          overlap_steps=overlap_steps, fragments=fragments,
+                          sync_warmup_steps=sync_warmup_steps)
+        if sync_every is None:
+            raise LocalSGDConfigError("sync_every=None: LocalSGDCallback runs local steps. HINT: "
+                                      "sync_every=32, or 'auto'; synchronous training is "
+                                      "hvd_trainer.keras.DistributedOptimizer.")
+        # with "auto", a placeholder period: the outer settings are checked now
+        config, self._auto_asked = local_steps_config(sync_every, outer, compression,
+                                                      error=LocalSGDConfigError)
+        assert config is not None
+        self.config = config
         self._auto: AutoMode | None = None
         self._outer: OuterSync | None = None
         self._vars: list[Any] = []

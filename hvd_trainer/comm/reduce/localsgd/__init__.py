@@ -7,9 +7,10 @@ from hvd_trainer.comm.reduce.localsgd.outer import (
     DEFAULT_SYNC_WARMUP_STEPS,
     LocalSGDConfig,
     LocalSGDConfigError,
+    OuterArgs,
     OuterSync,
     refuse_fragments_with_auto,
 )
 
-__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync",
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterArgs", "OuterSync",
            "refuse_fragments_with_auto"]

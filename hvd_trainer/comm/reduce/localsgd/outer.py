@@ -69,7 +69,7 @@ The inner optimizer's state stays local to each rank, as in DiLoCo.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -82,7 +82,7 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
 from hvd_trainer.comm.world.world import World
 
-__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterSync",
+__all__ = ["DEFAULT_SYNC_WARMUP_STEPS", "LocalSGDConfig", "LocalSGDConfigError", "OuterArgs", "OuterSync",
            "refuse_fragments_with_auto"]
 
 DEFAULT_SYNC_WARMUP_STEPS = 128
@@ -108,33 +108,68 @@ def refuse_fragments_with_auto(fragments: object, *, name: str = "fragments") ->
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class OuterArgs:
+    """The outer optimizer of local steps as a front end's user gave it, with the library's
+    defaults (DiLoCo's: outer lr 0.7, Nesterov momentum 0.9; no overlap, one part, the default
+    warm-up). Unchecked: :class:`LocalSGDConfig` checks it with a period."""
+
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    overlap_steps: int = 0
+    fragments: int = 1
+    sync_warmup_steps: int | None = None
+
+    def changed(self) -> dict[str, Any]:
+        """The arguments away from their defaults, by name, in declaration order."""
+        default = OuterArgs()
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+_DEFAULT = OuterArgs()
+
+
 @dataclass(kw_only=True, slots=True)
 class LocalSGDConfig:
     """Settings of the outer loop (DiLoCo's defaults: outer lr 0.7, Nesterov momentum 0.9)."""
 
     sync_every: int
     """Inner optimizer steps between two outer steps (``H``); 1 averages after every step."""
-    outer_lr: float = 0.7
+    outer_lr: float = _DEFAULT.outer_lr
     """Learning rate of the outer SGD applied to the averaged parameter delta."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = _DEFAULT.outer_momentum
     """Momentum of the outer SGD (0: none)."""
-    nesterov: bool = True
+    nesterov: bool = _DEFAULT.nesterov
     """Nesterov momentum (ignored when ``outer_momentum`` is 0)."""
     compression: Compressor = Compression.none
     """Wire format of the outer gradient: ``Compression.none``/``fp16``/``bf16`` (the allreduce's
     dtype) or ``Compression.int8`` (block-quantised allgather, no error feedback)."""
-    overlap_steps: int = 0
+    overlap_steps: int = _DEFAULT.overlap_steps
     """Inner steps the outer gradient's reduction may take on the wire while training goes on
     (``tau`` of the module docstring; ``0 <= tau < sync_every / fragments``); 0 blocks at every
     outer step."""
-    fragments: int = 1
+    fragments: int = _DEFAULT.fragments
     """Parts of the parameters with outer steps of their own, one launched every
     ``sync_every / fragments`` inner steps (``F`` of the module docstring; it must divide
     ``sync_every``); 1: all parameters at once."""
-    sync_warmup_steps: int | None = None
+    sync_warmup_steps: int | None = _DEFAULT.sync_warmup_steps
     """Inner steps at the start each followed by a plain average of the parameters, before
     local steps begin (``W`` of the module docstring; ``None``: :data:`DEFAULT_SYNC_WARMUP_STEPS`;
     0: none)."""
+
+    @classmethod
+    def from_outer(cls, sync_every: int, outer: OuterArgs, compression: Any = None) -> LocalSGDConfig:
+        """The config of period ``sync_every`` for ``outer``, the outer gradient in ``compression``.
+
+        Raises:
+            LocalSGDConfigError: as the constructor.
+        """
+        return cls(sync_every=sync_every, outer_lr=outer.outer_lr, outer_momentum=outer.outer_momentum,
+                   nesterov=bool(outer.nesterov), compression=compression,
+                   overlap_steps=outer.overlap_steps, fragments=outer.fragments,
+                   sync_warmup_steps=outer.sync_warmup_steps)
 
     def __post_init__(self) -> None:
         if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
