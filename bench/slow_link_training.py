@@ -10,16 +10,17 @@ Run every mode under the same launcher (the shaped-link lab runs it on its names
     python -m bench.slow_link_training --mode local --steps 200      # compute only, one process
 
 Modes: ``sync`` (fp32 allreduce of the gradients every step), ``bf16``, ``int8``,
-``powersgd[:R]`` (rank R, default 4), ``localsgd[:H]`` (DiLoCo, outer step every H steps, default
-32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised), ``localsgd_overlap[:H]``
-(the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``),
+``powersgd[:R]`` (rank R, default the library's), ``localsgd[:H]`` (DiLoCo, outer step every H
+steps, default 32), ``localsgd_int8[:H]`` (the same, the outer gradient int8-quantised),
+``localsgd_overlap[:H]`` (the same, its outer step hidden behind ``H // 4`` inner steps: ``overlap_steps``),
 ``localsgd_overlap_bf16[:H]`` (the same, the outer gradient in bf16), ``localsgd_stream[:H]``
 (Streaming DiLoCo: 4 parts, one part's outer step every ``H / 4`` steps, hidden behind
 ``H / 8``: ``fragments=4, overlap_steps=H // 8``), ``auto``
 (``compression="auto"``: the link probe's choice), ``local`` (no communication; world of one),
 and torch's own for comparison: ``ddp`` (DDP,
 fp32) and ``ddp_powersgd[:R]`` (DDP with its PowerSGD comm hook, error feedback and warm start,
-compressing from the 2nd step; its bytes are not counted by hvd_trainer: ``comm_bytes_sent=-1``,
+compressing from the 2nd step, or from ``--ddp-powersgd-start``; its bytes are not counted by
+hvd_trainer: ``comm_bytes_sent=-1``,
 the lab's interface counters still are). Each rank prints one ``LAB {json}`` record
 (``bench.lab.records`` reads it: the timed window's seconds, steps, the host's interface bytes)
 with ``val_loss`` and ``comm_bytes_sent`` (what hvd_trainer's comm layer counted for this rank:
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.lab.workers.common import Window, emit
+from hvd_trainer.comm.ops.compression import DEFAULT_POWERSGD_RANK
 
 __all__ = ["MODES", "SlowLinkArgs", "parse_mode", "run_mode"]
 
@@ -80,14 +82,18 @@ class SlowLinkArgs:
     """With ``eval_every``: stop at the first validation at or after ``min_steps`` whose
     val_loss is at most this (0: run every step)."""
     min_steps: int = 0
+    ddp_powersgd_start: int = 2
+    """``ddp_powersgd``: plain allreduce steps before its PowerSGD starts (``PowerSGDState``'s
+    ``start_powerSGD_iter``; torch's default is 1,000)."""
 
 STREAM_FRAGMENTS = 4
 """``localsgd_stream``'s parts (``fragments``)."""
 
 
 def parse_mode(mode: str) -> tuple[str, int]:
-    """``"powersgd:4"`` -> ``("powersgd", 4)``; the number defaults to 4 (PowerSGD's rank) or 32
-    (local steps' H), and is 0 for the other modes.
+    """``"powersgd:4"`` -> ``("powersgd", 4)``; the number defaults to the library's PowerSGD rank
+    (``powersgd``; :data:`~hvd_trainer.comm.ops.compression.DEFAULT_POWERSGD_RANK`), 4
+    (``ddp_powersgd``) or 32 (local steps' H), and is 0 for the other modes.
 
     Raises:
         ValueError: an unknown mode or a bad number.
@@ -95,7 +101,7 @@ def parse_mode(mode: str) -> tuple[str, int]:
     name, _, num = mode.partition(":")
     if name not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose from {MODES} (powersgd:R, localsgd:H).")
-    default = {"powersgd": 4, "localsgd": 32, "localsgd_int8": 32, "localsgd_overlap": 32,
+    default = {"powersgd": DEFAULT_POWERSGD_RANK, "localsgd": 32, "localsgd_int8": 32, "localsgd_overlap": 32,
                "localsgd_overlap_bf16": 32, "localsgd_stream": 32, "ddp_powersgd": 4}.get(name, 0)
     if num and (not num.isdigit() or int(num) < 1 or not default):
         raise ValueError(f"mode {mode!r}: only powersgd:R, ddp_powersgd:R and the localsgd*:H modes "
@@ -176,7 +182,7 @@ def _loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # -- one mode ----------------------------------------------------------------------------------
-def _ddp(name: str, num: int, net: nn.Module) -> nn.Module:
+def _ddp(name: str, num: int, net: nn.Module, start: int = 2) -> nn.Module:
     """``net`` in torch's DDP (``ddp``), with DDP's PowerSGD hook for ``ddp_powersgd``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -189,7 +195,7 @@ def _ddp(name: str, num: int, net: nn.Module) -> nn.Module:
     ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=64)
     if name == "ddp_powersgd":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=num,
-                                            start_powerSGD_iter=2)
+                                            start_powerSGD_iter=start)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp
 
@@ -238,7 +244,7 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     net, data = _build(args.model)
     opt = _optimizer(name, num, net, args)
     if name.startswith("ddp"):
-        net = _ddp(name, num, net)  # DDP broadcasts rank 0's parameters itself
+        net = _ddp(name, num, net, args.ddp_powersgd_start)  # DDP broadcasts rank 0's parameters itself
     steps, timed, sent, curve = _train(args, net, opt, data, rank, distributed)
     if name == "local":
         sent = 0
@@ -248,7 +254,8 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     tokens_per_step = args.batch * data.tokens_per_sample * world
     tokens = steps * tokens_per_step
     record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
-              "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world, **timed,
+              "seed": args.seed, "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world,
+              **timed,
               "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"],
               "tokens_per_step": tokens_per_step, "curve": curve, "outer_lr": args.outer_lr,
               "compression": getattr(getattr(opt, "compression", None), "name", None),
@@ -338,6 +345,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--round", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and batches")
+    p.add_argument("--ddp-powersgd-start", type=int, default=2,
+                   help="ddp_powersgd: plain allreduce steps before PowerSGD (start_powerSGD_iter)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--eval-every", type=int, default=0,
                    help="also validate every N steps (not timed); the LAB record's curve")
@@ -359,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
 
         hvd.init()
     run_mode(SlowLinkArgs(mode=a.mode, model=a.model, steps=a.steps, warmup=a.warmup, batch=a.batch, lr=a.lr,
-                          round=a.round, eval_every=a.eval_every,
+                          round=a.round, seed=a.seed, eval_every=a.eval_every,
+                          ddp_powersgd_start=a.ddp_powersgd_start,
                           stop_below=a.stop_below, min_steps=a.min_steps, outer_lr=a.outer_lr,
                           outer_momentum=a.outer_momentum))
 

@@ -7,6 +7,7 @@ Examples (root; the lab makes and removes its own network namespaces)::
     python -m bench.lab --hosts 2 --procs 2 --rates 100mbit --workloads allreduce
     python -m bench.lab --rates 20mbit,100mbit --workloads slow_link --records curves.jsonl
     python -m bench.lab --rates unshaped --workloads auto --rounds 3
+    python -m bench.lab --rates 20mbit --workloads ttq --steps 32 --ttq-targets 1.61,1.62,1.60
 
 For every rate: shape each host's port (``tc`` TBF, or HTB with ``--qdisc htb``), measure one
 iperf3 TCP stream (``LINK`` line and ``RATIO lab_<rate>_iperf3_goodput_vs_rate``), then run each
@@ -71,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="slow_link workload: the other modes stop at the target or after this x steps")
     p.add_argument("--slow-link-outer", default="1.0,0.0",
                    help="slow_link workload: outer lr,momentum of the local-steps modes")
+    p.add_argument("--ttq-seeds", default="1,2,3", help="ttq workload: seeds, each run in turn")
+    p.add_argument("--ttq-steps", type=int, default=1500, help="ttq workload: DDP's steps to the target")
+    p.add_argument("--ttq-modes", default=",".join(LabArgs.ttq_modes),
+                   help="ttq workload: the modes timed to the target (bench.slow_link_training's)")
+    p.add_argument("--ttq-targets", default="",
+                   help="ttq workload: known targets, one per seed (DDP's val_loss after --ttq-steps, "
+                        "e.g. from an unshaped run); empty: trained on the lab's link")
     p.add_argument("--iperf-seconds", type=float, default=3.0)
     p.add_argument("--records", metavar="FILE", help="also write every worker record here (JSON lines)")
     return p
@@ -101,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
                    slow_link_modes=tuple(a.slow_link_modes.split(",")), slow_link_steps=a.slow_link_steps,
                    slow_link_eval_every=a.slow_link_eval_every, slow_link_max_factor=a.slow_link_max_factor,
                    slow_link_target=a.slow_link_target,
-                   slow_link_outer=tuple(float(v) for v in a.slow_link_outer.split(",")))
+                   slow_link_outer=tuple(float(v) for v in a.slow_link_outer.split(",")),
+                   ttq_seeds=tuple(int(v) for v in a.ttq_seeds.split(",")), ttq_steps=a.ttq_steps,
+                   ttq_modes=tuple(a.ttq_modes.split(",")),
+                   ttq_targets=tuple(float(v) for v in a.ttq_targets.split(",") if v))
+    if args.ttq_targets and len(args.ttq_targets) != len(args.ttq_seeds):
+        raise SystemExit(f"--ttq-targets gives {len(args.ttq_targets)} values for "
+                         f"{len(args.ttq_seeds)} seeds: one per seed")
     from tests.multihost.netns import cluster
 
     # SIGTERM (a timeout, pkill) unwinds like Ctrl-C, so cluster() removes its namespaces.

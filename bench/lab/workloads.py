@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from bench.lab.net import LinkMeasure
 from bench.lab.records import Summary, parse, summarise, wire_efficiency
 from bench.lab.slow_link import report
-from hvd_trainer.comm.ops.compression import DEFAULT_POWERSGD_WARMUP_STEPS
+from bench.lab.ttq import DDP_STEP, TARGET, equal_tokens_step
+from bench.lab.ttq import report as ttq_report
+from hvd_trainer.comm.ops.compression import DEFAULT_POWERSGD_RANK, DEFAULT_POWERSGD_WARMUP_STEPS
 from hvd_trainer.comm.reduce.auto import DEFAULT_MEASURE_STEPS, DEFAULT_SKIP_STEPS
 from hvd_trainer.comm.reduce.localsgd import DEFAULT_SYNC_WARMUP_STEPS
 from tests.e2e.hvdrun_helpers import clean_env
@@ -27,7 +29,7 @@ __all__ = ["LabArgs", "WORKLOADS", "run_workload"]
 
 DECIDES_AT = DEFAULT_SKIP_STEPS + DEFAULT_MEASURE_STEPS
 """The optimizer step after which ``"auto"`` runs its choice (across hosts)."""
-WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto", "local_steps")
+WORKLOADS = ("allreduce", "loop", "lightning", "gpt", "keras", "slow_link", "auto", "local_steps", "ttq")
 DEFAULT_SIZES = (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 
 
@@ -61,6 +63,20 @@ class LabArgs:
     slow_link_outer: tuple[float, float] = (1.0, 0.0)
     """Outer lr and momentum of the local-steps modes. Plain averaging by default: from scratch
     at this scale DiLoCo's 0.7 / 0.9 lagged (README, "Slow links")."""
+    ttq_seeds: tuple[int, ...] = (1, 2, 3)
+    """``ttq``: seeds, each a target run and every mode in turn (seed by seed: interleaved)."""
+    ttq_steps: int = 1500
+    """``ttq``: DDP's steps to the target (the demo's 1,500)."""
+    ttq_modes: tuple[str, ...] = ("localsgd:32", "powersgd", f"ddp_powersgd:{DEFAULT_POWERSGD_RANK}")
+    """``ttq``: the modes timed to the target, with the library's defaults (outer lr 0.7 and
+    Nesterov momentum 0.9, 128 warm-up steps; PowerSGD's default rank and warm-up; DDP's hook at
+    the same rank, starting after the same warm-up)."""
+    ttq_targets: tuple[float, ...] = ()
+    """``ttq``: known targets, one per seed (DDP's val_loss after ``ttq_steps``, e.g. from an
+    unshaped run; empty: the targets are trained here, on the lab's link)."""
+    ttq_eval_every: int = 32
+    ttq_max_factor: float = 2.0
+    """``ttq``: a mode stops after this many times ``ttq_steps`` if it never reaches the target."""
     timeout_seconds: float = 1200.0
 
 
@@ -310,6 +326,40 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
     return recs
 
 
+def _ttq(tag: str, launch: _Launcher) -> list[dict]:
+    """Time to DDP's quality (:mod:`bench.lab.ttq`), seed by seed: the target (DDP fp32 trained
+    ``ttq_steps`` steps, unless given), DDP's step time on this link (``--steps`` after
+    ``--warmup``), then each of ``ttq_modes`` trained on the link to the first validation at or
+    after ``ttq_steps`` and on to the target (at most ``ttq_max_factor`` times the steps)."""
+    args, recs = launch.args, []
+    steps, every = args.ttq_steps, args.ttq_eval_every
+    least = equal_tokens_step(steps, every)
+    most = max(least, int(args.ttq_max_factor * steps) // every * every)
+    base = ["bench.slow_link_training", "--model", "gpt",
+            "--ddp-powersgd-start", str(DEFAULT_POWERSGD_WARMUP_STEPS)]
+    known = dict(zip(args.ttq_seeds, args.ttq_targets, strict=False))
+    extra = {"ttq_steps": steps, "ttq_eval_every": every}
+
+    def run(seed: int, ttq: str, argv: list[str]) -> list[dict]:
+        new = launch.run([*base, "--seed", str(seed), *argv], distributed=True)
+        recs.extend({**r, "ttq": ttq, **extra} for r in new)
+        return new
+
+    for seed in args.ttq_seeds:
+        if seed in known:
+            target = known[seed]
+            recs.append({"seed": seed, "ttq": TARGET, "val_loss": target, "given": True, **extra})
+        else:
+            trained = run(seed, TARGET, ["--mode", "ddp", "--steps", str(steps), "--warmup", "0"])
+            target = trained[0]["val_loss"]
+        run(seed, DDP_STEP, ["--mode", "ddp", *_common(args)])
+        for mode in args.ttq_modes:
+            run(seed, mode, ["--mode", mode, "--warmup", "0", "--eval-every", str(every), "--steps",
+                             str(most), "--stop-below", f"{target:.6f}", "--min-steps", str(least)])
+        ttq_report(tag, recs, steps, every)  # the seeds so far (a long run shows as it goes)
+    return recs
+
+
 def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasure) -> list[dict]:
     """Run workload ``name`` on ``c`` (already shaped); print its lines; return its records.
 
@@ -328,6 +378,8 @@ def run_workload(name: str, tag: str, c: Cluster, args: LabArgs, link: LinkMeasu
         return _keras(tag, launch, link)
     if name == "slow_link":
         return _slow_link(tag, launch)
+    if name == "ttq":
+        return _ttq(tag, launch)
     if name == "auto":
         return _auto(tag, launch)
     if name == "local_steps":

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 
 from bench.slow_link_training import SlowLinkArgs, parse_mode, run_mode
+from hvd_trainer.comm.ops.compression import DEFAULT_POWERSGD_RANK
 
 
 def test_parse_mode_defaults_and_errors() -> None:
     assert parse_mode("sync") == ("sync", 0)
-    assert parse_mode("powersgd") == ("powersgd", 4) and parse_mode("powersgd:2") == ("powersgd", 2)
+    assert parse_mode("powersgd") == ("powersgd", DEFAULT_POWERSGD_RANK)  # the library's default
+    assert parse_mode("powersgd:2") == ("powersgd", 2) and parse_mode("ddp_powersgd") == ("ddp_powersgd", 4)
     assert parse_mode("localsgd") == ("localsgd", 32) and parse_mode("localsgd:8") == ("localsgd", 8)
     for bad in ("fp8", "int8:2", "localsgd:0", "localsgd:x"):
         with pytest.raises(ValueError, match="mode"):
