@@ -299,7 +299,8 @@ def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data:
         t0 = time.perf_counter()
         val = _validate(net, data, args)
         if distributed:  # the ranks' mean (equal weights: the same value) -> one stop decision
-            val = float(hvd.allreduce(torch.tensor([val]), op=hvd.Average, name="bench.val_loss"))
+            val = float(hvd.allreduce(torch.tensor([val], dtype=torch.float64), op=hvd.Average,
+                                      name="bench.val_loss"))
         curve.append({"step": i + 1, "seconds": t0 - window.started - eval_s,
                       "val_loss": val, "comm_bytes_sent": _bytes_sent(opt) - bytes_before})
         eval_s += time.perf_counter() - t0
