@@ -85,6 +85,11 @@ class SlowLinkArgs:
     ddp_powersgd_start: int = 2
     """``ddp_powersgd``: plain allreduce steps before its PowerSGD starts (``PowerSGDState``'s
     ``start_powerSGD_iter``; torch's default is 1,000)."""
+    schedule_steps: int = 0
+    """0: AdamW at the constant ``lr``, no weight decay. N > 0: AdamW as the GPT recipe configures
+    it (betas 0.9 / 0.99, weight decay 0.1 on matrices, ``recipes._gpt_config.OptimConfig``) with
+    its schedule: linear warm-up, cosine decay from ``lr`` to its ``min_lr`` at step N, then
+    ``min_lr``."""
 
 STREAM_FRAGMENTS = 4
 """``localsgd_stream``'s parts (``fragments``)."""
@@ -200,10 +205,29 @@ def _ddp(name: str, num: int, net: nn.Module, start: int = 2) -> nn.Module:
     return ddp
 
 
-def _optimizer(name: str, num: int, net: nn.Module, args: SlowLinkArgs):  # noqa: ANN202 - an optimizer
+Schedule = torch.optim.lr_scheduler.LambdaLR
+
+
+def _inner(net: nn.Module, args: SlowLinkArgs) -> tuple[torch.optim.Optimizer, Schedule]:
+    """The inner AdamW and its schedule (a constant one without ``schedule_steps``; see
+    ``SlowLinkArgs.schedule_steps``)."""
+    if not args.schedule_steps:
+        inner = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
+        return inner, Schedule(inner, lambda _: 1.0)
+    from recipes._gpt_config import OptimConfig
+
+    o = OptimConfig(lr=args.lr)
+    groups = [{"params": [p for p in net.parameters() if p.dim() >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in net.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    inner = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
+    return inner, Schedule(inner, lambda step: o.lr_factor(step, args.schedule_steps))
+
+
+def _optimizer(name: str, num: int, net: nn.Module, inner: torch.optim.Optimizer,  # noqa: ANN202
+               args: SlowLinkArgs):
+    """``inner`` as mode ``name`` steps it (itself, ``LocalSGD`` or ``DistributedOptimizer``)."""
     import hvd_trainer as hvd
 
-    inner = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.0)
     if name in ("local", "ddp", "ddp_powersgd"):
         return inner
     if name.startswith("localsgd"):
@@ -242,10 +266,11 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     rank, world = (hvd.rank(), hvd.size()) if distributed else (0, 1)
     torch.manual_seed(args.seed)
     net, data = _build(args.model)
-    opt = _optimizer(name, num, net, args)
+    inner, schedule = _inner(net, args)
+    opt = _optimizer(name, num, net, inner, args)
     if name.startswith("ddp"):
         net = _ddp(name, num, net, args.ddp_powersgd_start)  # DDP broadcasts rank 0's parameters itself
-    steps, timed, sent, curve = _train(args, net, opt, data, rank, distributed)
+    steps, timed, sent, curve = _train(args, net, opt, schedule, data, rank, distributed)
     if name == "local":
         sent = 0
     if name.startswith("ddp"):
@@ -254,7 +279,8 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     tokens_per_step = args.batch * data.tokens_per_sample * world
     tokens = steps * tokens_per_step
     record = {"workload": f"slow_link_{args.model}", "mode": args.mode, "round": args.round,
-              "seed": args.seed, "steps": steps, "batch": args.batch * data.tokens_per_sample, "world": world,
+              "seed": args.seed, "schedule_steps": args.schedule_steps, "steps": steps,
+              "batch": args.batch * data.tokens_per_sample, "world": world,
               **timed,
               "val_loss": val_loss, "comm_bytes_sent": sent, "tokens_per_s": tokens / timed["seconds"],
               "tokens_per_step": tokens_per_step, "curve": curve, "outer_lr": args.outer_lr,
@@ -268,7 +294,8 @@ def run_mode(args: SlowLinkArgs) -> dict[str, float]:
     return record
 
 
-def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data: _Digits | _Bytes, rank: int,
+def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer,
+           schedule: Schedule, data: _Digits | _Bytes, rank: int,
            distributed: bool) -> tuple[int, dict[str, float], int, list[dict[str, float]]]:
     """The training loop: ``(timed steps, window, comm bytes sent, curve)``; validation (every
     ``eval_every`` steps) is outside the window's seconds."""
@@ -291,6 +318,7 @@ def _train(args: SlowLinkArgs, net: nn.Module, opt: torch.optim.Optimizer, data:
         _loss(net, *data.batch(args.batch, gen)).backward()
         t1 = time.perf_counter()
         opt.step()
+        schedule.step()
         if i >= args.warmup:
             compute_s.append(t1 - t0)
             step_call_s.append(time.perf_counter() - t1)
@@ -347,6 +375,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--round", type=int, default=0)
     p.add_argument("--seed", type=int, default=0, help="model initialisation and batches")
+    p.add_argument("--schedule-steps", type=int, default=0,
+                   help="the GPT recipe's AdamW and lr schedule, decayed over N steps (0: constant lr)")
     p.add_argument("--ddp-powersgd-start", type=int, default=2,
                    help="ddp_powersgd: plain allreduce steps before PowerSGD (start_powerSGD_iter)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -371,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
         hvd.init()
     run_mode(SlowLinkArgs(mode=a.mode, model=a.model, steps=a.steps, warmup=a.warmup, batch=a.batch, lr=a.lr,
                           round=a.round, seed=a.seed, eval_every=a.eval_every,
-                          ddp_powersgd_start=a.ddp_powersgd_start,
+                          ddp_powersgd_start=a.ddp_powersgd_start, schedule_steps=a.schedule_steps,
                           stop_below=a.stop_below, min_steps=a.min_steps, outer_lr=a.outer_lr,
                           outer_momentum=a.outer_momentum))
 

@@ -9,6 +9,7 @@ imports these classes and is the recipe that uses them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ._strategy import check_slow_link_keys
@@ -126,6 +127,16 @@ class OptimConfig:
     beta2: float = 0.99
     """AdamW's second-moment decay (0.99 rather than 0.999: small batches, short runs, as nanoGPT's
     Shakespeare config)."""
+
+    def lr_factor(self, step: int, max_steps: int) -> float:
+        """Multiplier of :attr:`lr` at optimizer step ``step`` (0-based): linear warmup over
+        :attr:`warmup_steps` steps, then cosine decay to :attr:`min_lr` at ``max_steps`` (and
+        :attr:`min_lr` after it)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, max_steps - self.warmup_steps))
+        floor = self.min_lr / self.lr
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def __post_init__(self) -> None:
         if self.lr <= 0 or not 0 <= self.min_lr <= self.lr:

@@ -31,7 +31,6 @@ terminal), and writes CSV and TensorBoard logs plus the resolved config under
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -128,18 +127,8 @@ class GPTModule(pl.LightningModule):
             [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o.lr, betas=(o.beta1, o.beta2),
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, o, self.max_steps))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: o.lr_factor(step, self.max_steps))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def lr_factor(step: int, o: OptimConfig, max_steps: int) -> float:
-    """Multiplier of ``o.lr`` at optimizer step ``step`` (0-based): linear warmup over
-    ``o.warmup_steps`` steps, then cosine decay to ``o.min_lr`` at ``max_steps``."""
-    if step < o.warmup_steps:
-        return (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
-    floor = o.min_lr / o.lr
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 # ------------------------------------------------------------------------------------------------

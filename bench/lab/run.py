@@ -77,8 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttq-modes", default=",".join(LabArgs.ttq_modes),
                    help="ttq workload: the modes timed to the target (bench.slow_link_training's)")
     p.add_argument("--ttq-targets", default="",
-                   help="ttq workload: known targets, one per seed (DDP's val_loss after --ttq-steps, "
-                        "e.g. from an unshaped run); empty: trained on the lab's link")
+                   help="ttq workload: known targets, one per seed (DDP's val_loss after --ttq-steps "
+                        "with --schedule-steps the same, e.g. from a loopback run); empty: trained on "
+                        "the lab's link")
     p.add_argument("--iperf-seconds", type=float, default=3.0)
     p.add_argument("--records", metavar="FILE", help="also write every worker record here (JSON lines)")
     return p

@@ -1,7 +1,9 @@
 """The ``ttq`` workload's arithmetic and report: time to DDP's quality, per seed and mode.
 
-The target of a seed is the val_loss of DDP fp32 (torch's ``DistributedDataParallel``, default
-buckets) after ``steps`` optimizer steps of that seed. DDP reaches it at step ``steps`` by
+Every run trains the GPT recipe's model with the recipe's AdamW and lr schedule (warm-up, cosine
+decay over ``steps``: ``bench.slow_link_training --schedule-steps``). The target of a seed is the
+val_loss of DDP fp32 (torch's ``DistributedDataParallel``, default buckets) after ``steps``
+optimizer steps of that seed. DDP reaches it at step ``steps`` by
 definition: its time is that run's training seconds when it ran on the link, or, when the target
 was trained elsewhere (given: at 20 Mbit/s a 1,500-step DDP run of the GPT model takes about 17
 minutes per seed), ``steps`` times DDP's step time measured on the link (``ddp_step_s``, the

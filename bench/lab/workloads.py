@@ -327,7 +327,8 @@ def _local_steps(tag: str, launch: _Launcher) -> list[dict]:
 
 
 def _ttq(tag: str, launch: _Launcher) -> list[dict]:
-    """Time to DDP's quality (:mod:`bench.lab.ttq`), seed by seed: the target (DDP fp32 trained
+    """Time to DDP's quality (:mod:`bench.lab.ttq`), seed by seed, every run with the GPT recipe's
+    AdamW and lr schedule over ``ttq_steps`` (``--schedule-steps``): the target (DDP fp32 trained
     ``ttq_steps`` steps, unless given), DDP's step time on this link (``--steps`` after
     ``--warmup``), then each of ``ttq_modes`` trained on the link to the first validation at or
     after ``ttq_steps`` and on to the target (at most ``ttq_max_factor`` times the steps)."""
@@ -335,7 +336,7 @@ def _ttq(tag: str, launch: _Launcher) -> list[dict]:
     steps, every = args.ttq_steps, args.ttq_eval_every
     least = equal_tokens_step(steps, every)
     most = max(least, int(args.ttq_max_factor * steps) // every * every)
-    base = ["bench.slow_link_training", "--model", "gpt",
+    base = ["bench.slow_link_training", "--model", "gpt", "--schedule-steps", str(steps),
             "--ddp-powersgd-start", str(DEFAULT_POWERSGD_WARMUP_STEPS)]
     known = dict(zip(args.ttq_seeds, args.ttq_targets, strict=False))
     extra = {"ttq_steps": steps, "ttq_eval_every": every}

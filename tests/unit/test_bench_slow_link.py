@@ -38,3 +38,27 @@ def test_curve_and_stop_below() -> None:
     stopped = run_mode(SlowLinkArgs(mode="local", model="cnn", steps=12, warmup=0, batch=8, val_batches=2,
                                     eval_every=3, stop_below=100.0, min_steps=5))
     assert stopped["steps"] == 6 and [p["step"] for p in stopped["curve"]] == [3, 6]
+
+
+def test_schedule_steps_give_the_gpt_recipes_adamw_and_schedule() -> None:
+    from torch import nn
+
+    from bench.slow_link_training import _inner
+
+    net = nn.Linear(4, 4)
+    inner, schedule = _inner(net, SlowLinkArgs(schedule_steps=40))
+    matrices, vectors = inner.param_groups
+    assert (matrices["weight_decay"], vectors["weight_decay"], matrices["betas"]) == (0.1, 0.0, (0.9, 0.99))
+    assert matrices["lr"] == pytest.approx(3e-3 / 20)  # the first of 20 warm-up steps
+    lrs = []
+    for _ in range(60):
+        inner.step()
+        schedule.step()
+        lrs.append(matrices["lr"])
+    assert lrs[18] == pytest.approx(3e-3) and lrs[39:] == pytest.approx([3e-4] * 21)  # decayed by step 40
+    assert all(a >= b for a, b in zip(lrs[19:], lrs[20:], strict=False))
+    inner, schedule = _inner(net, SlowLinkArgs())  # the default: constant lr, no weight decay
+    for _ in range(3):
+        inner.step()
+        schedule.step()
+    assert [(g["lr"], g["weight_decay"]) for g in inner.param_groups] == [(3e-3, 0.0)]
