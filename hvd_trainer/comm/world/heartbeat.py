@@ -274,6 +274,11 @@ class PeerWatch:
         while not self._stop.is_set():
             try:
                 if client is None:
+                    # A store that ended refuses at once; TCPStore's own connect would retry a
+                    # refused port for its whole timeout (and more), while the judge counts.
+                    if self._store_refuses():
+                        self.store_gone = True
+                        return
                     client = self._connect()
                 self._round(client)
             except Exception:  # noqa: BLE001 - refused, closed or timed out: the probe tells which
