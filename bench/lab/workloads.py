@@ -121,10 +121,36 @@ def _report_steps(tag: str, workload: str, summaries: dict[tuple, Summary], comp
     return out
 
 
-def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[str, str]]) -> None:
+def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[str, str]],
+            recs: list[dict]) -> None:
+    """Per pair ``(a, b)`` of modes that both ran: ``RATIO <tag>_<workload>_<a>_vs_<b>`` (samples/s
+    of the medians), then the same ratio per round (``b``'s step time over ``a``'s in the same
+    round) with its median and spread, and each mode's per-step overhead beyond compute (its step
+    time less the ``local`` run's of the same round, seconds; median and spread over rounds)."""
+    step_s = _step_s_per_round(recs)
+    rounds = sorted({r for (w, _, r) in step_s if w == workload})
     for a, b in pairs:
-        if a in got and b in got:
-            _ratio(f"{tag}_{workload}_{a}_vs_{b}", got[a].samples_per_s / got[b].samples_per_s)
+        if a not in got or b not in got:
+            continue
+        _ratio(f"{tag}_{workload}_{a}_vs_{b}", got[a].samples_per_s / got[b].samples_per_s)
+        both = [r for r in rounds if (workload, a, r) in step_s and (workload, b, r) in step_s]
+        per_round = [step_s[(workload, b, r)] / step_s[(workload, a, r)] for r in both]
+        if per_round:
+            print(f"RATIO {tag}_{workload}_{a}_vs_{b}_per_round median={statistics.median(per_round):.3f} "
+                  f"spread={min(per_round):.3f}-{max(per_round):.3f} rounds={len(per_round)}", flush=True)
+        for mode in (a, b):
+            extra = [step_s[(workload, mode, r)] - step_s[(workload, "local", r)] for r in both
+                     if (workload, "local", r) in step_s]
+            if extra:
+                print(f"OVERHEAD {tag} {workload} {mode} beyond_compute_s "
+                      f"median={statistics.median(extra):.4f} spread={min(extra):.4f}-{max(extra):.4f} "
+                      f"rounds={len(extra)}", flush=True)
+
+
+def _in_turn(modes: tuple[str, ...] | list[str], round_: int) -> list[str]:
+    """``modes`` in the order they run in round ``round_``: as given in even rounds, reversed in
+    odd ones (ABBA), so no mode always runs first in its processes or right after another."""
+    return list(modes) if round_ % 2 == 0 else list(modes)[::-1]
 
 
 def _allreduce(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
@@ -164,8 +190,8 @@ def _loop(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
     args = launch.args
     recs: list[dict] = []
     for r in range(args.rounds):  # the local round between distributed ones: interleaved
-        new = launch.run(["bench.lab.workers.loop", "--modes", ",".join(args.loop_modes), "--rounds", "1",
-                          *_common(args)], distributed=True)
+        new = launch.run(["bench.lab.workers.loop", "--modes", ",".join(_in_turn(args.loop_modes, r)),
+                          "--rounds", "1", *_common(args)], distributed=True)
         new += launch.run(["bench.lab.workers.loop", "--modes", "local", *_common(args)], distributed=False)
         recs += [{**rec, "round": r} for rec in new]
     s = summarise(recs)
@@ -173,7 +199,7 @@ def _loop(tag: str, launch: _Launcher, link: LinkMeasure) -> list[dict]:
     _versus(tag, "loop", got, [("hvd", "ddp"), ("hvd_bf16", "ddp_bf16"), ("hvd_bf16", "hvd"),
                                 ("ddp_bf16", "ddp"), ("hvd_zero1", "ddp"), ("hvd_zero2", "ddp"),
                                 ("hvd_zero1", "hvd"), ("hvd_zero2", "hvd"),
-                                ("hvd_zero1_overlap", "ddp"), ("hvd_zero2_overlap", "ddp")])
+                                ("hvd_zero1_overlap", "ddp"), ("hvd_zero2_overlap", "ddp")], recs)
     return recs
 
 
@@ -181,14 +207,14 @@ def _lightning(tag: str, launch: _Launcher, link: LinkMeasure, model: str) -> li
     args, recs = launch.args, []
     worker = ["bench.lab.workers.lightning_fit", "--model", model, *_common(args)]
     for r in range(args.rounds):
-        for mode in (*args.lightning_modes, "local"):
+        for mode in (*_in_turn(args.lightning_modes, r), "local"):
             recs += [{**rec, "round": r} for rec in
                      launch.run([*worker, "--mode", mode, "--round", str(r)], distributed=mode != "local")]
     workload = f"lightning_{model}"
     s = summarise(recs)
     got = _report_steps(tag, workload, s, s[(workload, "local")], link)
     _versus(tag, workload, got, [("horovod", "ddp"), ("horovod_bf16", "ddp_bf16"),
-                                 ("horovod_bf16", "horovod"), ("ddp_bf16", "ddp")])
+                                 ("horovod_bf16", "horovod"), ("ddp_bf16", "ddp")], recs)
     return recs
 
 
