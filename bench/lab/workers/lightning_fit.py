@@ -54,7 +54,17 @@ class _Timer(pl.Callback):
         trainer.strategy.barrier("lab_stop")
         a = self.args
         emit(workload=f"lightning_{a.model}", mode=a.mode, round=a.round, steps=a.steps,
-             batch=a.batch, world=trainer.world_size, **self.window.stop())
+             batch=a.batch, world=trainer.world_size, **self.window.stop(), **_layout(trainer.strategy))
+
+
+def _layout(strategy: object) -> dict[str, object]:
+    """Our reducer's bucket sizes and the link it measured, for the record (as the loop's)."""
+    reducer = getattr(strategy, "reducer", None)
+    if reducer is None:
+        return {}
+    link = reducer.link
+    return {"bucket_bytes": reducer.bucket_sizes_bytes,
+            "probed_bytes_per_s": None if link is None else link.bytes_per_s}
 
 
 def _cnn(args: argparse.Namespace, world: int) -> tuple[pl.LightningModule, DataLoader]:
