@@ -8,7 +8,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["Window", "emit", "wire_bytes"]
+__all__ = ["Window", "emit", "reducer_layout", "wire_bytes"]
 
 _DEV = Path("/sys/class/net/eth0/statistics")
 
@@ -44,3 +44,13 @@ class Window:
         seconds = time.perf_counter() - self._t
         tx, rx = wire_bytes()
         return {"seconds": seconds, "tx": tx - self._tx, "rx": rx - self._rx}
+
+
+def reducer_layout(reducer: object | None) -> dict[str, object]:
+    """Our gradient reducer's bucket sizes (bytes) and the link it measured (bytes/s, or None),
+    for a record; nothing without a reducer (DDP, a local run)."""
+    if reducer is None:
+        return {}
+    link = reducer.link  # type: ignore[attr-defined]
+    return {"bucket_bytes": reducer.bucket_sizes_bytes,  # type: ignore[attr-defined]
+            "probed_bytes_per_s": None if link is None else link.bytes_per_s}

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hvd_trainer  # noqa: F401  (registers strategy="horovod")
 from bench.lab.models import ResNetSmall, synthetic_batch
-from bench.lab.workers.common import Window, emit
+from bench.lab.workers.common import Window, emit, reducer_layout
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -54,17 +54,8 @@ class _Timer(pl.Callback):
         trainer.strategy.barrier("lab_stop")
         a = self.args
         emit(workload=f"lightning_{a.model}", mode=a.mode, round=a.round, steps=a.steps,
-             batch=a.batch, world=trainer.world_size, **self.window.stop(), **_layout(trainer.strategy))
-
-
-def _layout(strategy: object) -> dict[str, object]:
-    """Our reducer's bucket sizes and the link it measured, for the record (as the loop's)."""
-    reducer = getattr(strategy, "reducer", None)
-    if reducer is None:
-        return {}
-    link = reducer.link
-    return {"bucket_bytes": reducer.bucket_sizes_bytes,
-            "probed_bytes_per_s": None if link is None else link.bytes_per_s}
+             batch=a.batch, world=trainer.world_size, **self.window.stop(),
+             **reducer_layout(getattr(trainer.strategy, "reducer", None)))
 
 
 def _cnn(args: argparse.Namespace, world: int) -> tuple[pl.LightningModule, DataLoader]:

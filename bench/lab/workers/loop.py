@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from bench.lab.models import ResNetSmall, synthetic_batch
-from bench.lab.workers.common import Window, emit
+from bench.lab.workers.common import Window, emit, reducer_layout
 
 MODES = ("hvd", "hvd_bf16", "hvd_zero1", "hvd_zero2", "hvd_zero1_overlap", "hvd_zero2_overlap", "ddp",
          "ddp_bf16", "local")
@@ -76,17 +76,8 @@ def run_mode(mode: str, round_: int, steps: int, warmup: int, batch: int) -> Non
     if distributed:
         hvd.barrier()
     emit(workload="loop", mode=mode, round=round_, steps=steps, batch=batch,
-         world=hvd.size() if distributed else 1, **window.stop(), **_layout(opt))
-
-
-def _layout(opt: torch.optim.Optimizer) -> dict[str, object]:
-    """Our reducer's bucket sizes and the link it measured (link-aware buckets), for the record."""
-    reducer = getattr(opt, "_reducer", None)
-    if reducer is None:
-        return {}
-    link = reducer.link
-    return {"bucket_bytes": reducer.bucket_sizes_bytes,
-            "probed_bytes_per_s": None if link is None else link.bytes_per_s}
+         world=hvd.size() if distributed else 1, **window.stop(),
+         **reducer_layout(getattr(opt, "_reducer", None)))
 
 
 def main() -> None:
