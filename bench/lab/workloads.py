@@ -126,9 +126,11 @@ def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[
     """Per pair ``(a, b)`` of modes that both ran: ``RATIO <tag>_<workload>_<a>_vs_<b>`` (samples/s
     of the medians), then the same ratio per round (``b``'s step time over ``a``'s in the same
     round) with its median and spread, and each mode's per-step overhead beyond compute (its step
-    time less the ``local`` run's of the same round, seconds; median and spread over rounds)."""
+    time less the ``local`` run's of the same round, seconds; median and spread over the rounds of
+    the first pair it is in; once per mode)."""
     step_s = _step_s_per_round(recs)
     rounds = sorted({r for (w, _, r) in step_s if w == workload})
+    shown: set[str] = set()  # a mode's OVERHEAD line once, with its first pair
     for a, b in pairs:
         if a not in got or b not in got:
             continue
@@ -141,7 +143,8 @@ def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[
         for mode in (a, b):
             extra = [step_s[(workload, mode, r)] - step_s[(workload, "local", r)] for r in both
                      if (workload, "local", r) in step_s]
-            if extra:
+            if extra and mode not in shown:
+                shown.add(mode)
                 print(f"OVERHEAD {tag} {workload} {mode} beyond_compute_s "
                       f"median={statistics.median(extra):.4f} spread={min(extra):.4f}-{max(extra):.4f} "
                       f"rounds={len(extra)}", flush=True)

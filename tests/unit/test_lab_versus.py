@@ -24,12 +24,15 @@ def test_per_round_ratio_and_overhead_use_each_rounds_own_times(capsys) -> None:
             for rank in range(2)]
     s = summarise(recs)
     got = {m: s[("loop", m)] for m in ("hvd", "ddp")}
-    workloads._versus("lab_1gbit", "loop", got, [("hvd", "ddp"), ("hvd_bf16", "ddp")], recs)
+    workloads._versus("lab_1gbit", "loop", got, [("hvd", "ddp"), ("hvd_bf16", "ddp"), ("ddp", "hvd")], recs)
     out = capsys.readouterr().out.splitlines()
-    # ratios ddp/hvd per round: 1.100, 0.909, 1.000; the bf16 pair did not run: no line
+    # ratios ddp/hvd per round: 1.100, 0.909, 1.000; the bf16 pair did not run: no line; the
+    # reversed pair gives its ratios but no second OVERHEAD line per mode
     assert out == [
         "RATIO lab_1gbit_loop_hvd_vs_ddp=1.000",
         "RATIO lab_1gbit_loop_hvd_vs_ddp_per_round median=1.000 spread=0.909-1.100 rounds=3",
         "OVERHEAD lab_1gbit loop hvd beyond_compute_s median=0.0600 spread=0.0300-0.1000 rounds=3",
         "OVERHEAD lab_1gbit loop ddp beyond_compute_s median=0.0600 spread=0.0000-0.1400 rounds=3",
+        "RATIO lab_1gbit_loop_ddp_vs_hvd=1.000",
+        "RATIO lab_1gbit_loop_ddp_vs_hvd_per_round median=1.000 spread=0.909-1.100 rounds=3",
     ]
