@@ -8,6 +8,11 @@ Horovod's ``HOROVOD_*`` variables, and its output lines carry a ``[rank]<stdout>
 ``fn``, its arguments and its result travel with ``cloudpickle`` (functions defined in
 ``__main__`` or interactively work; the calling script is not imported again).
 
+The calling process hosts the job's ``TCPStore`` (bound to a port the OS picks, held until the
+ranks end) and the ranks connect to it as torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE``),
+as under hvdrun: a port chosen first and bound only later by rank 0 could be taken meanwhile by
+another program on a busy machine (``EADDRINUSE``).
+
 Differences from Horovod (each raises with a HINT instead of doing something else): several
 hosts, elastic arguments and ``use_mpi=True`` are for the ``hvdrun`` command line.
 """
@@ -21,10 +26,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.world.world import free_port
+import torch.distributed as dist
+
 from hvd_trainer.launch.commands import HOROVOD_SHIM_DIR, WORKER_ENTRY
 
 __all__ = ["run", "RunError"]
@@ -110,7 +117,9 @@ def run(
     with tempfile.TemporaryDirectory(prefix="hvd_trainer_run-") as tmp:
         run_dir = Path(tmp)
         (run_dir / "fn.pkl").write_bytes(cloudpickle.dumps((func, tuple(args), dict(kwargs or {}))))
-        env = _base_env(run_dir, np, output_filename, network_interface, start_timeout)
+        # Bound now and held until the ranks end: no other program can take the port meanwhile.
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=300), wait_for_workers=False)
+        env = _base_env(run_dir, np, store.port, output_filename, network_interface, start_timeout)
         python = executable or sys.executable
         procs = [subprocess.Popen([python, WORKER_ENTRY, python, "-c", _WORKER_CODE],
                                   env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
@@ -119,11 +128,13 @@ def run(
         return _collect(run_dir, codes)
 
 
-def _base_env(run_dir: Path, np: int, output_filename: str | None, network_interface: str | None,
-              start_timeout: float | None) -> dict[str, str]:
+def _base_env(run_dir: Path, np: int, store_port: int, output_filename: str | None,
+              network_interface: str | None, start_timeout: float | None) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"WORLD_SIZE": str(np), "LOCAL_WORLD_SIZE": str(np), "GROUP_RANK": "0",
-                "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store_port),
+                # rank 0 connects to the caller's store like every rank (torch's env:// rendezvous)
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
                 _RUN_DIR_ENV: str(run_dir)})
     if output_filename is not None:
         env["HVDRUN_OUTPUT_DIR"] = os.path.abspath(output_filename)

@@ -75,3 +75,23 @@ def test_unsupported_arguments_say_what_to_use() -> None:
     with pytest.raises(ValueError, match="hvdrun --min-np/--max-np"):
         hvd.run(print, np=2, min_np=1)
     assert str(ROOT) in os.environ["PYTHONPATH"]
+
+
+def _port_is_taken() -> bool:
+    """Whether binding the job's store port fails here, before any rank has called init()."""
+    import errno
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def test_the_store_port_is_held_before_the_ranks_start() -> None:
+    """The caller binds the store's port before starting the ranks and holds it, so another
+    program cannot take it between the choice and rank 0's init (a CI run failed that way:
+    EADDRINUSE in rank 0's TCPStore). A port only chosen, not held, would bind here."""
+    assert hvd.run(_port_is_taken, np=1, timeout_seconds=120) == [True]
