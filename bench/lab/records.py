@@ -19,7 +19,7 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-__all__ = ["Summary", "parse", "summarise", "wire_efficiency"]
+__all__ = ["Summary", "median_spread", "parse", "summarise", "wire_efficiency"]
 
 _LINE = re.compile(r"LAB (\{.*\})")
 
@@ -71,3 +71,11 @@ def wire_efficiency(step_s: float, compute_s: float, bytes_per_step: float, wire
     """``max(compute_s, bytes_per_step / wire_bytes_per_s) / step_s`` (1.0: the step runs at
     whichever of the CPU or the link is the limit)."""
     return max(compute_s, bytes_per_step / wire_bytes_per_s) / step_s
+
+
+def median_spread(values: list[float], *, digits: int = 3, count: str = "rounds") -> str:
+    """``median=<m> spread=<min>-<max> <count>=<n>`` of ``values`` (non-empty), ``digits``
+    decimals: how every lab line reports a figure measured more than once."""
+    f = f".{digits}f"
+    return (f"median={statistics.median(values):{f}} spread={min(values):{f}}-{max(values):{f}} "
+            f"{count}={len(values)}")

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from pathlib import Path
+
+from bench.lab.records import median_spread
 
 __all__ = ["TARGET", "DDP_STEP", "equal_tokens_step", "report", "main"]
 
@@ -46,11 +47,6 @@ def equal_tokens_step(steps: int, eval_every: int) -> int:
 def _step_s(recs: list[dict]) -> float:
     """The slowest rank's seconds per timed step."""
     return max(r["seconds"] / r["steps"] for r in recs)
-
-
-def _spread(values: list[float]) -> str:
-    return (f"median={statistics.median(values):.3f} spread={min(values):.3f}-{max(values):.3f} "
-            f"seeds={len(values)}")
 
 
 def report(tag: str, records: list[dict], steps: int, eval_every: int) -> dict[str, dict[int, float]]:
@@ -86,9 +82,10 @@ def report(tag: str, records: list[dict], steps: int, eval_every: int) -> dict[s
                   f"speedup_vs_ddp={speedup:.2f}", flush=True)
     for mode, by_seed in speedups.items():
         name = mode.replace(":", "")
-        print(f"RATIO {tag}_ttq_{name}_speedup_vs_ddp {_spread(list(by_seed.values()))}", flush=True)
-        print(f"RATIO {tag}_ttq_{name}_val_at_{at}_vs_target {_spread(list(equal_tokens[mode].values()))}",
-              flush=True)
+        speedup_line = median_spread(list(by_seed.values()), count="seeds")
+        quality_line = median_spread(list(equal_tokens[mode].values()), count="seeds")
+        print(f"RATIO {tag}_ttq_{name}_speedup_vs_ddp {speedup_line}", flush=True)
+        print(f"RATIO {tag}_ttq_{name}_val_at_{at}_vs_target {quality_line}", flush=True)
     return speedups
 
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from bench.lab.net import LinkMeasure
-from bench.lab.records import Summary, parse, summarise, wire_efficiency
+from bench.lab.records import Summary, median_spread, parse, summarise, wire_efficiency
 from bench.lab.slow_link import report
 from bench.lab.ttq import DDP_STEP, TARGET, equal_tokens_step
 from bench.lab.ttq import report as ttq_report
@@ -138,16 +138,14 @@ def _versus(tag: str, workload: str, got: dict[str, Summary], pairs: list[tuple[
         both = [r for r in rounds if (workload, a, r) in step_s and (workload, b, r) in step_s]
         per_round = [step_s[(workload, b, r)] / step_s[(workload, a, r)] for r in both]
         if per_round:
-            print(f"RATIO {tag}_{workload}_{a}_vs_{b}_per_round median={statistics.median(per_round):.3f} "
-                  f"spread={min(per_round):.3f}-{max(per_round):.3f} rounds={len(per_round)}", flush=True)
+            print(f"RATIO {tag}_{workload}_{a}_vs_{b}_per_round {median_spread(per_round)}", flush=True)
         for mode in (a, b):
             extra = [step_s[(workload, mode, r)] - step_s[(workload, "local", r)] for r in both
                      if (workload, "local", r) in step_s]
             if extra and mode not in shown:
                 shown.add(mode)
-                print(f"OVERHEAD {tag} {workload} {mode} beyond_compute_s "
-                      f"median={statistics.median(extra):.4f} spread={min(extra):.4f}-{max(extra):.4f} "
-                      f"rounds={len(extra)}", flush=True)
+                print(f"OVERHEAD {tag} {workload} {mode} beyond_compute_s {median_spread(extra, digits=4)}",
+                      flush=True)
 
 
 def _in_turn(modes: tuple[str, ...] | list[str], round_: int) -> list[str]:
@@ -300,8 +298,7 @@ def _auto(tag: str, launch: _Launcher) -> list[dict]:
     rate = _step_s_per_round(recs)  # the records carry their round (the worker's --round)
     per_round = [rate[("slow_link_gpt", "sync", r)] / rate[("slow_link_gpt", "auto", r)]
                  for r in range(args.rounds)]
-    print(f"RATIO {tag}_auto_vs_sync_per_round median={statistics.median(per_round):.3f} "
-          f"spread={min(per_round):.3f}-{max(per_round):.3f} rounds={args.rounds}", flush=True)
+    print(f"RATIO {tag}_auto_vs_sync_per_round {median_spread(per_round)}", flush=True)
     s = summarise(recs)
     chosen = sorted({r.get("compression") for r in recs if r["mode"] == "auto"} - {None})
     print(f"AUTO {tag} compression=auto chose {', '.join(chosen) or '?'}", flush=True)
