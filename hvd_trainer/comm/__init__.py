@@ -12,9 +12,10 @@ import inside a function except the optional ``mpi4py``; ``tests/unit/test_layer
     sync_options           every front end's gradient-sync options, checked in one place
   zero/                    ZeRO stages 1 and 2 (imported as hvd_trainer.comm.zero, not re-exported)
     sharding               owned-parameter step, parameter exchange, state consolidation, clipping
-    reducer                stage 2's reduce-scattering bucket reducer (a GradientReducer)
+    reducer  pieces        stage 2's reduce-scattering bucket reducer (a GradientReducer);
+                           parameters cut by elements between ranks, the optimizer seen through them
     collectives            a bucket's reduce-scatter; the exchange of updated parameters
-    plan  stage            which rank owns which parameter (balanced by bytes over the buckets);
+    plan  stage            which rank owns which parameter or piece (balanced over the buckets);
                            stage: the zero_stage argument check of every front end
   reduce/                  gradient reduction over fused buckets
     fusion                 the gradient reducer (hook-driven buckets)

@@ -57,6 +57,7 @@ def _checkpoint_worker(tmp: str, stage: int, overlap: bool = False) -> dict[str,
 
     pending_at_batch_end: list[bool] = []
     pending_at_save: list[bool] = []
+    split: list[bool] = []  # planned by elements
 
     class Probe(pl.Callback):
         """Whether an exchange is pending after the step (Lightning runs ModelCheckpoint after
@@ -68,6 +69,7 @@ def _checkpoint_worker(tmp: str, stage: int, overlap: bool = False) -> dict[str,
 
         def on_train_batch_end(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             pending_at_batch_end.append(self._pending(trainer))
+            split.append(all(z.split for z in trainer.strategy._zero.values()))
 
         def on_save_checkpoint(self, trainer, *args) -> None:  # noqa: ANN001, ANN002
             pending_at_save.append(self._pending(trainer))
@@ -82,16 +84,21 @@ def _checkpoint_worker(tmp: str, stage: int, overlap: bool = False) -> dict[str,
         t.fit(model, loader, ckpt_path=ckpt_path)
         return t, model
 
+    def state_elements(t: pl.Trainer) -> int:  # per-element state values this rank holds
+        return sum(v.numel() for st in t.optimizers[0].state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+
     t, _ = fit(3)
-    owned_after_fit = len(t.optimizers[0].state)
+    owned_after_fit = state_elements(t)
     t2, model2 = fit(6, ckpt_path=str(Path(tmp) / "last.ckpt"))
     return {"pending_at_batch_end": pending_at_batch_end, "pending_at_save": pending_at_save,
-            "owned_state": owned_after_fit, "resumed_state": len(t2.optimizers[0].state),
+            "owned_state": owned_after_fit, "resumed_state": state_elements(t2),
+            "split": split[-1],
             "weights": torch.cat([p.detach().reshape(-1) for p in model2.parameters()]).tolist()}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stage", "overlap"), [(2, False), (2, True)])
+@pytest.mark.parametrize(("stage", "overlap"), [(1, True), (2, False), (2, True)])
 def test_model_checkpoint_holds_full_state(tmp_path: Any, stage: int, overlap: bool) -> None:
     results = run_workers(_checkpoint_worker, 2, args=(str(tmp_path), stage, overlap),
                           env=TORCHRUN_ENV, timeout_seconds=240)
@@ -99,11 +106,17 @@ def test_model_checkpoint_holds_full_state(tmp_path: Any, stage: int, overlap: b
     state = ckpt["optimizer_states"][0]
     from tests.dist._lightning_cases import Net
 
-    plain = torch.optim.Adam(Net("adam").parameters(), lr=0.01)
+    net = Net("adam")
+    plain = torch.optim.Adam(net.parameters(), lr=0.01)
     plain.load_state_dict(state)  # the full state: every parameter, loadable without hvd_trainer
     assert len(plain.state) == 6 and all("exp_avg" in s for s in plain.state.values())
-    # each rank kept only its shard, after the fit and after resuming from the checkpoint
-    assert sum(r["owned_state"] for r in results) == 6
+    # each rank kept only its shard (stage 1 with Adam: by elements, half each within one
+    # element per bucket), after the fit and after resuming from the checkpoint
+    elements = 2 * sum(p.numel() for p in net.parameters())  # exp_avg and exp_avg_sq
+    assert sum(r["owned_state"] for r in results) == elements
+    assert [r["split"] for r in results] == [stage == 1] * 2
+    if stage == 1:
+        assert all(abs(r["owned_state"] - elements / 2) <= 2 * 2 for r in results), results
     assert [r["resumed_state"] for r in results] == [r["owned_state"] for r in results]
     assert results[0]["weights"] == results[1]["weights"]
     # last.ckpt is written at step 6's on_train_batch_end, when with overlap that step's

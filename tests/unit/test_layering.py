@@ -57,7 +57,7 @@ COMM_ROWS = (
     ("runtime", "sync_options"),
     # zero/
     ("zero.sharding",),
-    ("zero.reducer",),
+    ("zero.reducer", "zero.pieces"),
     ("zero.collectives",),
     ("zero.plan", "zero.stage"),
     # reduce/

@@ -73,3 +73,54 @@ def test_bad_arguments() -> None:
         plan_shards([[0]], [1], [4], 0)
     with pytest.raises(ValueError, match="exactly once"):
         plan_shards([[0, 0]], [1, 1], [4, 4], 2)
+
+
+# -- by elements (split=True) -------------------------------------------------------------------
+def test_split_cuts_a_lone_parameter_into_equal_pieces() -> None:
+    plan = plan_shards([[0]], [100], [4], 3, split=True)
+    shard = plan.buckets[0]
+    assert plan.owner == (-1,)  # cut between ranks
+    assert sorted(plan.owned_bytes) == [128, 136, 136]  # ceil(100/3) = 34 elements, the last 32
+    assert sorted(zip(shard.starts, shard.numels, strict=True)) == [(0, 34), (34, 34), (68, 32)]
+    assert sorted(shard.owners) == [0, 1, 2] and shard.scatter
+
+
+def test_split_matches_the_issues_mlp() -> None:
+    # A 256x256 weight is 77 % of this MLP: whole parameters leave 0.77 of the state on one rank.
+    numels = [64 * 256, 256, 256 * 256, 256, 256 * 10, 10]
+    for size in (2, 3):
+        whole = plan_shards([list(range(6))], numels, [4] * 6, size)
+        cut = plan_shards([list(range(6))], numels, [4] * 6, size, split=True)
+        total = 4 * sum(numels)
+        assert max(whole.owned_bytes) / total > 0.77
+        assert max(cut.owned_bytes) - min(cut.owned_bytes) <= 4 * (size - 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_split_layouts_cover_every_element_once_and_balance(seed: int, size: int) -> None:
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    numels = [rng.choice([1, 7, 64, 300, 4096]) for _ in range(n)]
+    buckets, i = [], 0
+    while i < n:
+        k = rng.randint(1, 6)
+        buckets.append(list(range(i, min(n, i + k))))
+        i += k
+    plan = plan_shards(buckets, numels, [4] * n, size, split=True)
+    assert plan == plan_shards(buckets, numels, [4] * n, size, split=True)  # deterministic
+    assert sum(plan.owned_bytes) == 4 * sum(numels)
+    # within N-1 elements per bucket, and over the model within N-1 elements
+    assert max(plan.owned_bytes) - min(plan.owned_bytes) <= 4 * (size - 1)
+    covered: dict[int, list[tuple[int, int, int]]] = {}
+    for shard in plan.buckets:
+        assert list(shard.owners) == sorted(shard.owners)
+        for p, start, numel, owner in zip(shard.params, shard.starts, shard.numels, shard.owners,
+                                          strict=True):
+            covered.setdefault(p, []).append((start, numel, owner))
+    for p, pieces in covered.items():
+        pieces.sort()
+        assert [s for s, _, _ in pieces] == [0] + [s + k for s, k, _ in pieces[:-1]]  # contiguous
+        assert sum(k for _, k, _ in pieces) == numels[p]
+        assert len({o for _, _, o in pieces}) == len(pieces)  # one piece per owner at most
+        assert plan.owner[p] == (pieces[0][2] if len(pieces) == 1 else -1)

@@ -1,6 +1,9 @@
-"""Which rank owns which parameter: ZeRO shards planned over the fused gradient buckets.
+"""Which rank owns which parameter (or which piece of one): ZeRO shards planned over the fused
+gradient buckets.
 
-A parameter is owned whole by one rank (its optimizer state lives only there, and with stage 2
+An *entry* of the plan is a parameter owned whole by one rank, or, with ``split=True``, a
+contiguous piece of a parameter cut between ranks (its elements ``start .. start+numel`` in
+``param.view(-1)`` order). An entry's optimizer state lives only on its owner (and with stage 2
 its averaged gradient too). Ownership is planned bucket by bucket over the reducer's layout
 (``hvd_trainer.comm.reduce.fusion._assign_buckets``), so a bucket's reduce-scatter hands each rank
 exactly the gradients of the parameters it owns.
@@ -10,7 +13,12 @@ computes the same plan without communicating):
 
 1. *Split the bucket*: its parameters, largest first (ties: bucket order), each go to the
    currently smallest of ``N`` groups (greedy LPT). The groups' sizes then differ by at most
-   the bucket's largest parameter: ``max_g - min_g <= max_p``.
+   the bucket's largest parameter: ``max_g - min_g <= max_p``. With ``split=True`` (by
+   elements, as DeepSpeed's ZeRO partitions its flat buffers) the bucket's ``T`` elements, its
+   parameters back to back in bucket order, are cut instead into ``N`` contiguous ranges of
+   ``ceil(T/N)`` elements (the last shorter), group ``k`` the entries inside range ``k``: a
+   parameter crossing a range boundary becomes one piece per range, so the groups differ by at
+   most ``N - 1`` elements whatever the parameters' sizes.
 2. *Give the groups to ranks*: the largest group to the rank owning the fewest bytes so far,
    the second largest to the next, ... (ties: lower rank). Pairing large groups with light
    ranks keeps the global spread bounded: if the ranks' loads differed by at most ``S`` before
@@ -19,7 +27,8 @@ computes the same plan without communicating):
 
        max_r bytes(r) - min_r bytes(r) <= max over buckets of (its largest parameter)
 
-   so each rank owns ``total/N`` bytes within one parameter (hence within one bucket).
+   so each rank owns ``total/N`` bytes within one parameter (hence within one bucket); with
+   ``split=True`` within ``N - 1`` elements of one bucket.
 3. *Lay the bucket out by owner*: rank ``r``'s parameters first-to-last in the bucket's order,
    followed by one "used" flag per parameter (see :mod:`hvd_trainer.comm.reduce.fusion`), form
    segment ``r`` of ``seg_r`` elements. Segment ``r`` starts at ``r * chunk`` with
@@ -52,12 +61,16 @@ class BucketShard:
     """
 
     params: tuple[int, ...]
-    """Indices (into the planned parameter list) in the bucket's layout order: rank 0's
-    parameters first, then rank 1's, ..."""
+    """Parameter index (into the planned parameter list) of each entry, in the bucket's layout
+    order: rank 0's entries first, then rank 1's, ... A parameter cut between ranks appears
+    once per piece."""
     owners: tuple[int, ...]
     """Owner rank of each entry of ``params``."""
     numels: tuple[int, ...]
-    """Element count of each entry of ``params``."""
+    """Element count of each entry of ``params`` (the piece's for a piece)."""
+    starts: tuple[int, ...]
+    """Per entry: the offset of its first element in its parameter's flat (``view(-1)``)
+    order; 0 for a whole parameter."""
     seg_numel: tuple[int, ...]
     """Per rank: gradient elements it owns in this bucket (without the used flags)."""
     seg_count: tuple[int, ...]
@@ -121,14 +134,15 @@ class ShardPlan:
 
     buckets: tuple[BucketShard, ...]
     owner: tuple[int, ...]
-    """Owner rank of each planned parameter, by index."""
+    """Owner rank of each planned parameter, by index; ``-1`` for one cut between ranks (its
+    pieces' owners are in :attr:`buckets`)."""
     size: int
     """Number of ranks."""
     owned_bytes: tuple[int, ...]
     """Per rank: parameter bytes it owns (what its optimizer state scales with)."""
 
     def owned(self, rank: int) -> list[int]:
-        """Indices of the parameters ``rank`` owns."""
+        """Indices of the parameters ``rank`` owns whole."""
         return [i for i, r in enumerate(self.owner) if r == rank]
 
 
@@ -143,11 +157,34 @@ def _split(numels: Sequence[int], size: int) -> list[list[int]]:
     return groups
 
 
+def _cut(numels: Sequence[int], size: int) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
+    """The bucket's elements (``numels`` back to back) in ``size`` contiguous ranges of
+    ``ceil(T/size)``: entries ``(position in numels, start, numel)`` and, per range, the
+    positions of its entries."""
+    total = sum(numels)
+    width = max(1, -(-total // size))
+    entries: list[tuple[int, int, int]] = []
+    groups: list[list[int]] = [[] for _ in range(size)]
+    pos = 0
+    for k, n in enumerate(numels):
+        lo = pos
+        while lo < pos + n:
+            r = lo // width
+            hi = min(pos + n, (r + 1) * width)
+            groups[r].append(len(entries))
+            entries.append((k, lo - pos, hi - lo))
+            lo = hi
+        pos += n
+    return entries, groups
+
+
 def plan_shards(
     buckets: Sequence[Sequence[int]],
     numels: Sequence[int],
     element_sizes: Sequence[int],
     size: int,
+    *,
+    split: bool = False,
 ) -> ShardPlan:
     """Plan which of ``size`` ranks owns each parameter (see the module docstring).
 
@@ -157,6 +194,9 @@ def plan_shards(
         numels: element count of each parameter.
         element_sizes: bytes per element of each parameter.
         size: number of ranks (``>= 1``).
+        split: cut each bucket by elements into ``size`` equal ranges (parameters crossing a
+            boundary become pieces) instead of giving each parameter whole to one rank. Only
+            for an optimizer whose update and state are per element (Adam, SGD, ...).
 
     Returns:
         The plan; identical on every rank given the same arguments.
@@ -174,28 +214,35 @@ def plan_shards(
     shards = []
     for bucket in buckets:
         sizes = [numels[i] for i in bucket]
-        groups = _split(sizes, size)
-        nbytes = [sum(numels[bucket[p]] * element_sizes[bucket[p]] for p in g) for g in groups]
+        if split and size > 1:
+            cut, groups = _cut(sizes, size)
+            entries = [(bucket[k], start, n) for k, start, n in cut]
+        else:
+            entries = [(i, 0, numels[i]) for i in bucket]
+            groups = _split(sizes, size)
+        nbytes = [sum(entries[e][2] * element_sizes[entries[e][0]] for e in g) for g in groups]
         by_size = sorted(range(size), key=lambda g: (-nbytes[g], g))
         by_load = sorted(range(size), key=lambda r: (load[r], r))
         group_rank = {g: r for g, r in zip(by_size, by_load, strict=True)}
+        entry_owner = [0] * len(entries)
         for g, members in enumerate(groups):
             r = group_rank[g]
             load[r] += nbytes[g]
-            for p in members:
-                owner[bucket[p]] = r
-        where = {i: k for k, i in enumerate(bucket)}
-        ordered = sorted(bucket, key=lambda i: (owner[i], where[i]))
+            for e in members:
+                entry_owner[e] = r
+        for e, (i, _, n) in enumerate(entries):
+            owner[i] = entry_owner[e] if n == numels[i] else -1
+        ordered = sorted(range(len(entries)), key=lambda e: (entry_owner[e], e))
         seg_numel = [0] * size
         seg_count = [0] * size
-        for i in ordered:
-            seg_numel[owner[i]] += numels[i]
-            seg_count[owner[i]] += 1
+        for e in ordered:
+            seg_numel[entry_owner[e]] += entries[e][2]
+            seg_count[entry_owner[e]] += 1
         seg_len = [n + c for n, c in zip(seg_numel, seg_count, strict=True)]
         scatter = size > 1 and size * max(seg_len) <= 2 * sum(seg_len)
         shards.append(BucketShard(
-            params=tuple(ordered), owners=tuple(owner[i] for i in ordered),
-            numels=tuple(numels[i] for i in ordered), seg_numel=tuple(seg_numel),
-            seg_count=tuple(seg_count), scatter=scatter, size=size,
+            params=tuple(entries[e][0] for e in ordered), owners=tuple(entry_owner[e] for e in ordered),
+            numels=tuple(entries[e][2] for e in ordered), starts=tuple(entries[e][1] for e in ordered),
+            seg_numel=tuple(seg_numel), seg_count=tuple(seg_count), scatter=scatter, size=size,
         ))
     return ShardPlan(tuple(shards), tuple(owner), size, tuple(load))

@@ -66,13 +66,15 @@ def stage2_config(
 
 
 def plan_parameters(
-    named: Sequence[tuple[str, torch.Tensor]], config: FusionConfig | None, size: int
+    named: Sequence[tuple[str, torch.Tensor]], config: FusionConfig | None, size: int,
+    *, split: bool = False,
 ) -> ShardPlan:
     """The shard plan of ``named`` (trainable parameters, in registration order) over ``size``
-    ranks, on the buckets the reducer makes with ``config``."""
+    ranks, on the buckets the reducer makes with ``config``; ``split``: by elements (see
+    :func:`~hvd_trainer.comm.zero.plan.plan_shards`)."""
     layout = _assign_buckets(named, config or FusionConfig(autotune=None))
     return plan_shards(layout, [p.numel() for _, p in named], [p.element_size() for _, p in named],
-                       size)
+                       size, split=split)
 
 
 class _ShardedBucket(_Bucket):

@@ -37,6 +37,7 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import PendingExchange, exchange_parameters
+from hvd_trainer.comm.zero.pieces import Pieces, join_states, per_element
 from hvd_trainer.comm.zero.plan import ShardPlan
 from hvd_trainer.comm.zero.reducer import plan_parameters
 
@@ -100,7 +101,12 @@ class ZeroSharding:
             state and are not exchanged).
         optimizer: the torch optimizer whose parameters these are (checked with
             :func:`check_per_parameter`; state of parameters owned elsewhere is dropped).
-        stage: 1 or 2.
+        stage: 1 or 2. With stage 1 and an optimizer whose update is per element
+            (:data:`~hvd_trainer.comm.zero.pieces.PER_ELEMENT`: SGD, Adam, AdamW, ...) the
+            shards are planned by elements (:attr:`split`): every rank holds ``1/N`` of the
+            state within ``N - 1`` elements per bucket, whatever the model; a parameter may
+            then be cut between ranks (:mod:`hvd_trainer.comm.zero.pieces`). Otherwise each
+            parameter is owned whole (balanced within one parameter per bucket).
         world: the world.
         config: the reducer's bucket sizes (the plan follows its buckets).
         process_set: shard over these ranks (``None``: all). On a rank outside it nothing is
@@ -139,14 +145,20 @@ class ZeroSharding:
         self.pset = resolve_set(process_set, world, "ZeRO sharding") if self.active else None
         self.named = [(n, p) for n, p in named if p.requires_grad]
         size = self.pset.size() if self.pset is not None else 1
-        self.plan: ShardPlan = plan_parameters(self.named, config, size)
+        self.split = (stage == 1 and size > 1 and per_element(optimizer)
+                      and all(p.is_contiguous() for _, p in self.named))
+        self.plan: ShardPlan = plan_parameters(self.named, config, size, split=self.split)
         me = self.pset.rank() if self.pset is not None else 0
         self.rank = me
         self.owned_ids = {id(self.named[i][1]) for i in self.plan.owned(me)} if self.active else \
             {id(p) for _, p in self.named}
         self._sharded_ids = {id(p) for _, p in self.named}
+        self.pieces = Pieces(((self.named[i][1], s, n, o) for shard in self.plan.buckets
+                              for i, s, n, o in zip(shard.params, shard.starts, shard.numels,
+                                                    shard.owners, strict=True)
+                              if n != self.named[i][1].numel()), me)
         self._buckets = [
-            (shard, [self.named[i][1] for i in shard.params],
+            (shard, [(self.named[i][1], s) for i, s in zip(shard.params, shard.starts, strict=True)],
              f"{self.named[shard.params[0]][0]}..{self.named[shard.params[-1]][0]}")
             for shard in self.plan.buckets if shard.params
         ]
@@ -160,17 +172,34 @@ class ZeroSharding:
 
     # -- ownership ---------------------------------------------------------------------------
     def owns(self, p: torch.Tensor) -> bool:
-        """Whether this rank steps ``p`` (parameters outside the plan: always)."""
+        """Whether this rank steps ``p``, or a piece of it if it is cut between ranks
+        (parameters outside the plan: always)."""
+        if self.pieces.is_cut(p):
+            return self.pieces.owned_numel(p) > 0
         return id(p) in self.owned_ids or id(p) not in self._sharded_ids
 
+    def owned_numel(self, p: torch.Tensor) -> int:
+        """Elements of ``p`` this rank steps (all, none, or its pieces' when ``p`` is cut)."""
+        if self.pieces.is_cut(p):
+            return self.pieces.owned_numel(p)
+        return p.numel() if self.owns(p) else 0
+
     def owned_parameters(self) -> list[torch.Tensor]:
+        """The parameters this rank owns whole."""
         return [p for _, p in self.named if id(p) in self.owned_ids]
 
     def drop_unowned_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Delete optimizer state of parameters owned by another rank (e.g. after loading a
-        full state dict, or the eager state Adagrad makes in its constructor)."""
-        for p in [p for p in optimizer.state if not self.owns(p)]:
-            del optimizer.state[p]
+        full state dict, or the eager state Adagrad makes in its constructor), of a cut
+        parameter as a whole, and of anything no longer in ``param_groups`` (the pieces of an
+        earlier plan) but this rank's pieces."""
+        in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        mine = self.pieces.owned_ids()
+        for key in list(optimizer.state):
+            if id(key) in mine:
+                continue
+            if id(key) not in in_groups or self.pieces.is_cut(key) or not self.owns(key):
+                del optimizer.state[key]
 
     # -- step --------------------------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
@@ -194,19 +223,26 @@ class ZeroSharding:
                     stash.append((p, p.grad))
                     p.grad = None
         try:
-            out = optimizer.step()
+            with self.pieces.stepping(optimizer):
+                out = optimizer.step()
         finally:
             for p, g in stash:
                 p.grad = g
         if self.active and self.pset is not None and self.pset.size() > 1:
+            buckets = self._exchanged_buckets()
             if self.overlap_exchange:
                 # Forward order (buckets are in backward order): the first layers' arrive first.
-                self._pending = exchange_parameters(self._buckets[::-1], pset=self.pset, defer=True)
+                self._pending = exchange_parameters(buckets[::-1], pset=self.pset, defer=True)
                 self._forward_seen = False
                 self._hook = register_module_forward_pre_hook(self._before_forward)
             else:
-                exchange_parameters(self._buckets, pset=self.pset)
+                exchange_parameters(buckets, pset=self.pset)
         return loss if closure is not None else out
+
+    def _exchanged_buckets(self) -> list[tuple[Any, list[torch.Tensor], str]]:
+        """The buckets for :func:`exchange_parameters`: each entry's parameter, or its piece."""
+        return [(shard, [self.pieces.view(p, s) if self.pieces.is_cut(p) else p for p, s in entries],
+                 label) for shard, entries, label in self._buckets]
 
     def finish_exchange(self) -> None:
         """Finish a parameter exchange left running by ``overlap_exchange`` (no-op otherwise):
@@ -224,8 +260,9 @@ class ZeroSharding:
         pending = self._pending
         if self._warned or pending is None or pending.finished or not self._forward_seen:
             return
-        names = {id(p): n for n, p in self.named}
-        missed = [names[id(p)] for p in pending.unfinished() if id(p) in names and not self.owns(p)]
+        names = {id(t): n for n, p in self.named for t in self.pieces.of(p)}
+        mine = self.owned_ids | self.pieces.owned_ids()
+        missed = [names[id(p)] for p in pending.unfinished() if id(p) in names and id(p) not in mine]
         if missed:
             self._warned = True
             warnings.warn(
@@ -249,12 +286,14 @@ class ZeroSharding:
         if pending is None:
             return
         self._forward_seen = True
-        pending.finish_for(module._parameters.values())
+        pending.finish_for(t for p in module._parameters.values() if p is not None
+                           for t in self.pieces.of(p))
         if pending.finished:
             self.finish_exchange()
 
     def _unowned(self) -> list[torch.Tensor]:
-        return [p for _, p in self.named if id(p) not in self.owned_ids]
+        """Parameters owned whole by another rank."""
+        return [p for _, p in self.named if id(p) not in self.owned_ids and not self.pieces.is_cut(p)]
 
     # -- gradients ---------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -344,14 +383,19 @@ class ZeroSharding:
         """
         self.finish_exchange()
         self._consolidated = None
-        local = optimizer.state_dict()
         if not self.active or self.pset is None or self.pset.size() == 1:
-            self._consolidated = local
+            self._consolidated = optimizer.state_dict()
             return
         if to is not None and not 0 <= to < self.pset.size():
             raise CommValueError(f"to={to} is not a rank of the process set (size {self.pset.size()}).")
-        cpu_state = {k: {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                         for n, v in s.items()} for k, s in local["state"].items()}
+
+        def cpu(state: dict) -> dict:
+            return {n: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for n, v in state.items()}
+
+        with self.pieces.set_aside(optimizer) as aside:
+            local = optimizer.state_dict()
+            cpu_state = ({k: cpu(s) for k, s in local["state"].items()},
+                         {k: (n, cpu(s)) for k, (n, s) in aside.items()})
         me = self.pset.rank()
         gathered: list[Any] | None = [None] * self.pset.size() if to in (me, None) else None
         if to is None:
@@ -361,8 +405,12 @@ class ZeroSharding:
         if to in (me, None):
             assert gathered is not None
             merged: dict[Any, Any] = {}
-            for part in gathered:
-                merged.update(part)
+            pieces: dict[tuple[int, int], tuple[int, dict]] = {}
+            for whole, part in gathered:
+                merged.update(whole)
+                pieces.update(part)
+            order = [p for group in optimizer.param_groups for p in group["params"]]
+            merged.update(join_states(pieces, {k: p.shape for k, p in enumerate(order)}))
             self._consolidated = {"state": dict(sorted(merged.items())),
                                   "param_groups": local["param_groups"]}
 
@@ -390,5 +438,6 @@ class ZeroSharding:
         """Load a full (unsharded) state and keep the owned parameters' part; it may come from
         any number of ranks (the plan is this job's)."""
         optimizer.load_state_dict(state_dict)
+        self.pieces.split_loaded(optimizer)
         self.drop_unowned_state(optimizer)
         self._consolidated = None
