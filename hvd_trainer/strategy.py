@@ -59,7 +59,7 @@ from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterArgs, OuterSync
 from hvd_trainer.comm.sync_options import SyncOptions
 from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, by_elements
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -77,7 +77,7 @@ from hvd_trainer.lightning.elastic import (
 from hvd_trainer.lightning.plugins import HorovodSyncBatchNorm
 from hvd_trainer.lightning.porting import install as install_porting_habits
 from hvd_trainer.lightning.signals import install_sigterm_handler
-from hvd_trainer.torch.zero_optimizer import ZeroStep, check_same_plan
+from hvd_trainer.torch.zero_optimizer import ZeroStep
 
 __all__ = ["HorovodStrategy", "StrategyConfigError", "UnevenBatchesError", "lightning_pytorch_strategy_class"]
 
@@ -497,10 +497,15 @@ class _HorovodStrategyLogic:
         frozen = [p for _, p in named if not p.requires_grad]
         for p in frozen:  # hooks can only be registered on tensors that require grad
             p.requires_grad_(True)
+        kwargs: dict[str, Any] = {}
+        if self._zero_stage == 2:  # one plan, made here: by elements for a per-element optimizer
+            kwargs["split"] = len(self.optimizers) == 1 and by_elements(self.optimizers[0],
+                                                                        [p for _, p in named])
         reducer_cls = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
         try:
             self._reducer = reducer_cls(
-                named, world=self._require_world(), config=self._fusion, compression=self._compression
+                named, world=self._require_world(), config=self._fusion, compression=self._compression,
+                **kwargs,
             )
         finally:
             for p in frozen:
@@ -717,6 +722,8 @@ class _HorovodStrategyLogic:
     # -- ZeRO -------------------------------------------------------------------------------
     def _attach_zero(self) -> None:
         """Shard each optimizer's state (``zero_stage`` 1/2) over the trainable parameters."""
+        for old in self._zero.values():
+            old.restore_param_groups()
         self._zero = {}
         if not self._zero_stage:
             return
@@ -735,10 +742,9 @@ class _HorovodStrategyLogic:
             # Stage 2: the reducer's own config (its caps may have been paced to the link).
             config = self._reducer.config if isinstance(self._reducer, ShardedGradientReducer) \
                 else self._fusion
+            plan = self._reducer.plan if isinstance(self._reducer, ShardedGradientReducer) else None
             zero = ZeroSharding(mine, optimizer, stage=self._zero_stage, world=self._require_world(),
-                                config=config, overlap_exchange=self._zero_overlap)
-            if isinstance(self._reducer, ShardedGradientReducer):
-                check_same_plan(self._reducer, zero)
+                                config=config, overlap_exchange=self._zero_overlap, plan=plan)
             self._zero[id(optimizer)] = zero
         if self._zero_stage == 2:
             self._clip_by_global_norm()
@@ -792,6 +798,7 @@ class _HorovodStrategyLogic:
     def teardown(self) -> None:
         for zero in self._zero.values():  # finished by on_train_end unless fit raised
             zero.abandon_exchange()
+            zero.restore_param_groups()
         self._zero = {}
         if self.precision_plugin is not None:
             vars(self.precision_plugin).pop("clip_grad_by_norm", None)
@@ -870,8 +877,8 @@ class _HorovodStrategyLogic:
             if tuner is not None and tuner.done and not self._autotune_reported:
                 self._autotune_reported = True
                 rank_zero_info(tuner.summary())
-            for zero in self._zero.values():
-                zero.agree_nonfinite()  # stage 2: AMP's skip decision agrees on every rank
+            for zero in self._zero.values():  # stage 2: owned pieces' gradients; AMP's skip
+                zero.after_reduction(reducer)  # decision agrees on every rank
 
     @override
     @contextlib.contextmanager

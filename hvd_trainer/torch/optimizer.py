@@ -57,7 +57,7 @@ from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
-from hvd_trainer.torch.zero_optimizer import check_same_plan, make_sharding
+from hvd_trainer.torch.zero_optimizer import make_sharding
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
 
@@ -599,11 +599,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "produced sparse gradients. HINT: DistributedOptimizer(..., "
                     "sparse_as_dense=True)."
                 )
-            self._reducer = ShardedGradientReducer(
+            self._reducer = ShardedGradientReducer(  # to the owners the optimizer steps
                 dense, world=self._world, config=self._fusion_config, op=self._op,
-                **self._reducer_kwargs,
+                plan=self._zero.plan, **self._reducer_kwargs,
             )
-            check_same_plan(self._reducer, self._zero)
             return
         if not self._groups:
             self._reducer = GradientReducer(
@@ -659,6 +658,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         world = self._world
         if self._zero is not None and self._zero_world is not world:
             self._zero.abandon_exchange()  # its transfers ran on the old world's groups
+            self._zero.restore_param_groups()
             self._zero = ZeroSharding(self._named, self._inner, stage=self._zero.stage, world=world,
                                       config=self._fusion_config, process_set=self._process_set,
                                       overlap_exchange=self._zero.overlap_exchange)
@@ -694,7 +694,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._reducer.wait()
         if self._zero is not None:
-            self._zero.agree_nonfinite()
+            self._zero.after_reduction(self._reducer)
         self._reduce_sparse()
         for _, p in self._named:
             if id(p) in self._densified and p.grad is not None:
@@ -850,6 +850,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             GradientSyncError: the gradients of this step are still being reduced.
         """
         self._check_not_due("zero_grad()")
+        if self._zero is not None:
+            self._zero.restore_param_groups()
         self._inner.zero_grad(set_to_none=set_to_none)
         self._reset_counts()
         self._synced = self._user_synced = False

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
+from hvd_trainer.comm.zero import ZeroSharding
 from hvd_trainer.comm.zero.reducer import stage2_config
 
-__all__ = ["ZeroStep", "make_sharding", "check_same_plan"]
+__all__ = ["ZeroStep", "make_sharding"]
 
 
 def make_sharding(opt: Any, zero_stage: int, *, overlap_exchange: bool = False) -> ZeroSharding | None:
@@ -58,11 +58,6 @@ def make_sharding(opt: Any, zero_stage: int, *, overlap_exchange: bool = False) 
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
                         config=opt._fusion_config, process_set=opt._process_set,
                         overlap_exchange=overlap_exchange)
-
-
-def check_same_plan(reducer: ShardedGradientReducer, sharding: ZeroSharding) -> None:
-    """Internal invariant: the stage-2 reducer scatters to the owners the optimizer steps."""
-    assert reducer.plan.owner == sharding.plan.owner, "ZeRO: reducer and optimizer plans differ"
 
 
 class ZeroStep(torch.optim.Optimizer):
@@ -106,6 +101,7 @@ class ZeroStep(torch.optim.Optimizer):
         return self._sharding.step(self._inner, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._sharding.restore_param_groups()
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def __repr__(self) -> str:

@@ -103,8 +103,10 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
             _loss(model, _local(x, rank, size), _local(y, rank, size)).backward()
             _loss(ref, x, y).backward()
         opt.synchronize()
-        grad_bytes_after_sync.append(sum(p.grad.numel() * p.grad.element_size()
-                                         for p in model.parameters() if p.grad is not None))
+        grad_bytes_after_sync.append(  # stage 2: a cut parameter's owned pieces hold its part
+            sum(g.numel() * g.element_size() for g in
+                [p.grad for p in model.parameters() if p.grad is not None]
+                + opt.zero_sharding.pieces.owned_grads()))
         if clip is not None:
             if stage == 1:  # every averaged gradient is present: torch's own clip is exact
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -131,8 +133,7 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
         "owned_numel": {n: zero.owned_numel(p) for n, p in model.named_parameters()},
         "numel": {n: p.numel() for n, p in model.named_parameters()},
         "grad_bytes_after_sync": grad_bytes_after_sync,
-        "owned_grad_bytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                                if n in owned),
+        "owned_grad_bytes": sum(zero.owned_numel(p) * p.element_size() for p in model.parameters()),
         "bucket_state_bytes": max(
             sum(per_param[zero.named[i][0]] for i in b.params) for b in zero.plan.buckets
         ),
@@ -148,17 +149,16 @@ def _check(results: list[dict], size: int, stage: int) -> None:
         assert r["state_bytes"] == r["expected_state_bytes"]
         share = r["unsharded_elem_bytes"] / size
         assert abs(r["elem_state_bytes"] - share) <= r["bucket_state_bytes"], (r["elem_state_bytes"], share)
-        # Stage 1 with these per-element optimizers plans by elements (this model's lone large
-        # parameters get cut); stage 2 by whole parameters.
-        assert r["split"] == (stage == 1) and (r["cut"] > 0) == (stage == 1), r
+        # These per-element optimizers plan by elements (this model's lone large parameters get
+        # cut), in both stages.
+        assert r["split"] and r["cut"] > 0, r
         if stage == 2:
             assert set(r["grad_bytes_after_sync"]) == {r["owned_grad_bytes"]}
         if stage == 1:  # per step a ring allreduce: 2 (N-1)/N of the gradients' bytes (+ used flags)
             least = STEPS * 2 * (size - 1) * r["grad_bytes"] / size
             assert least <= r["wire_bytes"] <= 1.15 * least, (r["wire_bytes"], least)
-    if stage == 1:  # by elements: every rank's share within N-1 elements of 1/N
-        elem = [r["elem_state_bytes"] for r in results]
-        assert max(elem) - min(elem) <= (size - 1) * results[0]["bytes_per_element"], elem
+    elem = [r["elem_state_bytes"] for r in results]  # by elements: within N-1 elements of 1/N
+    assert max(elem) - min(elem) <= (size - 1) * results[0]["bytes_per_element"], elem
     if stage == 2:  # per step and bucket: a scattered bucket's segments (gradients + used flags)
         # each go to their owner from the N-1 others (gloo: point to point); a bucket too unbalanced
         # to scatter is allreduced (2 (N-1)/N of it, from every rank)
@@ -324,6 +324,69 @@ def _scaler_skips_inf_in_one_shard() -> dict:
     return {"skipped": skipped, "scale": scaler.get_scale()}
 
 
+class _WithSpare(torch.nn.Module):
+    """``_model()`` and a layer registered but never called (its gradient stays ``None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.spare = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _stage2_pieces_scaled(inf_step: int) -> dict:
+    """Stage 2 by elements with Horovod's AMP pattern and a layer no rank uses; on ``inf_step``
+    rank 0 sends an inf in a parameter cut between the ranks."""
+    import hvd_trainer as hvd
+
+    rank, size = hvd.rank(), hvd.size()
+    model, ref = _WithSpare(), _WithSpare()
+    opt = _wrap(model, "adamw", 2)
+    ref_opt = OPTIMIZERS["adamw"](ref.parameters())
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**6) for _ in range(2)]
+    zero = opt.zero_sharding
+    cut = next(p for p in model.parameters() if zero.pieces.is_cut(p))
+    skipped = []
+    for step in range(4):
+        x, y = _batch(step)
+        boom = step == inf_step and rank == 0
+        handle = cut.register_hook(lambda g: g * float("inf")) if boom else None
+        before = _flat(model).clone()
+        scalers[0].scale(_loss(model, _local(x, rank, size), _local(y, rank, size))).backward()
+        opt.synchronize()
+        # the owned pieces stand in param_groups with their reduced gradients until the step
+        held = [q for g in opt.param_groups for q in g["params"] if q.grad is not None]
+        assert zero.pieces.owned_grads() and all(g.data_ptr() in {q.grad.data_ptr() for q in held}
+                                                 for g in zero.pieces.owned_grads())
+        scalers[0].unscale_(opt)
+        with opt.skip_synchronize():
+            scalers[0].step(opt)
+        scalers[0].update()
+        opt.zero_grad()
+        skipped.append(bool(torch.equal(_flat(model), before)))
+        if handle is not None:
+            handle.remove()
+        if step != inf_step:  # the reference skips nothing
+            scalers[1].scale(_loss(ref, x, y)).backward()
+            scalers[1].step(ref_opt)
+            scalers[1].update()
+            ref_opt.zero_grad()
+        assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+    return {"max_diff": float((_flat(model) - _flat(ref)).abs().max()), "skipped": skipped,
+            "scale": scalers[0].get_scale(), "spare_state": model.spare.weight in opt.optimizer.state}
+
+
+@pytest.mark.timeout(180)
+def test_stage2_pieces_unscale_skip_and_unused_layer() -> None:
+    results = run_workers(_stage2_pieces_scaled, 2, args=(1,), timeout_seconds=150)
+    for r in results:
+        assert r["skipped"] == [False, True, False, False], r  # every rank skips the inf step
+        assert r["scale"] == 2.0**5 and r["max_diff"] <= TOL, r  # unscaled pieces: exact
+        assert not r["spare_state"]
+
+
 @pytest.mark.timeout(120)
 def test_grad_scaler_skips_on_every_rank() -> None:
     results = run_workers(_scaler_skips_inf_in_one_shard, 2, timeout_seconds=90)
@@ -373,14 +436,16 @@ def _process_set_worker() -> dict:
         opt.zero_grad()
         ref_opt.zero_grad()
     return {"max_diff": float((_flat(model) - _flat(ref)).abs().max()),
-            "owned": sum(opt.zero_sharding.owns(p) for p in model.parameters())}
+            "owned": sum(opt.zero_sharding.owned_numel(p) for p in model.parameters()),
+            "numel": sum(p.numel() for p in model.parameters())}
 
 
 @pytest.mark.timeout(180)
 def test_process_set_shards_over_its_members_only() -> None:
     results = run_workers(_process_set_worker, 3, timeout_seconds=150)
     assert all(r["max_diff"] <= TOL for r in results), results
-    assert results[0]["owned"] + results[1]["owned"] == 8 and results[2]["owned"] == 8
+    numel = results[0]["numel"]  # every element stepped once in the pair, all on the third rank
+    assert results[0]["owned"] + results[1]["owned"] == numel and results[2]["owned"] == numel
 
 
 def _train_overlapped(stage: int) -> dict:

@@ -9,8 +9,12 @@ the piece in place, which updates the parameter, and keeps state (``exp_avg``, `
 only that element's gradient and state (:data:`PER_ELEMENT`).
 
 The user's optimizer keeps the parameters themselves in its ``param_groups``, so ``zero_grad``,
-``GradScaler.unscale_``, clipping and LR schedulers see what they would without ZeRO; the pieces
-replace their parameter in ``param_groups`` only while the step runs (:meth:`Pieces.stepping`).
+``GradScaler.unscale_``, clipping and LR schedulers see what they would without ZeRO; in stage 1
+the pieces replace their parameter in ``param_groups`` only while the step runs
+(:meth:`Pieces.stepping`, their gradients sliced from the parameter's). In stage 2 a rank holds
+only its pieces' averaged gradients (the parameter's ``.grad`` is ``None``), so from the end of
+the reduction until the step (:meth:`Pieces.hold`) the pieces it owns stand in ``param_groups``
+for their parameter, with those gradients: ``GradScaler.unscale_`` and ``zero_grad`` reach them.
 The optimizer state of a piece is keyed by the piece; the state dict maps it back to its
 parameter (:meth:`Pieces.set_aside`, :func:`join_states`, :meth:`Pieces.split_loaded`), so a
 consolidated state loads into the plain torch optimizer and a full state loads at any world size.
@@ -24,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PER_ELEMENT", "Pieces", "per_element", "join_states"]
+__all__ = ["PER_ELEMENT", "Pieces", "per_element", "by_elements", "join_states"]
 
 PER_ELEMENT = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta",
                "ASGD")
@@ -38,6 +42,13 @@ def per_element(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is a ``torch.optim`` class in :data:`PER_ELEMENT`."""
     cls = type(optimizer)
     return cls.__module__.startswith("torch.optim") and cls.__name__ in PER_ELEMENT
+
+
+def by_elements(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
+    """Whether ZeRO plans ``optimizer``'s shards over ``params`` by elements: a per-element
+    optimizer (:func:`per_element`) and contiguous parameters (a piece is a view of
+    ``param.view(-1)``)."""
+    return per_element(optimizer) and all(p.is_contiguous() for p in params)
 
 
 def _is_per_element(value: Any, numel: int) -> bool:
@@ -65,6 +76,8 @@ class Pieces:
         self.rank = rank
         self._views: dict[tuple[int, int], torch.Tensor] = {}
         self._ptr: dict[int, int] = {}
+        self._grads: dict[tuple[int, int], torch.Tensor] = {}  # stage 2: reduced, until the step
+        self._saved: list[list[torch.Tensor]] | None = None  # param_groups' lists while held
         self._refresh(None)
 
     def __bool__(self) -> bool:
@@ -112,38 +125,72 @@ class Pieces:
         """Elements of the cut parameter ``p`` this rank steps."""
         return sum(n for _, n, o in self._cuts[id(p)] if o == self.rank)
 
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients of the pieces this rank owns, held since :meth:`hold`."""
+        return list(self._grads.values())
+
     # -- the optimizer seen through the pieces -----------------------------------------------
-    @contextlib.contextmanager
-    def stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """While inside: each cut parameter in ``optimizer.param_groups`` is replaced by the
-        pieces this rank owns, each with ``.grad`` the matching part of the parameter's gradient
-        (a view when the gradient is contiguous); restored on exit, the pieces' ``.grad`` reset
-        to ``None``."""
-        if not self._cuts:
-            yield
-            return
+    def _swap_in(self, optimizer: torch.optim.Optimizer, *, from_params: bool) -> None:
+        """Replace each cut parameter in ``param_groups`` by the pieces this rank owns, each
+        with its gradient: held ones, or (``from_params``) sliced from the parameter's."""
         self._refresh(optimizer)
-        saved = [group["params"] for group in optimizer.param_groups]
-        touched: list[torch.Tensor] = []
+        self._saved = [group["params"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             params: list[torch.Tensor] = []
             for p in group["params"]:
                 if id(p) not in self._cuts:
                     params.append(p)
                     continue
-                grad = None if p.grad is None else p.grad.detach().reshape(-1)
+                grad = None if p.grad is None or not from_params else p.grad.detach().reshape(-1)
                 for view, start, numel in self.owned_of(p):
-                    view.grad = None if grad is None else grad[start : start + numel]
+                    view.grad = (grad[start : start + numel] if grad is not None
+                                 else self._grads.get((id(p), start)))
                     params.append(view)
-                    touched.append(view)
             group["params"] = params
+
+    def release(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the parameters back in ``param_groups`` (no-op unless the pieces stand there);
+        held gradients stay held for the step."""
+        if self._saved is None:
+            return
+        for group, params in zip(optimizer.param_groups, self._saved, strict=True):
+            group["params"] = params
+        self._saved = None
+        for p in self._params.values():
+            for view, _, _ in self.owned_of(p):
+                view.grad = None
+
+    def drop(self, optimizer: torch.optim.Optimizer) -> None:
+        """:meth:`release`, and forget the held gradients (``zero_grad``)."""
+        self.release(optimizer)
+        self._grads = {}
+
+    def hold(self, optimizer: torch.optim.Optimizer, grads: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Stage 2, after the reduction: ``grads`` (``{(id(param), start): gradient}``) become
+        the owned pieces' ``.grad``, and the pieces stand in ``param_groups`` for their
+        parameters until :meth:`stepping` ends (or :meth:`release`)."""
+        if not self._cuts:
+            return
+        self.release(optimizer)
+        self._grads = dict(grads)
+        self._swap_in(optimizer, from_params=False)
+
+    @contextlib.contextmanager
+    def stepping(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """While inside: each cut parameter in ``optimizer.param_groups`` is replaced by the
+        pieces this rank owns, each with ``.grad`` the held gradient (stage 2) or the matching
+        part of the parameter's (stage 1; a view when the gradient is contiguous); on exit the
+        parameters are back, the pieces' ``.grad`` ``None`` and nothing is held."""
+        if not self._cuts:
+            yield
+            return
+        if self._saved is None:
+            self._swap_in(optimizer, from_params=not self._grads)
         try:
             yield
         finally:
-            for group, params in zip(optimizer.param_groups, saved, strict=True):
-                group["params"] = params
-            for view in touched:
-                view.grad = None
+            self.release(optimizer)
+            self._grads = {}
 
     @contextlib.contextmanager
     def set_aside(self, optimizer: torch.optim.Optimizer
@@ -151,6 +198,7 @@ class Pieces:
         """While inside, the pieces' state is out of ``optimizer.state`` (so torch's own
         ``state_dict()`` works) and yielded as ``{(index, start): (numel, state)}``, ``index``
         the parameter's number in ``optimizer.state_dict()``; put back on exit."""
+        self.release(optimizer)
         self._refresh(optimizer)
         order = [p for group in optimizer.param_groups for p in group["params"]]
         index = {id(p): k for k, p in enumerate(order)}
@@ -172,6 +220,7 @@ class Pieces:
     def split_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer.load_state_dict(full)``: replace each cut parameter's full state by
         the state of the pieces this rank owns (per-element tensors sliced, scalars copied)."""
+        self.release(optimizer)
         self._refresh(optimizer)
         for p in self._params.values():
             full = optimizer.state.pop(p, None)

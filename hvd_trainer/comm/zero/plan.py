@@ -140,6 +140,8 @@ class ShardPlan:
     """Number of ranks."""
     owned_bytes: tuple[int, ...]
     """Per rank: parameter bytes it owns (what its optimizer state scales with)."""
+    by_elements: bool = False
+    """Planned with ``split=True`` (parameters may be cut between ranks)."""
 
     def owned(self, rank: int) -> list[int]:
         """Indices of the parameters ``rank`` owns whole."""
@@ -245,4 +247,4 @@ def plan_shards(
             numels=tuple(entries[e][2] for e in ordered), starts=tuple(entries[e][1] for e in ordered),
             seg_numel=tuple(seg_numel), seg_count=tuple(seg_count), scatter=scatter, size=size,
         ))
-    return ShardPlan(tuple(shards), tuple(owner), size, tuple(load))
+    return ShardPlan(tuple(shards), tuple(owner), size, tuple(load), split and size > 1)

@@ -14,6 +14,12 @@ bucket's buffer and its collective:
    parameter ``.grad = None``, and the bucket buffers are freed (made again when the
    bucket's first gradient arrives in the next backward).
 
+With a plan by elements (``split=True``) a parameter may be cut between segments: its gradient
+is gathered during backward in a staging tensor of its own (not a view of the bucket, whose
+segments hold the pieces apart), copied piece by piece into the segments at the launch; after
+``wait()`` its ``.grad`` is ``None`` and the averaged pieces this rank owns are in
+:attr:`ShardedGradientReducer.piece_grads`.
+
 Memory: after ``wait()`` a rank holds ``1/N`` of the gradient bytes (within one parameter, see
 the plan's bound) plus its used flags. During backward the buckets hold the full gradient as
 in stage 1 (they are freed together at ``wait()``), and with ``no_sync``/accumulation passes
@@ -78,14 +84,20 @@ def plan_parameters(
 
 
 class _ShardedBucket(_Bucket):
-    """A bucket whose buffer is laid out by owner (see :class:`BucketShard`)."""
+    """A bucket whose buffer is laid out by owner (see :class:`BucketShard`).
 
-    __slots__ = ("shard", "flag_index", "out", "dtype", "device")
+    Positions (``params``, ``views``, ``ready``, ...) are parameters, each once, as in the base
+    class; ``entry_pos`` maps each entry of the shard (a parameter or a piece) to its position.
+    A parameter cut into pieces (``cut``) has a staging tensor as its view."""
+
+    __slots__ = ("shard", "flag_index", "out", "dtype", "device", "entry_pos", "cut")
 
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor],
-                 shard: BucketShard) -> None:
+                 shard: BucketShard, entry_pos: list[int]) -> None:
         # Not _Bucket.__init__: the layout differs (segments by owner, flags inside them).
         self.index, self.names, self.params, self.shard = index, names, params, shard
+        self.entry_pos = entry_pos
+        self.cut = {entry_pos[e] for e, n in enumerate(shard.numels) if n != params[entry_pos[e]].numel()}
         self.offsets = list(shard.offsets())
         self.grad_numel = sum(p.numel() for p in params)
         self.dtype, self.device = params[0].dtype, params[0].device
@@ -116,10 +128,25 @@ class _ShardedBucket(_Bucket):
         if self.flat is not None:
             return
         self.flat = torch.empty(self.shard.buffer_numel, dtype=self.dtype, device=self.device)
-        self.views = [
-            self.flat[o : o + p.numel()].view_as(p)
-            for o, p in zip(self.offsets, self.params, strict=True)
-        ]
+        views: list[torch.Tensor | None] = [None] * len(self.params)
+        for e, pos in enumerate(self.entry_pos):
+            p = self.params[pos]
+            if pos in self.cut:
+                views[pos] = torch.empty_like(p, memory_format=torch.contiguous_format)
+            elif views[pos] is None:
+                views[pos] = self.flat[self.offsets[e] : self.offsets[e] + p.numel()].view_as(p)
+        self.views = views  # type: ignore[assignment]
+
+    def fill_pieces(self) -> None:
+        """Copy the staged gradients of cut parameters into their pieces' places (launch)."""
+        if not self.cut:
+            return
+        assert self.flat is not None and self.views is not None
+        shard = self.shard
+        for e, pos in enumerate(self.entry_pos):
+            if pos in self.cut:
+                start, numel, at = shard.starts[e], shard.numels[e], self.offsets[e]
+                self.flat[at : at + numel].copy_(self.views[pos].reshape(-1)[start : start + numel])
 
     def release(self) -> None:
         """Free the buffer (the full gradients of the bucket)."""
@@ -142,9 +169,15 @@ class ShardedGradientReducer(GradientReducer):
             not supported (the layout fixes the ownership; turned off with a warning), nor are
             ``link_aware`` and ``hierarchical`` (off: the caps given are used as they are).
         compression: ``Compression.none`` or ``Compression.bf16``.
+        plan: the ownership to reduce-scatter to (the optimizer's, so both follow one plan);
+            ``None``: planned here by whole parameters. It must have been planned over
+            ``named_parameters`` (trainable ones) with this reducer's bucket config
+            (:func:`stage2_config`) and the process set's size.
+        split: without ``plan``, plan by elements (only for an optimizer whose update is per
+            element: :func:`~hvd_trainer.comm.zero.pieces.by_elements` says).
 
     Raises:
-        ValueError: as the base class.
+        ValueError: as the base class; a ``plan`` that does not cover these parameters.
     """
 
     def __init__(
@@ -158,6 +191,8 @@ class ShardedGradientReducer(GradientReducer):
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
         process_set: ProcessSet | None = None,
+        plan: ShardPlan | None = None,
+        split: bool = False,
     ) -> None:
         config = config or FusionConfig()
         if config.autotune is not None:
@@ -169,7 +204,14 @@ class ShardedGradientReducer(GradientReducer):
         # hierarchically allreduced.
         config, link = stage2_config(config, world, process_set, named[0][1].device if named else None)
         size = process_set.size() if process_set is not None else world.size
-        self.plan = plan_parameters(named, config, size)
+        if plan is not None and (len(plan.owner) != len(named) or plan.size != size):
+            raise ValueError(f"the shard plan covers {len(plan.owner)} parameters over {plan.size} "
+                             f"ranks, the reducer {len(named)} over {size}. HINT: plan with the "
+                             "reducer's trainable parameters and process set.")
+        self.plan = plan if plan is not None else plan_parameters(named, config, size, split=split)
+        self.piece_grads: dict[tuple[int, int], torch.Tensor] = {}
+        """After :meth:`wait`, with a plan by elements: the averaged gradient of each piece this
+        rank owns, by ``(id(parameter), start)`` (1-D, the piece's elements)."""
         self._index = {id(p): i for i, (_, p) in enumerate(named)}
         self._plan_named = named
         self._check_unused = False
@@ -181,13 +223,20 @@ class ShardedGradientReducer(GradientReducer):
     def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
         shard = self.plan.buckets[index]
         named = self._plan_named
-        assert sorted(shard.params) == sorted(self._index[id(p)] for p in params)
-        return _ShardedBucket(index, [named[i][0] for i in shard.params],
-                              [named[i][1] for i in shard.params], shard)
+        unique = list(dict.fromkeys(shard.params))  # positions: parameters in layout order
+        if sorted(unique) != sorted(self._index[id(p)] for p in params):
+            raise ValueError(f"the shard plan's bucket {index} does not hold the reducer's "
+                             "parameters. HINT: plan with the reducer's parameters and config.")
+        where = {i: pos for pos, i in enumerate(unique)}
+        return _ShardedBucket(index, [named[i][0] for i in unique], [named[i][1] for i in unique],
+                              shard, [where[i] for i in shard.params])
 
     def _bucket_signature(self, bucket: _Bucket):  # type: ignore[override]
         assert isinstance(bucket, _ShardedBucket) and bucket.flat is not None
-        layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
+        shard = bucket.shard
+        layout = [f"{bucket.names[pos]}:{list(bucket.params[pos].shape)}"
+                  + (f"[{shard.starts[e]}:{shard.starts[e] + shard.numels[e]}]" if pos in bucket.cut else "")
+                  for e, pos in enumerate(bucket.entry_pos)]
         extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout),
                  ("owners", list(bucket.shard.owners)), ("scatter", bucket.shard.scatter))
         return signature(
@@ -213,10 +262,12 @@ class ShardedGradientReducer(GradientReducer):
     def _launch(self, bucket: _Bucket) -> None:
         assert self.process_set is not None and isinstance(bucket, _ShardedBucket)
         assert bucket.flat is not None and bucket.sig is not None
+        bucket.fill_pieces()
         if all(bucket.used_flags):
             bucket.flat.index_fill_(0, bucket.flag_index, 1)
         else:  # rare (unused parameters): a small synchronous copy
-            flags = torch.tensor(bucket.used_flags, dtype=bucket.dtype, device=bucket.device)
+            flags = torch.tensor([bucket.used_flags[pos] for pos in bucket.entry_pos],
+                                 dtype=bucket.dtype, device=bucket.device)
             bucket.flat.index_copy_(0, bucket.flag_index, flags)
         bucket.work = start_reducescatter(  # type: ignore[assignment]
             bucket.flat, bucket.shard, pset=self.process_set, sig=bucket.sig,
@@ -246,24 +297,29 @@ class ShardedGradientReducer(GradientReducer):
         assert self.process_set is not None
         me = self.process_set.rank()
         check, self._check_unused = self._check_unused, False
+        self.piece_grads = {}
         for bucket in self._buckets:
             assert isinstance(bucket, _ShardedBucket) and bucket.views is not None
             out, shard = bucket.out, bucket.shard
             assert out is not None
             # Used flags follow the gradients in the segment; 0 = no rank produced a gradient.
             flags = out[shard.seg_numel[me] :].tolist() if check else None
-            pos = k = 0
-            for param, owner, view in zip(bucket.params, shard.owners, bucket.views, strict=True):
-                is_view = param.grad is not None and param.grad.data_ptr() == view.data_ptr()
+            adopted = [p.grad is not None and p.grad.data_ptr() == v.data_ptr()
+                       for p, v in zip(bucket.params, bucket.views, strict=True)]
+            at = k = 0
+            for e, (pos, owner) in enumerate(zip(bucket.entry_pos, shard.owners, strict=True)):
+                param, n = bucket.params[pos], shard.numels[e]
+                if adopted[pos] and (owner != me or pos in bucket.cut):
+                    param.grad = None
                 if owner != me:
-                    if is_view:
-                        param.grad = None
                     continue
-                n = param.numel()
-                if is_view:
+                if adopted[pos]:
                     unused = flags is not None and flags[k] == 0
-                    param.grad = None if unused else out[pos : pos + n].view_as(param)
-                pos, k = pos + n, k + 1
+                    if pos not in bucket.cut:
+                        param.grad = None if unused else out[at : at + n].view_as(param)
+                    elif not unused:
+                        self.piece_grads[(id(param), shard.starts[e])] = out[at : at + n]
+                at, k = at + n, k + 1
             bucket.out = None
             bucket.release()
 
@@ -272,4 +328,5 @@ class ShardedGradientReducer(GradientReducer):
         """Bytes of ``.grad`` tensors this rank holds for the reducer's parameters now
         (``numel * element_size`` of each non-``None`` gradient)."""
         return sum(p.grad.numel() * p.grad.element_size() for _, p in self._plan_named
-                   if p.grad is not None)
+                   if p.grad is not None) + sum(g.numel() * g.element_size()
+                                                for g in self.piece_grads.values())

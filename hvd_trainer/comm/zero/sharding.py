@@ -37,7 +37,7 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import PendingExchange, exchange_parameters
-from hvd_trainer.comm.zero.pieces import Pieces, join_states, per_element
+from hvd_trainer.comm.zero.pieces import Pieces, by_elements, join_states
 from hvd_trainer.comm.zero.plan import ShardPlan
 from hvd_trainer.comm.zero.reducer import plan_parameters
 
@@ -101,12 +101,13 @@ class ZeroSharding:
             state and are not exchanged).
         optimizer: the torch optimizer whose parameters these are (checked with
             :func:`check_per_parameter`; state of parameters owned elsewhere is dropped).
-        stage: 1 or 2. With stage 1 and an optimizer whose update is per element
+        stage: 1 or 2. With an optimizer whose update is per element
             (:data:`~hvd_trainer.comm.zero.pieces.PER_ELEMENT`: SGD, Adam, AdamW, ...) the
             shards are planned by elements (:attr:`split`): every rank holds ``1/N`` of the
-            state within ``N - 1`` elements per bucket, whatever the model; a parameter may
-            then be cut between ranks (:mod:`hvd_trainer.comm.zero.pieces`). Otherwise each
-            parameter is owned whole (balanced within one parameter per bucket).
+            state (and in stage 2 of the averaged gradients) within ``N - 1`` elements, whatever
+            the model; a parameter may then be cut between ranks
+            (:mod:`hvd_trainer.comm.zero.pieces`). Otherwise each parameter is owned whole
+            (balanced within one parameter per bucket).
         world: the world.
         config: the reducer's bucket sizes (the plan follows its buckets).
         process_set: shard over these ranks (``None``: all). On a rank outside it nothing is
@@ -120,10 +121,13 @@ class ZeroSharding:
             new one): code that reads parameters outside a module's own forward (a functional
             call on another module's weight, ``model.state_dict()`` right after ``step()``) must
             call :meth:`finish_exchange` first.
+        plan: the stage-2 reducer's plan, to follow instead of planning here (the same
+            parameters, bucket config and ranks; whether it is by elements decides
+            :attr:`split`).
 
     Raises:
         UnshardableOptimizerError: see :func:`check_per_parameter`.
-        CommValueError: ``stage`` not 1 or 2.
+        CommValueError: ``stage`` not 1 or 2; a ``plan`` over other parameters or ranks.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class ZeroSharding:
         config: FusionConfig | None = None,
         process_set: ProcessSet | None = None,
         overlap_exchange: bool = False,
+        plan: ShardPlan | None = None,
     ) -> None:
         if stage not in (1, 2):
             raise CommValueError(f"zero_stage={stage!r}: ZeroSharding implements stages 1 and 2.")
@@ -145,9 +150,17 @@ class ZeroSharding:
         self.pset = resolve_set(process_set, world, "ZeRO sharding") if self.active else None
         self.named = [(n, p) for n, p in named if p.requires_grad]
         size = self.pset.size() if self.pset is not None else 1
-        self.split = (stage == 1 and size > 1 and per_element(optimizer)
-                      and all(p.is_contiguous() for _, p in self.named))
-        self.plan: ShardPlan = plan_parameters(self.named, config, size, split=self.split)
+        if plan is None:
+            split = size > 1 and by_elements(optimizer, [p for _, p in self.named])
+            plan = plan_parameters(self.named, config, size, split=split)
+        elif plan.size != size or len(plan.owner) != len(self.named):
+            raise CommValueError(f"the shard plan covers {len(plan.owner)} parameters over "
+                                 f"{plan.size} ranks, not these {len(self.named)} over {size}. "
+                                 "HINT: pass the stage-2 reducer's plan over the same parameters.")
+        self.plan: ShardPlan = plan
+        self.split = plan.by_elements
+        """The shards are planned by elements (parameters may be cut between ranks)."""
+        self._optimizer = optimizer
         me = self.pset.rank() if self.pset is not None else 0
         self.rank = me
         self.owned_ids = {id(self.named[i][1]) for i in self.plan.owned(me)} if self.active else \
@@ -193,6 +206,7 @@ class ZeroSharding:
         full state dict, or the eager state Adagrad makes in its constructor), of a cut
         parameter as a whole, and of anything no longer in ``param_groups`` (the pieces of an
         earlier plan) but this rank's pieces."""
+        self.pieces.release(optimizer)
         in_groups = {id(p) for group in optimizer.param_groups for p in group["params"]}
         mine = self.pieces.owned_ids()
         for key in list(optimizer.state):
@@ -306,7 +320,7 @@ class ZeroSharding:
         ``inf``) and one 8-byte allreduce combines them. Returns the total norm (float32 for
         fp32 gradients, as torch's).
         """
-        grads = [p.grad for _, p in self.named if p.grad is not None]
+        grads = [p.grad for _, p in self.named if p.grad is not None] + self.pieces.owned_grads()
         norm_type = float(norm_type)
         if self.stage == 2 and self.active and self.pset is not None and self.pset.size() > 1:
             total = self._sharded_norm([g for g in grads if g is not None], norm_type)
@@ -344,6 +358,22 @@ class ZeroSharding:
         total = both[0] if math.isinf(norm_type) else both[0] ** (1.0 / norm_type)
         return total.to(dtype)
 
+    def after_reduction(self, reducer: Any) -> None:
+        """Stage 2, right after the reducer's ``wait()``: the averaged gradients of the pieces
+        this rank owns (``reducer.piece_grads``) stand in ``param_groups`` for their cut
+        parameters until the step (so ``GradScaler.unscale_`` reaches them), then
+        :meth:`agree_nonfinite`. No-op in stage 1."""
+        if self.stage != 2 or not self.active:
+            return
+        self.pieces.hold(self._optimizer, getattr(reducer, "piece_grads", {}))
+        self.agree_nonfinite()
+
+    def restore_param_groups(self) -> None:
+        """Cut parameters back in the optimizer's ``param_groups`` and held piece gradients
+        dropped: before its ``zero_grad`` (a step skipped by ``GradScaler`` leaves the pieces
+        there), and before this object is replaced (a new world's plan) or discarded."""
+        self.pieces.drop(self._optimizer)
+
     def agree_nonfinite(self) -> None:
         """Stage 2: make every rank see a non-finite gradient when any rank's shard has one.
 
@@ -356,6 +386,7 @@ class ZeroSharding:
         if self.stage != 2 or not self.active or self.pset is None or self.pset.size() < 2:
             return
         grads = [g for g in (p.grad for p in self.owned_parameters()) if g is not None]
+        grads += self.pieces.owned_grads()
         found = torch.zeros(1, dtype=torch.float32)
         if grads:
             inf = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
