@@ -8,7 +8,8 @@ Prints, per world size N:
   * exact optimizer-state bytes per rank (sum of numel * element_size over every tensor in the
     inner optimizer's state; AdamW fp32) for stage 0, 1, 2 and the unsharded total, and
     ``RATIO zero1_state_bytes_vs_unsharded=<max over ranks of stage-1 bytes / unsharded bytes>``
-    (ideal 1/N), the same for stage 2, and stage 2's gradient bytes held after synchronize();
+    (ideal 1/N), the same for stage 2, and stage 2's gradient bytes held after synchronize()
+    (the gradients of what the optimizer's ``param_groups`` hold then);
   * step time (median ms of ``--steps`` timed steps after 3 warm-up steps) of stage 0/1/2 and
     DDP, the modes interleaved over ``--rounds`` rounds (a machine-load drift hits all modes
     alike), with ``RATIO zero<k>_step_time_vs_<stage0|ddp>=...``, and the 1-minute load average
@@ -54,14 +55,16 @@ def _memory(mode: str, width: int, depth: int) -> dict[str, int]:
     """Exact state and gradient bytes on this rank after two steps."""
     from hvd_trainer.comm.zero import state_bytes
 
-    model, net, opt = _make(mode, width, depth)
+    _, net, opt = _make(mode, width, depth)
     x, y = torch.randn(BATCH, width), torch.randint(0, 10, (BATCH,))
     for _ in range(2):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.synchronize()
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                    if p.grad is not None)
+        # what the optimizer reads: its param_groups (stage 2 by elements: the owned pieces
+        # stand there for a parameter cut between ranks, whose own .grad is None)
+        grads = sum(q.grad.numel() * q.grad.element_size() for g in opt.param_groups
+                    for q in g["params"] if q.grad is not None)
         with opt.skip_synchronize():
             opt.step()
     return {"state": state_bytes(opt.optimizer), "grads": grads}

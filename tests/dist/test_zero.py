@@ -2,10 +2,12 @@
 
 Every worker also trains the same model in one process on the global batch with a plain torch
 optimizer (the unsharded reference) and compares: parameters after K steps within 1e-6,
-optimizer-state bytes per rank (exact: the reference's per-parameter state bytes summed over the
-parameters the rank owns; within one bucket of 1/N), stage 2's gradient bytes after
-``synchronize()``, clipping by the global norm, accumulation, GradScaler's skip on inf in one
-shard, checkpoints resumed at another world size, and the refusal of LBFGS.
+optimizer-state bytes per rank (exact: the reference's per-element state bytes for the elements
+the rank owns, whole parameters or pieces of cut ones, plus scalars per owned entry; by elements
+within N-1 elements of 1/N), stage 2's gradient bytes after ``synchronize()``, clipping by the
+global norm, accumulation, GradScaler (unscaling the held pieces, the skip on inf in one shard),
+a layer no rank uses, checkpoints resumed at another world size, a model dominated by one
+weight, an optimizer kept on whole parameters, and the refusal of LBFGS.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 Each trainable parameter is owned by one rank (:mod:`~hvd_trainer.comm.zero.plan`: balanced by
 bytes, planned bucket by bucket so a bucket's reduce-scatter hands each rank its parameters'
-gradients); in stage 1 with a per-element optimizer (Adam, SGD, ...) the plan is by elements
-instead, a parameter possibly cut into pieces of different owners
-(:mod:`~hvd_trainer.comm.zero.pieces`), so every rank holds ``1/N`` of the state whatever the
-model. Stage 1 shards the optimizer state: gradients are allreduced as without ZeRO, each
-rank steps only what it owns, and the updated parameters are exchanged
+gradients); with a per-element optimizer (Adam, SGD, ...) the plan is by elements instead, a
+parameter possibly cut into pieces of different owners (:mod:`~hvd_trainer.comm.zero.pieces`),
+so every rank holds ``1/N`` of the state (and in stage 2 of the gradients) whatever the model.
+Stage 1 shards the optimizer state: gradients are allreduced as without ZeRO, each rank steps
+only what it owns, and the updated parameters are exchanged
 (:mod:`~hvd_trainer.comm.zero.sharding`). Stage 2 also shards the averaged gradients: the buckets
 are reduce-scattered (:mod:`~hvd_trainer.comm.zero.reducer`), so after backward a rank holds
 only its own parameters' gradients.

@@ -1,7 +1,8 @@
 """Parameters cut between ranks (ZeRO by elements): their pieces, and the optimizer seen through
 them.
 
-With a plan made with ``split=True`` (:func:`~hvd_trainer.comm.zero.plan.plan_shards`) a
+With a plan made with ``split=True`` (:func:`~hvd_trainer.comm.zero.plan.plan_shards`; ZeRO
+chooses it for an optimizer :func:`by_elements` accepts, in stages 1 and 2) a
 parameter may be cut into contiguous pieces owned by different ranks. A piece is a 1-D view of
 the parameter's storage (``param.detach().view(-1)[start:start + numel]``): the optimizer steps
 the piece in place, which updates the parameter, and keeps state (``exp_avg``, ``momentum_buffer``,

@@ -198,7 +198,8 @@ def plan_shards(
         size: number of ranks (``>= 1``).
         split: cut each bucket by elements into ``size`` equal ranges (parameters crossing a
             boundary become pieces) instead of giving each parameter whole to one rank. Only
-            for an optimizer whose update and state are per element (Adam, SGD, ...).
+            for an optimizer whose update and state are per element (Adam, SGD, ...; see
+            :func:`hvd_trainer.comm.zero.pieces.by_elements`).
 
     Returns:
         The plan; identical on every rank given the same arguments.

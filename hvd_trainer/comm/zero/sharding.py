@@ -9,12 +9,14 @@ reduce-scattered to their owners in stage 2):
    step, so the user still sees every averaged gradient); in stage 2 they are ``None`` already.
    torch's per-parameter optimizers skip a parameter whose ``.grad`` is ``None`` and create no
    state for it, so the inner ``step()`` updates (and keeps moments for) the owned ones only.
-2. The inner optimizer steps.
-3. :func:`~hvd_trainer.comm.zero.collectives.exchange_parameters` copies every parameter from
-   its owner (an allgather per balanced bucket, broadcasts for the others).
+2. The inner optimizer steps; a parameter cut between ranks (a plan by elements) is stepped
+   as the pieces this rank owns (:mod:`hvd_trainer.comm.zero.pieces`).
+3. :func:`~hvd_trainer.comm.zero.collectives.exchange_parameters` copies every parameter (or
+   piece) from its owner (an allgather per balanced bucket, broadcasts for the others).
 
 Optimizer state bytes per rank: ``(state bytes per parameter byte) * owned_bytes(r)``, with
-``owned_bytes(r) = total/N`` within one parameter (:mod:`hvd_trainer.comm.zero.plan`).
+``owned_bytes(r) = total/N`` within one parameter, or within ``N - 1`` elements by elements
+(:mod:`hvd_trainer.comm.zero.plan`).
 """
 
 from __future__ import annotations
