@@ -32,18 +32,24 @@ def test_lone_buckets_go_to_the_lightest_rank() -> None:
     assert plan.owner == (0, 1, 1) and plan.owned_bytes == (200, 200)
 
 
-@pytest.mark.parametrize("seed", range(20))
-@pytest.mark.parametrize("size", [2, 3, 5])
-def test_random_layouts_keep_the_bound_and_the_layout(seed: int, size: int) -> None:
+def _random_layout(seed: int) -> tuple[list[list[int]], list[int]]:
+    """1-40 parameters of mixed sizes in buckets of 1-6, in order."""
     rng = random.Random(seed)
     n = rng.randint(1, 40)
     numels = [rng.choice([1, 7, 64, 300, 4096]) for _ in range(n)]
-    order = list(range(n))
     buckets, i = [], 0
     while i < n:
         k = rng.randint(1, 6)
-        buckets.append(order[i : i + k])
+        buckets.append(list(range(i, min(n, i + k))))
         i += k
+    return buckets, numels
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_random_layouts_keep_the_bound_and_the_layout(seed: int, size: int) -> None:
+    buckets, numels = _random_layout(seed)
+    n = len(numels)
     plan = plan_shards(buckets, numels, [4] * n, size)
     # every parameter owned once; the documented bound on the spread of owned bytes
     assert sum(plan.owned_bytes) == 4 * sum(numels)
@@ -99,14 +105,8 @@ def test_split_matches_the_issues_mlp() -> None:
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("size", [2, 3, 5])
 def test_split_layouts_cover_every_element_once_and_balance(seed: int, size: int) -> None:
-    rng = random.Random(seed)
-    n = rng.randint(1, 40)
-    numels = [rng.choice([1, 7, 64, 300, 4096]) for _ in range(n)]
-    buckets, i = [], 0
-    while i < n:
-        k = rng.randint(1, 6)
-        buckets.append(list(range(i, min(n, i + k))))
-        i += k
+    buckets, numels = _random_layout(seed)
+    n = len(numels)
     plan = plan_shards(buckets, numels, [4] * n, size, split=True)
     assert plan == plan_shards(buckets, numels, [4] * n, size, split=True)  # deterministic
     assert sum(plan.owned_bytes) == 4 * sum(numels)
