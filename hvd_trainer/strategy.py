@@ -59,7 +59,7 @@ from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterArgs, OuterSync
 from hvd_trainer.comm.sync_options import SyncOptions
 from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, by_elements
+from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, per_element
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,
@@ -499,8 +499,7 @@ class _HorovodStrategyLogic:
             p.requires_grad_(True)
         kwargs: dict[str, Any] = {}
         if self._zero_stage == 2:  # one plan, made here: by elements for a per-element optimizer
-            kwargs["split"] = len(self.optimizers) == 1 and by_elements(self.optimizers[0],
-                                                                        [p for _, p in named])
+            kwargs["split"] = len(self.optimizers) == 1 and per_element(self.optimizers[0])
         reducer_cls = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
         try:
             self._reducer = reducer_cls(

@@ -121,7 +121,6 @@ def _train_and_compare(opt_name: str, stage: int, clip: float | None, accum: int
         opt.zero_grad()
         ref_opt.zero_grad()
     zero = opt.zero_sharding
-    owned = {n for n, p in model.named_parameters() if zero.owns(p)}
     per_param = _state_bytes_by_name(ref, ref_opt)
     return {
         "max_diff": float((_flat(model) - _flat(ref)).abs().max()),
@@ -239,6 +238,75 @@ def test_an_optimizer_not_per_element_keeps_parameters_whole() -> None:
     results = run_workers(_large_weight_shares, 2, args=("adagrad",), timeout_seconds=100)
     assert not any(r["split"] for r in results) and all(r["max_diff"] <= TOL for r in results)
     assert max(r["share"] for r in results) > 0.77, results
+
+
+def _edge_model(case: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if case == "sparse":  # nn.Embedding(sparse=True): a sparse gradient in stage 1
+        return torch.nn.Sequential(torch.nn.Embedding(50, 6, sparse=True), torch.nn.Flatten(),
+                                   torch.nn.Linear(12, 3))
+    if case == "empty":  # a trainable parameter with no elements
+        model = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        model.register_parameter("empty", torch.nn.Parameter(torch.zeros(0)))
+        return model
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4, 3))
+    return model.to(memory_format=torch.channels_last) if case == "channels_last" else model
+
+
+def _edge_input(case: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    if case == "sparse":
+        return torch.randint(0, 50, (GLOBAL, 2), generator=g), torch.randn(GLOBAL, 3, generator=g)
+    if case == "empty":
+        return torch.randn(GLOBAL, 5, generator=g), torch.randn(GLOBAL, 3, generator=g)
+    return torch.randn(GLOBAL, 3, 4, 4, generator=g), torch.randn(GLOBAL, 3, generator=g)
+
+
+def _by_elements_edge(case: str, stage: int) -> dict:
+    """Cases a plan by elements must take: a sparse gradient (densified for the pieces), an
+    empty parameter, a channels_last conv weight (not cut: not contiguous), and a layout
+    changed after wrapping (a clear error)."""
+    import hvd_trainer as hvd
+    from hvd_trainer.comm.zero import ZeroLayoutError
+
+    rank, size = hvd.rank(), hvd.size()
+    model, ref = _edge_model(case), _edge_model(case)
+    make = (lambda p: torch.optim.SGD(p, lr=0.1)) if case == "sparse" else OPTIMIZERS["adamw"]
+    opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
+                                   zero_stage=stage)
+    ref_opt = make(ref.parameters())
+    cut = {n for n, p in model.named_parameters() if opt.zero_sharding.pieces.is_cut(p)}
+    if case == "layout_after_wrap":
+        model.to(memory_format=torch.channels_last)
+    try:
+        for step in range(3):
+            x, y = _edge_input(case, step)
+            _loss(model, _local(x, rank, size), _local(y, rank, size)).backward()
+            _loss(ref, x, y).backward()
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+    except ZeroLayoutError as exc:
+        return {"error": str(exc), "cut": sorted(cut)}
+    return {"max_diff": float((_flat(model) - _flat(ref)).abs().max()), "cut": sorted(cut),
+            "split": opt.zero_sharding.split}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("case", "stage"), [("sparse", 1), ("empty", 2), ("channels_last", 1),
+                                             ("layout_after_wrap", 2)])
+def test_by_elements_edge_cases(case: str, stage: int) -> None:
+    results = run_workers(_by_elements_edge, 2, args=(case, stage), timeout_seconds=120)
+    for r in results:
+        if case == "layout_after_wrap":  # the conv weight was cut, then made channels_last
+            assert "0.weight" in r["cut"] and "channels_last" in r["error"] and "HINT" in r["error"], r
+            continue
+        assert r["split"] and r["max_diff"] <= TOL, r
+        if case == "sparse":
+            assert "0.weight" in r["cut"], r  # the embedding (300 of 339 elements) is cut
+        if case == "channels_last":
+            assert "0.weight" not in r["cut"], r  # not contiguous: kept whole
 
 
 # -- checkpoints ---------------------------------------------------------------------------------

@@ -124,3 +124,16 @@ def test_split_layouts_cover_every_element_once_and_balance(seed: int, size: int
         assert sum(k for _, k, _ in pieces) == numels[p]
         assert len({o for _, _, o in pieces}) == len(pieces)  # one piece per owner at most
         assert plan.owner[p] == (pieces[0][2] if len(pieces) == 1 else -1)
+
+
+def test_split_keeps_uncuttable_and_empty_parameters_whole() -> None:
+    # a non-contiguous parameter (cuttable False) stays whole in the range where it starts; a
+    # zero-size one still gets an entry (the reducer lays out every parameter)
+    plan = plan_shards([[0, 1, 2, 3]], [10, 60, 0, 30], [4] * 4, 2, split=True,
+                       cuttable=[True, False, True, True])
+    # ranges of 50: [0, 10) and the uncuttable [10, 70) start in range 0; the empty one at 70
+    # and [70, 100) in range 1: nothing is cut
+    assert plan.owner == (0, 0, 1, 1) and plan.owned_bytes == (280, 120)
+    assert plan.buckets[0].numels == (10, 60, 0, 30)
+    cut = plan_shards([[0, 1, 2, 3]], [10, 60, 0, 30], [4] * 4, 2, split=True)
+    assert cut.owner == (0, -1, 1, 1) and cut.owned_bytes == (200, 200)  # [10, 70) cut at 50

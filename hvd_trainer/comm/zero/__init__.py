@@ -18,7 +18,7 @@ Rows (each imports only the rows below it): ``sharding`` → ``reducer``, ``piec
 from __future__ import annotations
 
 from hvd_trainer.comm.zero.collectives import exchange_parameters, start_reducescatter
-from hvd_trainer.comm.zero.pieces import PER_ELEMENT, by_elements
+from hvd_trainer.comm.zero.pieces import PER_ELEMENT, ZeroLayoutError, per_element
 from hvd_trainer.comm.zero.plan import BucketShard, ShardPlan, plan_shards
 from hvd_trainer.comm.zero.reducer import ShardedGradientReducer, plan_parameters
 from hvd_trainer.comm.zero.sharding import (
@@ -36,5 +36,5 @@ __all__ = [
     "start_reducescatter", "exchange_parameters", "ShardedGradientReducer",
     "ZeroSharding", "UnshardableOptimizerError", "check_per_parameter", "state_bytes",
     "PER_PARAMETER", "NOT_PER_PARAMETER", "ZERO_STAGES", "check_overlap_arg", "check_zero_stage",
-    "PER_ELEMENT", "by_elements",
+    "PER_ELEMENT", "per_element", "ZeroLayoutError",
 ]

@@ -2,7 +2,8 @@
 them.
 
 With a plan made with ``split=True`` (:func:`~hvd_trainer.comm.zero.plan.plan_shards`; ZeRO
-chooses it for an optimizer :func:`by_elements` accepts, in stages 1 and 2) a
+chooses it for an optimizer :func:`per_element` accepts, in stages 1 and 2, cutting contiguous
+parameters only) a
 parameter may be cut into contiguous pieces owned by different ranks. A piece is a 1-D view of
 the parameter's storage (``param.detach().view(-1)[start:start + numel]``): the optimizer steps
 the piece in place, which updates the parameter, and keeps state (``exp_avg``, ``momentum_buffer``,
@@ -29,7 +30,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PER_ELEMENT", "Pieces", "per_element", "by_elements", "join_states"]
+from hvd_trainer.comm.base.errors import CommValueError
+
+__all__ = ["PER_ELEMENT", "Pieces", "per_element", "join_states", "ZeroLayoutError"]
 
 PER_ELEMENT = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta",
                "ASGD")
@@ -45,11 +48,9 @@ def per_element(optimizer: torch.optim.Optimizer) -> bool:
     return cls.__module__.startswith("torch.optim") and cls.__name__ in PER_ELEMENT
 
 
-def by_elements(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> bool:
-    """Whether ZeRO plans ``optimizer``'s shards over ``params`` by elements: a per-element
-    optimizer (:func:`per_element`) and contiguous parameters (a piece is a view of
-    ``param.view(-1)``)."""
-    return per_element(optimizer) and all(p.is_contiguous() for p in params)
+class ZeroLayoutError(CommValueError):
+    """A parameter cut between ranks is no longer contiguous (its memory layout changed after
+    the optimizer was wrapped), so its pieces cannot be views of it."""
 
 
 def _is_per_element(value: Any, numel: int) -> bool:
@@ -91,6 +92,12 @@ class Pieces:
         for pid, p in self._params.items():
             if self._ptr.get(pid) == p.data_ptr():
                 continue
+            if not p.is_contiguous():
+                raise ZeroLayoutError(
+                    f"a parameter of shape {tuple(p.shape)} that ZeRO cut between ranks is no "
+                    "longer contiguous (e.g. model.to(memory_format=torch.channels_last) after "
+                    "the optimizer was wrapped); its pieces are views of its elements in order. "
+                    "HINT: change the model's memory format before wrapping the optimizer.")
             flat = p.detach().view(-1)
             for start, numel, _ in self._cuts[pid]:
                 new = flat[start : start + numel]
@@ -142,7 +149,9 @@ class Pieces:
                 if id(p) not in self._cuts:
                     params.append(p)
                     continue
-                grad = None if p.grad is None or not from_params else p.grad.detach().reshape(-1)
+                grad = None if p.grad is None or not from_params else p.grad.detach()
+                if grad is not None:  # a sparse gradient (nn.Embedding(sparse=True)): densified
+                    grad = (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
                 for view, start, numel in self.owned_of(p):
                     view.grad = (grad[start : start + numel] if grad is not None
                                  else self._grads.get((id(p), start)))

@@ -159,10 +159,12 @@ def _split(numels: Sequence[int], size: int) -> list[list[int]]:
     return groups
 
 
-def _cut(numels: Sequence[int], size: int) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
+def _cut(numels: Sequence[int], cuttable: Sequence[bool], size: int
+         ) -> tuple[list[tuple[int, int, int]], list[list[int]]]:
     """The bucket's elements (``numels`` back to back) in ``size`` contiguous ranges of
     ``ceil(T/size)``: entries ``(position in numels, start, numel)`` and, per range, the
-    positions of its entries."""
+    positions of its entries. A parameter that is not ``cuttable`` (or has no elements) stays
+    whole, in the range where it starts."""
     total = sum(numels)
     width = max(1, -(-total // size))
     entries: list[tuple[int, int, int]] = []
@@ -170,12 +172,14 @@ def _cut(numels: Sequence[int], size: int) -> tuple[list[tuple[int, int, int]], 
     pos = 0
     for k, n in enumerate(numels):
         lo = pos
-        while lo < pos + n:
-            r = lo // width
-            hi = min(pos + n, (r + 1) * width)
+        while True:
+            r = min(lo // width, size - 1)
+            hi = min(pos + n, (r + 1) * width) if cuttable[k] else pos + n
             groups[r].append(len(entries))
             entries.append((k, lo - pos, hi - lo))
             lo = hi
+            if lo >= pos + n:
+                break
         pos += n
     return entries, groups
 
@@ -187,6 +191,7 @@ def plan_shards(
     size: int,
     *,
     split: bool = False,
+    cuttable: Sequence[bool] | None = None,
 ) -> ShardPlan:
     """Plan which of ``size`` ranks owns each parameter (see the module docstring).
 
@@ -199,7 +204,10 @@ def plan_shards(
         split: cut each bucket by elements into ``size`` equal ranges (parameters crossing a
             boundary become pieces) instead of giving each parameter whole to one rank. Only
             for an optimizer whose update and state are per element (Adam, SGD, ...; see
-            :func:`hvd_trainer.comm.zero.pieces.by_elements`).
+            :func:`hvd_trainer.comm.zero.pieces.per_element`).
+        cuttable: with ``split``, per parameter whether it may be cut (``None``: all); one
+            that may not stays whole in the range where it starts (the balance is then within
+            the largest such parameter).
 
     Returns:
         The plan; identical on every rank given the same arguments.
@@ -218,7 +226,7 @@ def plan_shards(
     for bucket in buckets:
         sizes = [numels[i] for i in bucket]
         if split and size > 1:
-            cut, groups = _cut(sizes, size)
+            cut, groups = _cut(sizes, [cuttable is None or cuttable[i] for i in bucket], size)
             entries = [(bucket[k], start, n) for k, start, n in cut]
         else:
             entries = [(i, 0, numels[i]) for i in bucket]

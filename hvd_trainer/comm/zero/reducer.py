@@ -77,10 +77,11 @@ def plan_parameters(
 ) -> ShardPlan:
     """The shard plan of ``named`` (trainable parameters, in registration order) over ``size``
     ranks, on the buckets the reducer makes with ``config``; ``split``: by elements (see
-    :func:`~hvd_trainer.comm.zero.plan.plan_shards`)."""
+    :func:`~hvd_trainer.comm.zero.plan.plan_shards`), cutting only contiguous parameters (a
+    piece is a view of ``param.view(-1)``)."""
     layout = _assign_buckets(named, config or FusionConfig(autotune=None))
     return plan_shards(layout, [p.numel() for _, p in named], [p.element_size() for _, p in named],
-                       size, split=split)
+                       size, split=split, cuttable=[p.is_contiguous() for _, p in named])
 
 
 class _ShardedBucket(_Bucket):
@@ -174,7 +175,7 @@ class ShardedGradientReducer(GradientReducer):
             ``named_parameters`` (trainable ones) with this reducer's bucket config
             (:func:`stage2_config`) and the process set's size.
         split: without ``plan``, plan by elements (only for an optimizer whose update is per
-            element: :func:`~hvd_trainer.comm.zero.pieces.by_elements` says).
+            element: :func:`~hvd_trainer.comm.zero.pieces.per_element` says).
 
     Raises:
         ValueError: as the base class; a ``plan`` that does not cover these parameters.
@@ -225,8 +226,11 @@ class ShardedGradientReducer(GradientReducer):
         named = self._plan_named
         unique = list(dict.fromkeys(shard.params))  # positions: parameters in layout order
         if sorted(unique) != sorted(self._index[id(p)] for p in params):
-            raise ValueError(f"the shard plan's bucket {index} does not hold the reducer's "
-                             "parameters. HINT: plan with the reducer's parameters and config.")
+            raise ValueError(
+                f"the shard plan's bucket {index} does not hold the reducer's parameters: the "
+                "buckets were planned on the parameters' sizes and dtypes when the optimizer was "
+                "wrapped, and they differ now. HINT: convert the model (model.to(dtype), "
+                "model.to(device)) before wrapping the optimizer.")
         where = {i: pos for pos, i in enumerate(unique)}
         return _ShardedBucket(index, [named[i][0] for i in unique], [named[i][1] for i in unique],
                               shard, [where[i] for i in shard.params])

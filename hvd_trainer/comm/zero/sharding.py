@@ -39,7 +39,7 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.fusion import FusionConfig
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import PendingExchange, exchange_parameters
-from hvd_trainer.comm.zero.pieces import Pieces, by_elements, join_states
+from hvd_trainer.comm.zero.pieces import Pieces, join_states, per_element
 from hvd_trainer.comm.zero.plan import ShardPlan
 from hvd_trainer.comm.zero.reducer import plan_parameters
 
@@ -153,7 +153,7 @@ class ZeroSharding:
         self.named = [(n, p) for n, p in named if p.requires_grad]
         size = self.pset.size() if self.pset is not None else 1
         if plan is None:
-            split = size > 1 and by_elements(optimizer, [p for _, p in self.named])
+            split = size > 1 and per_element(optimizer)
             plan = plan_parameters(self.named, config, size, split=split)
         elif plan.size != size or len(plan.owner) != len(self.named):
             raise CommValueError(f"the shard plan covers {len(plan.owner)} parameters over "
@@ -443,7 +443,16 @@ class ZeroSharding:
                 merged.update(whole)
                 pieces.update(part)
             order = [p for group in optimizer.param_groups for p in group["params"]]
-            merged.update(join_states(pieces, {k: p.shape for k, p in enumerate(order)}))
+            joined = join_states(pieces, {k: p.shape for k, p in enumerate(order)})
+            merged.update(joined)
+            partial = sorted({index for index, _ in pieces} - set(joined))
+            if partial:
+                warnings.warn(
+                    f"ZeRO: the optimizer state of parameters {partial[:8]} (state_dict indices) "
+                    "exists on some of the ranks that own pieces of them but not on all, so it is "
+                    "left out of the gathered state. This happens after a full state was loaded on "
+                    "one rank only (Horovod's load-on-rank-0-then-broadcast). HINT: with ZeRO, "
+                    "load a checkpoint with load_state_dict on every rank.", UserWarning, stacklevel=2)
             self._consolidated = {"state": dict(sorted(merged.items())),
                                   "param_groups": local["param_groups"]}
 
