@@ -200,7 +200,8 @@ def _large_weight_shares(opt_name: str) -> dict:
                                    torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 
     make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
-            "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2)}[opt_name]
+            "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-2),
+            "adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2)}[opt_name]
     rank, size = hvd.rank(), hvd.size()
     model, ref = mlp(), mlp()
     opt = hvd.DistributedOptimizer(make(model.parameters()), named_parameters=model.named_parameters(),
@@ -217,15 +218,18 @@ def _large_weight_shares(opt_name: str) -> dict:
         opt.zero_grad()
         ref_opt.zero_grad()
     mine = sum(_bytes(st, True) for st in opt.optimizer.state.values())
+    big = model[2].weight
     return {"share": mine / sum(_bytes(st, True) for st in ref_opt.state.values()),
             "max_diff": float((_flat(model) - _flat(ref)).abs().max()),
-            "split": opt.zero_sharding.split}
+            "split": opt.zero_sharding.split,
+            "big_owned": opt.zero_sharding.owned_numel(big) / big.numel()}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("size", [2, 3])
-def test_one_large_weight_is_shared_by_elements(size: int) -> None:
-    results = run_workers(_large_weight_shares, size, args=("adamw",), timeout_seconds=180)
+@pytest.mark.parametrize("opt_name", ["adamw", "adagrad"])  # Adagrad: state made in its constructor
+def test_one_large_weight_is_shared_by_elements(opt_name: str, size: int) -> None:
+    results = run_workers(_large_weight_shares, size, args=(opt_name,), timeout_seconds=180)
     assert all(r["split"] and r["max_diff"] <= TOL for r in results), results
     # 1/N within N-1 elements (of ~85,000)
     assert all(abs(r["share"] - 1 / size) < 1e-4 for r in results), [r["share"] for r in results]
@@ -233,11 +237,11 @@ def test_one_large_weight_is_shared_by_elements(size: int) -> None:
 
 @pytest.mark.timeout(120)
 def test_an_optimizer_not_per_element_keeps_parameters_whole() -> None:
-    # Adagrad makes its state in its constructor: parameters stay whole, the large weight's
-    # state on one rank (the limit of whole-parameter plans this test documents).
-    results = run_workers(_large_weight_shares, 2, args=("adagrad",), timeout_seconds=100)
+    # Adafactor factors a matrix's state by rows and columns: parameters stay whole, the large
+    # weight on one rank (the limit of whole-parameter plans this test documents).
+    results = run_workers(_large_weight_shares, 2, args=("adafactor",), timeout_seconds=100)
     assert not any(r["split"] for r in results) and all(r["max_diff"] <= TOL for r in results)
-    assert max(r["share"] for r in results) > 0.77, results
+    assert sorted(r["big_owned"] for r in results) == [0.0, 1.0], results
 
 
 def _edge_model(case: str) -> torch.nn.Module:

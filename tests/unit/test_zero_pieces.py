@@ -15,6 +15,7 @@ OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
     "rprop": lambda p: torch.optim.Rprop(p, lr=0.01),
     "asgd": lambda p: torch.optim.ASGD(p, lr=0.01),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1),
 }
 
 
@@ -23,9 +24,11 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
 
 
-def _pieces(model: torch.nn.Module, rank: int, size: int) -> tuple[Pieces, set[int]]:
+def _pieces(model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, size: int
+            ) -> tuple[Pieces, set[int]]:
     """The pieces of ``model`` for ``rank`` of a by-element plan (one bucket), and the indices
-    of the parameters ``rank`` owns whole."""
+    of the parameters ``rank`` owns whole; state made in the optimizer's constructor (Adagrad's)
+    is kept for what ``rank`` owns, as ZeroSharding does."""
     params = list(model.parameters())
     plan = plan_shards([list(range(len(params)))], [p.numel() for p in params], [4] * len(params),
                        size, split=True)
@@ -33,7 +36,12 @@ def _pieces(model: torch.nn.Module, rank: int, size: int) -> tuple[Pieces, set[i
     entries = [(params[i], s, n, o) for i, s, n, o in
                zip(shard.params, shard.starts, shard.numels, shard.owners, strict=True)
                if n != params[i].numel()]
-    return Pieces(entries, rank), set(plan.owned(rank))
+    pieces, whole = Pieces(entries, rank), set(plan.owned(rank))
+    pieces.split_loaded(opt)
+    for i, p in enumerate(params):
+        if i not in whole and not pieces.is_cut(p):
+            opt.state.pop(p, None)
+    return pieces, whole
 
 
 def _grads(model: torch.nn.Module, step: int) -> None:
@@ -86,7 +94,7 @@ def test_two_ranks_pieces_equal_the_plain_optimizer(name: str) -> None:
     ref_opt = OPTIMIZERS[name](ref.parameters())
     models = [_model() for _ in range(size)]
     opts = [OPTIMIZERS[name](m.parameters()) for m in models]
-    cuts = [_pieces(m, r, size) for r, m in enumerate(models)]
+    cuts = [_pieces(m, o, r, size) for r, (m, o) in enumerate(zip(models, opts, strict=True))]
     assert per_element(opts[0]) and cuts[0][0]  # something is cut
     for step in range(4):
         _grads(ref, step)
@@ -128,7 +136,7 @@ def test_two_ranks_pieces_equal_the_plain_optimizer(name: str) -> None:
 def test_views_follow_a_parameter_whose_storage_moved() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    pieces, _ = _pieces(model, 0, 2)
+    pieces, _ = _pieces(model, opt, 0, 2)
     _grads(model, 0)
     with pieces.stepping(opt):
         opt.step()
@@ -149,7 +157,7 @@ def test_views_follow_a_parameter_whose_storage_moved() -> None:
 def test_which_optimizers_are_per_element() -> None:
     p = [torch.nn.Parameter(torch.zeros(3))]
     assert per_element(torch.optim.Adam(p)) and per_element(torch.optim.SGD(p, lr=0.1))
-    assert not per_element(torch.optim.Adagrad(p))  # state made in its constructor
+    assert per_element(torch.optim.Adagrad(p))  # its constructor's state is cut too
     assert not per_element(torch.optim.Adafactor(p))  # factored per matrix
 
     class Custom(torch.optim.SGD):

@@ -35,11 +35,11 @@ from hvd_trainer.comm.base.errors import CommValueError
 __all__ = ["PER_ELEMENT", "Pieces", "per_element", "join_states", "ZeroLayoutError"]
 
 PER_ELEMENT = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adadelta",
-               "ASGD")
+               "ASGD", "Adagrad")
 """``torch.optim`` classes whose update of each element reads only that element's gradient and
-state (scalars such as ``step`` aside): their parameters may be cut by elements. Not here:
-Adagrad (it makes its state in the constructor), Adafactor and Muon (state and update per
-matrix), any optimizer from outside ``torch.optim``."""
+state (scalars such as ``step`` aside): their parameters may be cut by elements (Adagrad's state,
+made in its constructor, is cut with them: :meth:`Pieces.split_loaded`). Not here: Adafactor and
+Muon (state and update per matrix), any optimizer from outside ``torch.optim``."""
 
 
 def per_element(optimizer: torch.optim.Optimizer) -> bool:
@@ -228,8 +228,9 @@ class Pieces:
                 optimizer.state[view] = state
 
     def split_loaded(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer.load_state_dict(full)``: replace each cut parameter's full state by
-        the state of the pieces this rank owns (per-element tensors sliced, scalars copied)."""
+        """After ``optimizer.load_state_dict(full)``, or over the state an optimizer made in its
+        constructor (Adagrad): replace each cut parameter's full state by the state of the
+        pieces this rank owns (per-element tensors sliced, scalars copied)."""
         self.release(optimizer)
         self._refresh(optimizer)
         for p in self._params.values():

@@ -183,6 +183,7 @@ class ZeroSharding:
         self._hook: RemovableHandle | None = None
         self._forward_seen = False  # a module's forward ran while an exchange was pending
         self._warned = False
+        self.pieces.split_loaded(optimizer)  # state made in the constructor (Adagrad's)
         self.drop_unowned_state(optimizer)
 
     # -- ownership ---------------------------------------------------------------------------
