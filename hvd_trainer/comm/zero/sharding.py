@@ -36,12 +36,12 @@ from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import start_allreduce
-from hvd_trainer.comm.reduce.fusion import FusionConfig
+from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import PendingExchange, exchange_parameters
 from hvd_trainer.comm.zero.pieces import Pieces, join_states, per_element
 from hvd_trainer.comm.zero.plan import ShardPlan
-from hvd_trainer.comm.zero.reducer import plan_parameters
+from hvd_trainer.comm.zero.reducer import ShardedGradientReducer, plan_parameters
 
 __all__ = ["ZeroSharding", "UnshardableOptimizerError", "check_per_parameter", "state_bytes"]
 
@@ -361,14 +361,15 @@ class ZeroSharding:
         total = both[0] if math.isinf(norm_type) else both[0] ** (1.0 / norm_type)
         return total.to(dtype)
 
-    def after_reduction(self, reducer: Any) -> None:
+    def after_reduction(self, reducer: GradientReducer) -> None:
         """Stage 2, right after the reducer's ``wait()``: the averaged gradients of the pieces
-        this rank owns (``reducer.piece_grads``) stand in ``param_groups`` for their cut
-        parameters until the step (so ``GradScaler.unscale_`` reaches them), then
-        :meth:`agree_nonfinite`. No-op in stage 1."""
+        this rank owns (``reducer.piece_grads`` of the :class:`ShardedGradientReducer`) stand in
+        ``param_groups`` for their cut parameters until the step (so ``GradScaler.unscale_``
+        reaches them), then :meth:`agree_nonfinite`. No-op in stage 1."""
         if self.stage != 2 or not self.active:
             return
-        self.pieces.hold(self._optimizer, getattr(reducer, "piece_grads", {}))
+        grads = reducer.piece_grads if isinstance(reducer, ShardedGradientReducer) else {}
+        self.pieces.hold(self._optimizer, grads)
         self.agree_nonfinite()
 
     def restore_param_groups(self) -> None:
