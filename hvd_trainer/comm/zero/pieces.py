@@ -65,6 +65,10 @@ class Pieces:
         entries: ``(parameter, start, numel, owner)`` of every piece of every cut parameter (any
             order; whole parameters are not listed).
         rank: this rank (in the plan's numbering).
+
+    Raises:
+        ZeroLayoutError: from :meth:`stepping`, :meth:`hold`, :meth:`set_aside` and
+            :meth:`split_loaded`, when a cut parameter is no longer contiguous.
     """
 
     def __init__(self, entries: Iterable[tuple[torch.Tensor, int, int, int]], rank: int) -> None:

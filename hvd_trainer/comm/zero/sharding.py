@@ -130,6 +130,8 @@ class ZeroSharding:
     Raises:
         UnshardableOptimizerError: see :func:`check_per_parameter`.
         CommValueError: ``stage`` not 1 or 2; a ``plan`` over other parameters or ranks.
+        ZeroLayoutError: later, from :meth:`step` and the state-dict methods, when a parameter
+            cut between ranks was made non-contiguous after this object was built.
     """
 
     def __init__(
