@@ -30,7 +30,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +195,15 @@ class _HorovodStrategyLogic:
             before validation, test and predict, and at the end of ``fit``; a callback that
             reads parameters in ``on_train_batch_end`` (an EMA of the weights, say) calls
             ``trainer.strategy.finish_parameter_exchange()`` first. Default ``False``.
+        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP communication hook, as Lightning's
+            ``DDPStrategy`` takes it: each gradient bucket is reduced by
+            ``ddp_comm_hook(ddp_comm_state, bucket)`` (``ddp_comm_wrapper(ddp_comm_hook)`` when a
+            wrapper is given, e.g. ``fp16_compress_wrapper``) instead of the built-in allreduce,
+            so the hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` (``bf16_compress_hook``,
+            ``powerSGD_hook`` with its ``PowerSGDState``) run unchanged; see
+            :meth:`hvd_trainer.torch.DistributedOptimizer.register_comm_hook` for the bucket the
+            hook gets. Not with ``compression``, ``sync_every``, ``zero_stage`` or "auto";
+            ``PostLocalSGDState`` is refused (use ``sync_every``).
 
     Raises:
         StrategyConfigError: a negative byte size or timeout; a combination of the sync options
@@ -207,7 +216,8 @@ class _HorovodStrategyLogic:
             ZeRO with several optimizers or parameters unfrozen during the fit;
             ``elastic`` not a bool or None;
             ``elastic_checkpoint_dir`` not a local path; ``elastic_commit_every_n_steps`` not
-            an int >= 0.
+            an int >= 0; ``ddp_comm_hook`` with an option it would override, or not callable;
+            ``ddp_comm_state``/``ddp_comm_wrapper`` without it; a ``PostLocalSGDState``.
         UnevenBatchesError: at the start of ``fit``, when ranks have different numbers of
             training batches per epoch (e.g. ``use_distributed_sampler=False`` with unequal
             shards), which would otherwise hang the job at the end of the first epoch; and at an
@@ -253,6 +263,9 @@ class _HorovodStrategyLogic:
         sync_warmup_steps: int | None = None,
         zero_stage: int = 0,
         zero_overlap_exchange: bool = False,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable[..., Any] | None = None,
+        ddp_comm_wrapper: Callable[..., Any] | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -272,7 +285,9 @@ class _HorovodStrategyLogic:
             outer=OuterArgs(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=outer_nesterov,
                             overlap_steps=outer_overlap_steps, fragments=outer_fragments,
                             sync_warmup_steps=sync_warmup_steps),
+            comm_hook=None if ddp_comm_hook is None else "ddp_comm_hook",
         )
+        self._comm_hook = _comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self._auto = self._opts.asked
         self._auto_mode: AutoMode | None = None  # measuring the first steps, then chosen
         self._compression = self._opts.compression
@@ -500,6 +515,8 @@ class _HorovodStrategyLogic:
         kwargs: dict[str, Any] = {}
         if self._zero_stage == 2:  # one plan, made here: by elements for a per-element optimizer
             kwargs["split"] = len(self.optimizers) == 1 and per_element(self.optimizers[0])
+        if self._comm_hook is not None:
+            kwargs["comm_hook"] = self._comm_hook
         reducer_cls = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
         try:
             self._reducer = reducer_cls(
@@ -1014,6 +1031,35 @@ class _EpochEndCheck(pl.Callback):
                 "give every rank the same number of batches per epoch (equal-length shards, "
                 "DistributedSampler(drop_last=True), or Trainer(limit_train_batches=...))."
             )
+
+
+def _comm_hook(state: object | None, hook: Callable[..., Any] | None,
+               wrapper: Callable[..., Any] | None) -> tuple[object | None, Callable[..., Any]] | None:
+    """``(state, hook)`` from Lightning ``DDPStrategy``'s three arguments (``wrapper(hook)`` when a
+    wrapper is given), or ``None`` without a hook."""
+    if hook is None:
+        if state is not None or wrapper is not None:
+            given = "ddp_comm_state" if state is not None else "ddp_comm_wrapper"
+            raise StrategyConfigError(f"{given} given without ddp_comm_hook: it would change nothing. "
+                                      "HINT: add ddp_comm_hook=..., or drop it.")
+        return None
+    for name, fn in (("ddp_comm_hook", hook), ("ddp_comm_wrapper", wrapper)):
+        if fn is not None and not callable(fn):
+            raise StrategyConfigError(f"{name}={fn!r:.80} is not callable. HINT: pass a function, e.g. "
+                                      "torch.distributed.algorithms.ddp_comm_hooks.default_hooks."
+                                      "bf16_compress_hook.")
+    if type(state).__name__ == "PostLocalSGDState":
+        raise StrategyConfigError(
+            "ddp_comm_state=PostLocalSGDState: post-local SGD also needs DDP's periodic model "
+            "averager, which this strategy does not run. HINT: use sync_every=H (local steps "
+            "with an outer optimizer; sync_every=H, outer_lr=1.0, outer_momentum=0.0 averages the "
+            "models every H steps)."
+        )
+    if wrapper is not None:
+        rank_zero_info(f"DDP comm wrapper is provided, apply {getattr(wrapper, '__qualname__', wrapper)}"
+                       f"({getattr(hook, '__qualname__', hook)}).")
+        hook = wrapper(hook)
+    return state, hook
 
 
 def _fusion_config(threshold: int | None, first: int | None,

@@ -19,6 +19,7 @@ import inside a function except the optional ``mpi4py``; ``tests/unit/test_layer
                            stage: the zero_stage argument check of every front end
   reduce/                  gradient reduction over fused buckets
     fusion                 the gradient reducer (hook-driven buckets)
+    bucket_hooks           the one seam of bucket algorithms: hook(state, bucket) -> future
     hierarchical/          inside each host, then across hosts (HOROVOD_HIERARCHICAL_ALLREDUCE)
     autotune  link_probe   the search of the bucket layout; the measured link and its bucket cap
     compressed/            int8 blocks and PowerSGD with error feedback, as bucket reductions

@@ -145,6 +145,7 @@ class SyncOptions:
         zero_stage: Any = 0, zero_overlap_exchange: Any = False, sync_every: Any = None,
         outer: OuterArgs | None = None, groups: bool = False, allow_adasum: bool = False,
         zero2_with_accumulation: bool = True, names: Mapping[str, str] = _NO_NAMES,
+        comm_hook: str | None = None,
     ) -> SyncOptions:
         """Check the options as a user gave them; the one place their combinations are decided.
 
@@ -163,6 +164,8 @@ class SyncOptions:
             zero2_with_accumulation: the front end reduce-scatters accumulated gradients (torch,
                 Lightning); Keras reduces an accumulation window with one allreduce.
             names: the front end's spelling of outer-loop arguments, for messages.
+            comm_hook: the user gave a DDP-style communication hook; its argument as the front
+                end spells it (``"ddp_comm_hook"``), for messages (:meth:`refuse_comm_hook`).
 
         Raises:
             error: a bad value or an unsupported combination, the message naming what was asked
@@ -210,11 +213,48 @@ class SyncOptions:
             cls._check_zero(stage, comp, asked, auto=auto, sync_every=sync_every, groups=groups,
                             passes=args.backward_passes_per_step,
                             zero2_with_accumulation=zero2_with_accumulation, error=error)
-        return cls(compression=comp, auto_compression=auto_c, op=args.op,
+        opts = cls(compression=comp, auto_compression=auto_c, op=args.op,
                    backward_passes_per_step=args.backward_passes_per_step,
                    gradient_predivide_factor=args.gradient_predivide_factor, zero_stage=stage,
                    zero_overlap_exchange=bool(zero_overlap_exchange), local=local, auto_sync_every=auto_h,
                    outer=outer, error=error, names=MappingProxyType(dict(names)))
+        if comm_hook is not None:
+            opts.refuse_comm_hook(comm_hook, groups=groups, sync_every=sync_every)
+        return opts
+
+    def refuse_comm_hook(self, spelled: str, *, groups: bool, sync_every: Any = None) -> None:
+        """Refuse what a DDP-style communication hook does not run with (it replaces the
+        bucket's reduction and averages it itself: :mod:`hvd_trainer.comm.reduce.bucket_hooks`).
+
+        Args:
+            spelled: the hook's argument as the front end names it (``"ddp_comm_hook"``).
+            groups: the user gave explicit allreduce groups.
+            sync_every: the ``sync_every`` given (``None``: synchronous).
+
+        Raises:
+            :attr:`error`: an option the hook would silently override, with a HINT.
+        """
+        error = self.error
+        if self.any_auto or sync_every is not None:
+            given = "compression='auto'" if self.auto_compression else f"sync_every={sync_every!r}"
+            raise error(f"{spelled} with {given}: the hook reduces every gradient bucket itself, so "
+                        "there is nothing left to choose or skip. HINT: drop the hook, or drop "
+                        f"{given.split('=')[0]}=.")
+        if self.compression is not Compression.none:
+            raise error(f"{spelled} with compression={self.compression.name!r}: the hook decides the "
+                        "wire format. HINT: drop compression=, or use a compressing hook "
+                        "(bf16_compress_hook, powerSGD_hook).")
+        if self.op is not ReduceOp.AVERAGE:
+            raise error(f"{spelled} with op={self.op.name.title()}: a communication hook averages the bucket "
+                        "itself (DDP's contract). HINT: use op=Average with a hook.")
+        if self.zero_stage:
+            raise error(f"{spelled} with zero_stage={self.zero_stage}: ZeRO shards the buckets "
+                        "between their owners, which a hook does not know. HINT: drop the hook or "
+                        "use zero_stage=0.")
+        if groups:
+            raise error(f"{spelled} with groups: grouped buckets are reduced by several reducers, "
+                        "whose bucket indices a hook's state would mix. HINT: drop groups= or "
+                        "num_groups= with a hook.")
 
     @staticmethod
     def _check_zero(stage: int, comp: Compressor, asked: str, *, auto: str | None, sync_every: Any,

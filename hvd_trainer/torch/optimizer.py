@@ -269,6 +269,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage,
             zero_overlap_exchange=zero_overlap_exchange, groups=bool(self._groups), allow_adasum=True,
         )
+        self._opts = opts
+        self._comm_hook: tuple[Any, Callable[..., Any]] | None = None
         self._op = opts.op
         self._auto_compression = opts.auto_compression
         self._compression = opts.compression
@@ -507,6 +509,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             extra["postscale_factor"] = self._predivide
         if self._process_set is not None:
             extra["process_set"] = self._process_set
+        if self._comm_hook is not None:
+            extra["comm_hook"] = self._comm_hook
         accepted = inspect.signature(GradientReducer).parameters
         missing = sorted(k for k in extra if k not in accepted)
         if missing:
@@ -718,6 +722,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
 
     # -- public API ---------------------------------------------------------------------------
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Reduce each gradient bucket with a DDP-style communication hook instead of the
+        built-in allreduce (``DistributedDataParallel.register_comm_hook``'s contract, so the
+        hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` run unchanged).
+
+        ``hook(state, bucket)`` is called once per bucket while backward runs, with
+        ``bucket.buffer()`` the flattened local gradients (summed over
+        ``backward_passes_per_step``; times ``1/gradient_predivide_factor``), and returns a
+        ``torch.futures.Future`` of the averaged buffer; :meth:`synchronize` waits for it (then
+        multiplies by ``gradient_predivide_factor``). Every rank registers the same hook, before a
+        step or between steps; sparse gradients are still allgathered. A parameter no rank
+        produced a gradient for gets the hook's result (zeros for an averaging hook), as in
+        Horovod. See :mod:`hvd_trainer.comm.reduce.bucket_hooks`.
+
+        Example:
+            >>> from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+            >>> opt.register_comm_hook(powerSGD.PowerSGDState(process_group=None,
+            ...     matrix_approximation_rank=2, start_powerSGD_iter=10), powerSGD.powerSGD_hook)
+
+        Raises:
+            OptimizerConfigError: ``hook`` is not callable; with a ``compression`` (or
+                ``"auto"``), ``op`` other than Average, ``zero_stage`` or ``groups``.
+            GradientSyncError: called while a step's gradients are being reduced.
+        """
+        if not callable(hook):
+            raise OptimizerConfigError(
+                f"register_comm_hook(state, hook): hook={hook!r:.80} is not callable. HINT: pass "
+                "a function hook(state, bucket) -> torch.futures.Future, e.g. "
+                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook."
+            )
+        self._opts.refuse_comm_hook("register_comm_hook()", groups=bool(self._groups))
+        self._check_not_due("register_comm_hook()")
+        self._comm_hook = (state, hook)
+        self._reducer_kwargs = self._check_reducer_kwargs()
+        if self._reducer is not None:
+            self._released_wire_bytes += self._reducer.wire_bytes_sent
+            self._reducer.remove()
+            self._reducer, self._reducer_ids = None, set()  # rebuilt at the next synchronize()
+
     def finish_parameter_exchange(self) -> None:
         """With ``zero_overlap_exchange=True``: finish the exchange of updated parameters that
         the last ``step()`` left running (every rank, at the same point); afterwards every

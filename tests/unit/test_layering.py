@@ -62,6 +62,7 @@ COMM_ROWS = (
     ("zero.plan", "zero.stage"),
     # reduce/
     ("reduce.fusion", "reduce.auto"),
+    ("reduce.bucket_hooks",),
     ("reduce.hierarchical.allreduce", "reduce.compressed.reductions", "reduce.localsgd.outer"),
     ("reduce.hierarchical.topology", "reduce.autotune", "reduce.link_probe", "reduce.compressed.int8",
      "reduce.compressed.powersgd"),

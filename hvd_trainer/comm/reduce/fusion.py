@@ -8,8 +8,10 @@ Algorithm:
 2. Each bucket owns one flat buffer; every parameter's ``.grad`` becomes a view into it, so a
    bucket is reduced with one collective and the result needs no copy back.
 3. ``register_post_accumulate_grad_hook`` marks a parameter ready; when a bucket is complete
-   it launches one async allreduce. Buckets launch strictly in index order so every rank issues
-   the same sequence of collectives.
+   it goes to the reducer's bucket hook (:mod:`hvd_trainer.comm.reduce.bucket_hooks`: the
+   allreduce, a compressed or hierarchical one, ZeRO's reduce-scatter, or a user's DDP-style
+   communication hook), which launches it asynchronously. Buckets launch strictly in order so
+   every rank issues the same sequence of collectives.
 4. :meth:`GradientReducer.wait` launches whatever is left (a parameter that got no gradient on
    this rank contributes zeros, so no rank hangs) and waits on all work. ``prescale_factor``
    and, for ``Average``, ``1/N`` are applied to each gradient as it enters its bucket (fused
@@ -57,6 +59,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,7 +73,7 @@ from hvd_trainer.comm.ops.checks import Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp, reject_adasum, to_reduce_op
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.ops.reduce import Reduction, signature, start_allreduce
+from hvd_trainer.comm.ops.reduce import signature, start_allreduce
 from hvd_trainer.comm.reduce.autotune import (
     AutotuneConfig,
     Autotuner,
@@ -78,13 +81,16 @@ from hvd_trainer.comm.reduce.autotune import (
     candidate_thresholds,
     resolve_autotune,
 )
-from hvd_trainer.comm.reduce.compressed.reductions import (
-    BucketView,
-    FeedbackState,
-    rename_feedback,
-    start_bucket_reduction,
+from hvd_trainer.comm.reduce.bucket_hooks import (
+    BucketHook,
+    BucketWork,
+    HookState,
+    builtin_hook,
+    hierarchical_launch,
+    user_hook,
 )
-from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology, build_topology
+from hvd_trainer.comm.reduce.compressed.reductions import FeedbackState, rename_feedback
+from hvd_trainer.comm.reduce.hierarchical import HostTopology, build_topology
 from hvd_trainer.comm.reduce.link_probe import LinkEstimate, bucket_cap_bytes, probe_link, time_paths
 from hvd_trainer.comm.world.world import World
 
@@ -177,13 +183,18 @@ def link_paced_config(config: FusionConfig, process_set: ProcessSet,
 
 
 class _Bucket:
+    """One bucket of the layout; also what a hook sees of it (DDP's ``GradBucket`` methods, see
+    :class:`~hvd_trainer.comm.reduce.bucket_hooks.GradBucket`)."""
+
     __slots__ = (
-        "index", "params", "names", "offsets", "flat", "views", "used", "used_flags", "ready",
-        "work", "sig", "grad_numel", "pending", "fuse_scale", "adopted",
+        "order", "last", "params", "names", "offsets", "flat", "views", "used", "used_flags", "ready",
+        "work", "sig", "grad_numel", "pending", "fuse_scale", "adopted", "hook_buffer",
     )
 
-    def __init__(self, index: int, names: list[str], params: list[torch.Tensor]) -> None:
-        self.index = index
+    def __init__(self, order: int, names: list[str], params: list[torch.Tensor]) -> None:
+        self.order = order  # launch position
+        self.last = False  # set by the reducer once the layout is complete
+        self.hook_buffer: torch.Tensor | None = None  # a user hook's set_buffer(), this launch
         self.names = names
         self.params = params
         numels = [p.numel() for p in params]
@@ -207,13 +218,51 @@ class _Bucket:
         # Large tensors: copy and scale in one pass each (memory-bound); many small ones: one
         # multi-tensor copy, then one scale of the whole bucket (dispatch-bound).
         self.fuse_scale = self.grad_numel * self.flat.element_size() >= _FUSE_SCALE_BYTES * len(params)
-        self.work: Reduction | None = None
+        self.work: BucketWork | None = None
         self.sig: Signature | None = None
 
     @property
     def nbytes(self) -> int:
         """Gradient bytes in this bucket (the per-parameter used flags not counted)."""
         return self.grad_numel * self.flat.element_size()
+
+    def seal(self) -> None:
+        """Write the used flags into the buffer (at the launch, every view written)."""
+        if all(self.used_flags):
+            self.used.fill_(1)  # a device kernel: no host<->GPU copy, so no sync with backward
+        else:  # rare (unused parameters): a small synchronous copy
+            self.used.copy_(torch.tensor(self.used_flags, dtype=self.used.dtype))
+
+    # -- DDP's GradBucket methods (what a user's communication hook calls) --------------------
+    def index(self) -> int:
+        """The bucket's launch position (0 = the first launched: the last layers')."""
+        return self.order
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket launched in a step."""
+        return self.last
+
+    def buffer(self) -> torch.Tensor:
+        """The flattened gradients (1-D, ``grad_numel`` elements; the used flags not included),
+        or the tensor a hook set with :meth:`set_buffer` during this launch."""
+        return self.flat[: self.grad_numel] if self.hook_buffer is None else self.hook_buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Make :meth:`buffer` (and :meth:`gradients`) return ``tensor`` for this launch (a
+        wrapper's compressed copy, e.g. ``fp16_compress_wrapper``)."""
+        self.hook_buffer = tensor
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter views of :meth:`buffer`, shaped like the parameters."""
+        if self.hook_buffer is None:
+            return list(self.views)
+        buf = self.hook_buffer
+        return [buf[o : o + p.numel()].view(p.shape)
+                for o, p in zip(self.offsets, self.params, strict=True)]
+
+    def parameters(self) -> list[torch.Tensor]:
+        """The bucket's parameters, in its order."""
+        return list(self.params)
 
 
 def _assign_buckets(
@@ -263,10 +312,24 @@ class GradientReducer:
         prescale_factor: multiply gradients by this before the sum (e.g. a gradient predivide).
         postscale_factor: multiply by this after the sum (on top of ``1/size`` for Average).
         process_set: reduce over these ranks only; on other ranks the reducer does nothing.
+        hook: the algorithm, a hook ``(HookState, bucket) -> work``
+            (:mod:`hvd_trainer.comm.reduce.bucket_hooks`); default: the one ``compression``
+            needs (:func:`~hvd_trainer.comm.reduce.bucket_hooks.builtin_hook`).
+        comm_hook: ``(state, hook)``: a DDP-style communication hook
+            (``DistributedDataParallel.register_comm_hook``'s contract, e.g.
+            ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook`` with its
+            ``PowerSGDState``) called with ``state`` and each bucket instead of the built-in
+            reduction; it averages, so ``op`` must be Average and ``compression`` none. A
+            parameter unused on every rank then gets the hook's result (zeros for a linear
+            reduction, as in Horovod) instead of ``None``, and :attr:`wire_bytes_sent` does not
+            count what the hook sends.
 
     Raises:
-        ValueError: duplicate names or parameters, or an op other than Average/Sum.
+        ValueError: duplicate names or parameters, an op other than Average/Sum, or
+            ``comm_hook`` with ``op=Sum`` or a compression.
         CollectiveMismatchError: (first step) the bucket layout differs between ranks.
+        CommValueError: (at :meth:`wait`) a ``comm_hook``'s future holds no tensor of the
+            bucket's size.
     """
 
     def __init__(
@@ -280,6 +343,8 @@ class GradientReducer:
         prescale_factor: float = 1.0,
         postscale_factor: float = 1.0,
         process_set: ProcessSet | None = None,
+        hook: BucketHook | None = None,
+        comm_hook: tuple[Any, BucketHook] | None = None,
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
@@ -287,16 +352,19 @@ class GradientReducer:
         if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
         self.compression = Compression.resolve(compression, error=CommTypeError, allow_error_feedback=True)
+        if comm_hook is not None:
+            _check_comm_hook(comm_hook, self.op, self.compression)
         self._feedback = FeedbackState(self.compression.name) if self.compression.error_feedback else None
-        self._plain_bytes_sent = 0
         self.prescale_factor = prescale_factor
         self.postscale_factor = postscale_factor
         self.active = process_set is None or process_set.included()
         self.process_set = resolve_set(process_set, world, "GradientReducer") if self.active else None
         set_size = process_set.size() if process_set is not None else world.size
         # Gradients are scaled while they are copied into the bucket (one pass): prescale and,
-        # for Average, 1/N before the sum, which also keeps fp16 sums from overflowing.
-        self._pre_factor = prescale_factor / (set_size if self.op is ReduceOp.AVERAGE else 1)
+        # for Average, 1/N before the sum, which also keeps fp16 sums from overflowing. A
+        # DDP-style hook gets the local gradients and averages them itself.
+        averaged_here = self.op is ReduceOp.AVERAGE and comm_hook is None
+        self._pre_factor = prescale_factor / (set_size if averaged_here else 1)
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         _check_unique(named)
         self.require_sync = True
@@ -311,6 +379,15 @@ class GradientReducer:
         self._slot: dict[int, tuple[_Bucket, int]] = {}
         self._build(_assign_buckets(named, self.config))
         self._tuner, self._layouts = self._make_tuner(world)
+        self._state: HookState | None = None if self.process_set is None else HookState(
+            process_set=self.process_set, op=self.op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, compression=self.compression,
+            hierarchy=self.hierarchy, feedback=self._feedback)
+        self._user_hook = comm_hook is not None
+        if comm_hook is not None:
+            self._hook, self._hook_state = user_hook(comm_hook[1]), (self._state, comm_hook[0])
+        else:
+            self._hook, self._hook_state = hook or builtin_hook(self.compression), self._state
         self._last_wait: float | None = None
         self._next_launch = 0
         self._saw_missing_grad = False
@@ -331,17 +408,13 @@ class GradientReducer:
         if cfg.hierarchical or (cfg.hierarchical is None and cfg.link_aware):
             topo = build_topology(world, self.process_set)
             if topo is not None and cfg.hierarchical is None:
-                flat_s, hier_s = time_paths(self.process_set, device, self._hierarchical_launch(topo))
+                flat_s, hier_s = time_paths(self.process_set, device, hierarchical_launch(topo))
                 _log.info("hierarchical allreduce %.1f ms vs flat %.1f ms (256 KiB)",
                           hier_s * 1e3, flat_s * 1e3)
                 topo = topo if hier_s < 0.95 * flat_s else None
             self.hierarchy = topo
         if cfg.link_aware:
             self._pace_buckets_to_link(device)
-
-    @staticmethod
-    def _hierarchical_launch(topo: HostTopology):  # noqa: ANN205
-        return lambda wire, torch_op: HierarchicalWork(wire, torch_op, topo)
 
     def _pace_buckets_to_link(self, device: torch.device) -> None:
         """Probe the link (collective) and lower the bucket caps to ~``bucket_seconds`` on it."""
@@ -366,6 +439,8 @@ class GradientReducer:
                     p.grad = bucket.views[pos]
         for bucket in self._buckets:
             bucket.sig = self._bucket_signature(bucket)
+        if self._buckets:
+            self._buckets[-1].last = True
 
     def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
         """One bucket of the layout (a subclass may lay its buffer out differently)."""
@@ -411,7 +486,7 @@ class GradientReducer:
 
     def _bucket_signature(self, bucket: _Bucket) -> Signature:
         layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
-        extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout))
+        extra = (("bucket", f"{bucket.order + 1} of {len(self._buckets)}"), ("parameters", layout))
         return signature(
             "bucket", f"gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat, self.op,
             self.prescale_factor, self.postscale_factor, self.compression, extra,
@@ -458,7 +533,7 @@ class GradientReducer:
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        if not bucket.pending and bucket.index == self._next_launch:
+        if not bucket.pending and bucket.order == self._next_launch:
             self._launch_ready()
 
     def _after_backward(self) -> None:
@@ -525,28 +600,9 @@ class GradientReducer:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        assert self.process_set is not None
-        if all(bucket.used_flags):
-            bucket.used.fill_(1)  # a device kernel: no host<->GPU copy, so no sync with backward
-        else:  # rare (unused parameters): a small synchronous copy
-            bucket.used.copy_(torch.tensor(bucket.used_flags, dtype=bucket.used.dtype))
-        if self._feedback is not None:
-            assert bucket.sig is not None
-            view = BucketView(bucket.flat, bucket.grad_numel, bucket.names, bucket.views)
-            bucket.work = start_bucket_reduction(  # type: ignore[assignment]
-                view, self.compression, self._feedback, pset=self.process_set, sig=bucket.sig,
-                post_factor=self.postscale_factor)
-            self._next_launch += 1
-            return
-        n = self.process_set.size()
-        self._plain_bytes_sent += self.compression.allreduce_wire_bytes([bucket.flat], n)
-        bucket.work = start_allreduce(
-            bucket.flat, op=self.op, pset=self.process_set, name=bucket.sig.name if bucket.sig else None,
-            prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
-            compression=self.compression, kind="bucket", sig=bucket.sig,
-            prescaled_post_factor=self.postscale_factor,
-            launch=None if self.hierarchy is None else self._hierarchical_launch(self.hierarchy),
-        )
+        """Seal the complete bucket and hand it to the hook (the one seam of every algorithm)."""
+        bucket.seal()
+        bucket.work = self._hook(self._hook_state, bucket)
         self._next_launch += 1
 
     # -- public API -------------------------------------------------------------------------
@@ -558,7 +614,7 @@ class GradientReducer:
         ranks, see :attr:`hvd_trainer.comm.zero.collectives.ScatterWork.wire_bytes`); headers and
         the cross-rank checks not included."""
         fb = 0 if self._feedback is None else self._feedback.bytes_sent
-        return self._plain_bytes_sent + fb
+        return (0 if self._state is None else self._state.bytes_sent) + fb
 
     @property
     def feedback_state(self) -> FeedbackState | None:
@@ -610,13 +666,15 @@ class GradientReducer:
             for bucket in self._buckets:
                 assert bucket.work is not None
                 bucket.work.finish()
-            if self._saw_missing_grad:  # common path (every gradient present): no host sync
+            # common path (every gradient present): no host sync; a user hook reduces no flags
+            if self._saw_missing_grad and not self._user_hook:
                 self._drop_globally_unused()
         finally:
             self._saw_missing_grad = False
             self._end_queued = False  # a backward that raised never ran its callback
             for bucket in self._buckets:
                 bucket.work = None
+                bucket.hook_buffer = None
                 bucket.ready = [False] * len(bucket.params)
                 bucket.adopted = [False] * len(bucket.params)
                 bucket.pending = len(bucket.params)
@@ -638,6 +696,20 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _check_comm_hook(comm_hook: Any, op: ReduceOp, compression: Compressor) -> None:
+    """Refuse a DDP-style ``(state, hook)`` that cannot run with ``op`` and ``compression``."""
+    if not (isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1])):
+        raise ValueError(f"comm_hook={comm_hook!r:.80} must be a pair (state, hook) with hook(state, "
+                         "bucket) -> torch.futures.Future. HINT: comm_hook=(None, allreduce_hook).")
+    if op is not ReduceOp.AVERAGE:
+        raise ValueError(f"comm_hook with op={op.name.title()}: a communication hook averages the bucket itself "
+                         "(DDP's contract). HINT: use op=Average with a comm hook.")
+    if compression is not Compression.none:
+        raise ValueError(f"comm_hook with compression={compression.name!r}: the hook decides the wire "
+                         "format. HINT: drop compression=, or use a compressing hook (bf16_compress_hook, "
+                         "powerSGD_hook).")
 
 
 def _check_unique(named: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -6,9 +6,10 @@ bucket's buffer and its collective:
 
 1. Each bucket's buffer is laid out by owner (:mod:`hvd_trainer.comm.zero.plan`): segment ``r``
    holds rank ``r``'s gradients then their "used" flags, segments padded to equal length.
-2. A complete bucket launches a reduce-scatter instead of an allreduce (or, for a bucket the
-   plan found unbalanced, an allreduce of the unpadded buffer), so each rank receives only the
-   sum of its own segment.
+2. A complete bucket goes to :func:`reducescatter_hook` (the reducer's one bucket hook, see
+   :mod:`hvd_trainer.comm.reduce.bucket_hooks`) instead of the allreduce: a reduce-scatter (or,
+   for a bucket the plan found unbalanced, an allreduce of the unpadded buffer), so each rank
+   receives only the sum of its own segment.
 3. :meth:`ShardedGradientReducer.wait` finishes them; afterwards a parameter this rank owns has
    ``.grad`` = the averaged gradient (a view into a segment-sized tensor), every other
    parameter ``.grad = None``, and the bucket buffers are freed (made again when the
@@ -38,6 +39,7 @@ from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import signature
+from hvd_trainer.comm.reduce.bucket_hooks import HookState
 from hvd_trainer.comm.reduce.fusion import (
     _FUSE_SCALE_BYTES,
     FusionConfig,
@@ -51,7 +53,7 @@ from hvd_trainer.comm.world.world import World
 from hvd_trainer.comm.zero.collectives import ScatterWork, start_reducescatter
 from hvd_trainer.comm.zero.plan import BucketShard, ShardPlan, plan_shards
 
-__all__ = ["ShardedGradientReducer", "plan_parameters", "stage2_config"]
+__all__ = ["ShardedGradientReducer", "plan_parameters", "reducescatter_hook", "stage2_config"]
 
 
 def stage2_config(
@@ -96,7 +98,8 @@ class _ShardedBucket(_Bucket):
     def __init__(self, index: int, names: list[str], params: list[torch.Tensor],
                  shard: BucketShard, entry_pos: list[int]) -> None:
         # Not _Bucket.__init__: the layout differs (segments by owner, flags inside them).
-        self.index, self.names, self.params, self.shard = index, names, params, shard
+        self.order, self.names, self.params, self.shard = index, names, params, shard
+        self.last, self.hook_buffer = False, None
         self.entry_pos = entry_pos
         self.cut = {entry_pos[e] for e, n in enumerate(shard.numels) if n != params[entry_pos[e]].numel()}
         self.offsets = list(shard.offsets())
@@ -138,21 +141,38 @@ class _ShardedBucket(_Bucket):
                 views[pos] = self.flat[self.offsets[e] : self.offsets[e] + p.numel()].view_as(p)
         self.views = views  # type: ignore[assignment]
 
-    def fill_pieces(self) -> None:
-        """Copy the staged gradients of cut parameters into their pieces' places (launch)."""
-        if not self.cut:
-            return
+    def seal(self) -> None:
+        """At the launch: copy the staged gradients of cut parameters into their pieces' places
+        and write the used flags into the segments."""
         assert self.flat is not None and self.views is not None
         shard = self.shard
         for e, pos in enumerate(self.entry_pos):
             if pos in self.cut:
                 start, numel, at = shard.starts[e], shard.numels[e], self.offsets[e]
                 self.flat[at : at + numel].copy_(self.views[pos].reshape(-1)[start : start + numel])
+        if all(self.used_flags):
+            self.flat.index_fill_(0, self.flag_index, 1)
+        else:  # rare (unused parameters): a small synchronous copy
+            flags = torch.tensor([self.used_flags[pos] for pos in self.entry_pos],
+                                 dtype=self.dtype, device=self.device)
+            self.flat.index_copy_(0, self.flag_index, flags)
 
     def release(self) -> None:
         """Free the buffer (the full gradients of the bucket)."""
         self.flat = None
         self.views = None
+
+
+def reducescatter_hook(state: HookState, bucket: _ShardedBucket) -> ScatterWork:
+    """ZeRO stage 2's bucket hook: reduce-scatter the bucket buffer (laid out by owner) so this
+    rank keeps the sum of its own segment (``bucket.out`` once finished), times
+    ``postscale_factor``; see :func:`~hvd_trainer.comm.zero.collectives.start_reducescatter`."""
+    assert bucket.flat is not None and bucket.sig is not None
+    work = start_reducescatter(bucket.flat, bucket.shard, pset=state.process_set, sig=bucket.sig,
+                               post_factor=state.postscale_factor, compression=state.compression)
+    state.bytes_sent += work.wire_bytes
+    bucket.out = work.out  # the reducer drops .work at the end of wait()
+    return work
 
 
 class ShardedGradientReducer(GradientReducer):
@@ -218,7 +238,7 @@ class ShardedGradientReducer(GradientReducer):
         self._check_unused = False
         super().__init__(named, world=world, config=config, op=op, compression=compression,
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                         process_set=process_set)
+                         process_set=process_set, hook=reducescatter_hook)
         self.link = link
 
     def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
@@ -241,7 +261,7 @@ class ShardedGradientReducer(GradientReducer):
         layout = [f"{bucket.names[pos]}:{list(bucket.params[pos].shape)}"
                   + (f"[{shard.starts[e]}:{shard.starts[e] + shard.numels[e]}]" if pos in bucket.cut else "")
                   for e, pos in enumerate(bucket.entry_pos)]
-        extra = (("bucket", f"{bucket.index + 1} of {len(self._buckets)}"), ("parameters", layout),
+        extra = (("bucket", f"{bucket.order + 1} of {len(self._buckets)}"), ("parameters", layout),
                  ("owners", list(bucket.shard.owners)), ("scatter", bucket.shard.scatter))
         return signature(
             "reducescatter", f"zero.gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat,
@@ -262,24 +282,6 @@ class ShardedGradientReducer(GradientReducer):
             assert isinstance(bucket, _ShardedBucket)
             bucket.materialize()
         super()._on_grad_ready(param)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        assert self.process_set is not None and isinstance(bucket, _ShardedBucket)
-        assert bucket.flat is not None and bucket.sig is not None
-        bucket.fill_pieces()
-        if all(bucket.used_flags):
-            bucket.flat.index_fill_(0, bucket.flag_index, 1)
-        else:  # rare (unused parameters): a small synchronous copy
-            flags = torch.tensor([bucket.used_flags[pos] for pos in bucket.entry_pos],
-                                 dtype=bucket.dtype, device=bucket.device)
-            bucket.flat.index_copy_(0, bucket.flag_index, flags)
-        bucket.work = start_reducescatter(  # type: ignore[assignment]
-            bucket.flat, bucket.shard, pset=self.process_set, sig=bucket.sig,
-            post_factor=self.postscale_factor, compression=self.compression,
-        )
-        self._plain_bytes_sent += bucket.work.wire_bytes  # type: ignore[attr-defined]
-        bucket.out = bucket.work.out  # type: ignore[attr-defined]  (the base resets .work)
-        self._next_launch += 1
 
     def _drop_globally_unused(self) -> None:
         self._check_unused = True  # done in _keep_own_segment, from this rank's flags
