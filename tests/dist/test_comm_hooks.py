@@ -101,6 +101,30 @@ def _hook_case(hvd, name: str) -> dict:
             "buckets": len(reducer.bucket_sizes_bytes)}
 
 
+def _powersgd_many_buckets(hvd) -> dict:
+    """torch's powerSGD_hook over 4 buckets on gloo (DDP hangs there): it completes, and the
+    ranks end with equal weights."""
+    import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powersgd
+
+    from hvd_trainer.comm import FusionConfig, GradientReducer
+
+    model = _model()
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, random_seed=7)
+    reducer = GradientReducer(list(model.named_parameters()), world=hvd.get_world(),
+                              config=FusionConfig(fusion_threshold_bytes=0, first_bucket_bytes=0),
+                              comm_hook=(state, powersgd.powerSGD_hook))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        model(_batch(step, hvd.rank())).pow(2).sum().backward()
+        reducer.wait()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    reducer.remove()
+    return {"buckets": len(reducer.bucket_sizes_bytes), "iter": state.iter,
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()}
+
+
 def _bad_hook_case(hvd, kind: str) -> dict:
     from hvd_trainer.comm import CommValueError, GradientReducer
 
@@ -200,6 +224,7 @@ def _all_cases() -> dict:
     import hvd_trainer as hvd
 
     out = {name: _hook_case(hvd, name) for name in ("allreduce", "bf16", "fp16_wrapper", "powersgd")}
+    out["powersgd_4_buckets"] = _powersgd_many_buckets(hvd)
     out["torch_optimizer"] = _torch_optimizer_case(hvd)
     out["lightning"] = _lightning_cases()
     out["refusals"] = _refusals(hvd)
@@ -226,6 +251,12 @@ def test_ddp_hooks_give_ddps_gradients(results: list[dict], name: str) -> None:
         else:  # 16-bit wire: close to the exact average, not equal
             assert 0 < max(case["to_truth"]) <= 5e-2, case["to_truth"]
     assert results[0][name]["weights"] == results[1][name]["weights"]
+
+
+def test_powersgd_hook_over_several_buckets_on_gloo(results: list[dict]) -> None:
+    cases = [res["powersgd_4_buckets"] for res in results]
+    assert cases[0]["buckets"] == 4 and cases[0]["iter"] == STEPS, cases[0]
+    assert cases[0]["weights"] == cases[1]["weights"]
 
 
 def test_bad_hooks_and_options_are_refused(results: list[dict]) -> None:

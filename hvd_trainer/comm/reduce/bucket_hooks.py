@@ -105,6 +105,8 @@ class HookState:
     bytes_sent: int = 0
     """Bytes this rank put on the wire for buckets so far, as a ring collective sends them (the
     error-feedback reductions count theirs in :attr:`feedback`)."""
+    in_flight: Any = None
+    """The last future a user's hook returned (:func:`user_hook`)."""
 
 
 def hierarchical_launch(topo: HostTopology) -> Callable[[torch.Tensor, Any], HierarchicalWork]:
@@ -193,12 +195,19 @@ def user_hook(hook: BucketHook) -> BucketHook:
     """Run a DDP-style ``hook(state, bucket) -> torch.futures.Future`` as a reducer hook: the
     bucket's signature is checked across ranks first, then the hook launches its own collectives.
 
+    On CPU (gloo) the previous bucket's future is waited for before the next hook runs: a hook
+    whose future callbacks block on another collective (torch's ``powerSGD_hook`` does) holds one
+    of gloo's few worker threads each, and with more buckets in flight than threads every rank
+    hangs (DDP's own reducer does). Backward still overlaps the bucket in flight.
+
     The returned hook's state is a pair ``(HookState, the user's state)``."""
 
     def run(state: tuple[HookState, Any], bucket: GradBucket) -> HookWork:
         ours, theirs = state
         pset = ours.process_set
         assert bucket.sig is not None
+        if ours.in_flight is not None and bucket.flat.device.type == "cpu":
+            ours.in_flight.wait()  # a hook's failure raises here, during backward
         op = pset.coordinator.begin(bucket.sig, bucket.grad_numel * bucket.flat.element_size())
         try:
             future = hook(theirs, bucket)
@@ -212,6 +221,7 @@ def user_hook(hook: BucketHook) -> BucketHook:
                 f"{type(future).__name__}, not a future. HINT: return a torch.futures.Future of "
                 "the reduced bucket.buffer(), as DDP's hooks do."
             )
+        ours.in_flight = future
         return HookWork(future, bucket, op, pset, ours.postscale_factor)
 
     run.__qualname__ = getattr(hook, "__qualname__", "user_hook")

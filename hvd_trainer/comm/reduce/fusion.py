@@ -679,6 +679,8 @@ class GradientReducer:
                 bucket.adopted = [False] * len(bucket.params)
                 bucket.pending = len(bucket.params)
             self._next_launch = 0
+            if self._state is not None:
+                self._state.in_flight = None
         if self._tuner is not None and not self._tuner.done:
             self._autotune_step()
 
@@ -704,8 +706,8 @@ def _check_comm_hook(comm_hook: Any, op: ReduceOp, compression: Compressor) -> N
         raise ValueError(f"comm_hook={comm_hook!r:.80} must be a pair (state, hook) with hook(state, "
                          "bucket) -> torch.futures.Future. HINT: comm_hook=(None, allreduce_hook).")
     if op is not ReduceOp.AVERAGE:
-        raise ValueError(f"comm_hook with op={op.name.title()}: a communication hook averages the bucket itself "
-                         "(DDP's contract). HINT: use op=Average with a comm hook.")
+        raise ValueError(f"comm_hook with op={op.name.title()}: a communication hook averages the "
+                         "bucket itself (DDP's contract). HINT: use op=Average with a comm hook.")
     if compression is not Compression.none:
         raise ValueError(f"comm_hook with compression={compression.name!r}: the hook decides the wire "
                          "format. HINT: drop compression=, or use a compressing hook (bf16_compress_hook, "
