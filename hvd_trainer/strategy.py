@@ -202,8 +202,9 @@ class _HorovodStrategyLogic:
             so the hooks of ``torch.distributed.algorithms.ddp_comm_hooks`` (``bf16_compress_hook``,
             ``powerSGD_hook`` with its ``PowerSGDState``) run unchanged; see
             :meth:`hvd_trainer.torch.DistributedOptimizer.register_comm_hook` for the bucket the
-            hook gets. Not with ``compression``, ``sync_every``, ``zero_stage`` or "auto";
-            ``PostLocalSGDState`` is refused (use ``sync_every``).
+            hook gets (a parameter no rank produced a gradient for gets the hook's result, zeros,
+            where DDP leaves ``None``). Not with ``compression``, ``sync_every``, ``zero_stage``
+            or "auto"; ``PostLocalSGDState`` is refused (use ``sync_every``).
 
     Raises:
         StrategyConfigError: a negative byte size or timeout; a combination of the sync options
@@ -285,7 +286,7 @@ class _HorovodStrategyLogic:
             outer=OuterArgs(outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=outer_nesterov,
                             overlap_steps=outer_overlap_steps, fragments=outer_fragments,
                             sync_warmup_steps=sync_warmup_steps),
-            comm_hook=None if ddp_comm_hook is None else "ddp_comm_hook",
+            comm_hook=None if ddp_comm_hook is None else "ddp_comm_hook", comm_state=ddp_comm_state,
         )
         self._comm_hook = _comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self._auto = self._opts.asked
@@ -1048,13 +1049,6 @@ def _comm_hook(state: object | None, hook: Callable[..., Any] | None,
             raise StrategyConfigError(f"{name}={fn!r:.80} is not callable. HINT: pass a function, e.g. "
                                       "torch.distributed.algorithms.ddp_comm_hooks.default_hooks."
                                       "bf16_compress_hook.")
-    if type(state).__name__ == "PostLocalSGDState":
-        raise StrategyConfigError(
-            "ddp_comm_state=PostLocalSGDState: post-local SGD also needs DDP's periodic model "
-            "averager, which this strategy does not run. HINT: use sync_every=H (local steps "
-            "with an outer optimizer; sync_every=H, outer_lr=1.0, outer_momentum=0.0 averages the "
-            "models every H steps)."
-        )
     if wrapper is not None:
         rank_zero_info(f"DDP comm wrapper is provided, apply {getattr(wrapper, '__qualname__', wrapper)}"
                        f"({getattr(hook, '__qualname__', hook)}).")

@@ -145,7 +145,7 @@ class SyncOptions:
         zero_stage: Any = 0, zero_overlap_exchange: Any = False, sync_every: Any = None,
         outer: OuterArgs | None = None, groups: bool = False, allow_adasum: bool = False,
         zero2_with_accumulation: bool = True, names: Mapping[str, str] = _NO_NAMES,
-        comm_hook: str | None = None,
+        comm_hook: str | None = None, comm_state: Any = None,
     ) -> SyncOptions:
         """Check the options as a user gave them; the one place their combinations are decided.
 
@@ -166,6 +166,7 @@ class SyncOptions:
             names: the front end's spelling of outer-loop arguments, for messages.
             comm_hook: the user gave a DDP-style communication hook; its argument as the front
                 end spells it (``"ddp_comm_hook"``), for messages (:meth:`refuse_comm_hook`).
+            comm_state: that hook's state.
 
         Raises:
             error: a bad value or an unsupported combination, the message naming what was asked
@@ -219,10 +220,11 @@ class SyncOptions:
                    zero_overlap_exchange=bool(zero_overlap_exchange), local=local, auto_sync_every=auto_h,
                    outer=outer, error=error, names=MappingProxyType(dict(names)))
         if comm_hook is not None:
-            opts.refuse_comm_hook(comm_hook, groups=groups, sync_every=sync_every)
+            opts.refuse_comm_hook(comm_hook, groups=groups, sync_every=sync_every, state=comm_state)
         return opts
 
-    def refuse_comm_hook(self, spelled: str, *, groups: bool, sync_every: Any = None) -> None:
+    def refuse_comm_hook(self, spelled: str, *, groups: bool, sync_every: Any = None,
+                         state: Any = None) -> None:
         """Refuse what a DDP-style communication hook does not run with (it replaces the
         bucket's reduction and averages it itself: :mod:`hvd_trainer.comm.reduce.bucket_hooks`).
 
@@ -230,16 +232,27 @@ class SyncOptions:
             spelled: the hook's argument as the front end names it (``"ddp_comm_hook"``).
             groups: the user gave explicit allreduce groups.
             sync_every: the ``sync_every`` given (``None``: synchronous).
+            state: the hook's state (a ``PostLocalSGDState`` is refused).
 
         Raises:
             :attr:`error`: an option the hook would silently override, with a HINT.
         """
         error = self.error
-        if self.any_auto or sync_every is not None:
-            given = "compression='auto'" if self.auto_compression else f"sync_every={sync_every!r}"
-            raise error(f"{spelled} with {given}: the hook reduces every gradient bucket itself, so "
-                        "there is nothing left to choose or skip. HINT: drop the hook, or drop "
-                        f"{given.split('=')[0]}=.")
+        if sync_every is not None:
+            raise error(f"{spelled} with sync_every={sync_every!r}: local steps reduce no gradients, "
+                        "so the hook would never run. HINT: drop the hook, or drop sync_every=.")
+        if self.auto_compression:
+            raise error(f"{spelled} with compression='auto': the hook reduces every gradient bucket "
+                        "itself, so auto has nothing to choose. HINT: drop the hook, or drop "
+                        "compression=.")
+        if type(state).__name__ == "PostLocalSGDState":
+            raise error(
+                f"{spelled} with a PostLocalSGDState: post-local SGD also needs DDP's periodic model "
+                "averager, which is not run here, so the ranks would drift apart. HINT: use local "
+                "steps (HorovodStrategy(sync_every=H) or hvd_trainer.torch.LocalSGD; with "
+                "outer_lr=1.0 and outer_momentum=0.0 they average the models every H steps, after "
+                "sync_warmup_steps synchronous ones)."
+            )
         if self.compression is not Compression.none:
             raise error(f"{spelled} with compression={self.compression.name!r}: the hook decides the "
                         "wire format. HINT: drop compression=, or use a compressing hook "

@@ -692,11 +692,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._reducer is None:
             self._build_reducer()
         assert self._reducer is not None
-        if self._auto is not None and self._auto.measuring:
-            with self._auto.waiting():
+        try:
+            if self._auto is not None and self._auto.measuring:
+                with self._auto.waiting():
+                    self._reducer.wait()
+            else:
                 self._reducer.wait()
-        else:
-            self._reducer.wait()
+        except BaseException:
+            self._reset_counts()  # the reducer dropped this step's work: zero_grad() may follow
+            raise
         if self._zero is not None:
             self._zero.after_reduction(self._reducer)
         self._reduce_sparse()
@@ -731,10 +735,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``bucket.buffer()`` the flattened local gradients (summed over
         ``backward_passes_per_step``; times ``1/gradient_predivide_factor``), and returns a
         ``torch.futures.Future`` of the averaged buffer; :meth:`synchronize` waits for it (then
-        multiplies by ``gradient_predivide_factor``). Every rank registers the same hook, before a
-        step or between steps; sparse gradients are still allgathered. A parameter no rank
-        produced a gradient for gets the hook's result (zeros for an averaging hook), as in
-        Horovod. See :mod:`hvd_trainer.comm.reduce.bucket_hooks`.
+        multiplies by ``gradient_predivide_factor``). Every rank registers the same hook (checked
+        with each bucket's layout on the first step), before a step or between steps; registering
+        again replaces it. The hook's state (PowerSGD's error buffers) is not in
+        :meth:`state_dict`, as in DDP. Sparse gradients are still allgathered. A parameter no
+        rank produced a gradient for gets the hook's result (zeros for an averaging hook, as in
+        Horovod; DDP leaves it ``None``), so weight decay or momentum still move it. See
+        :mod:`hvd_trainer.comm.reduce.bucket_hooks`.
 
         Example:
             >>> from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
@@ -743,17 +750,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         Raises:
             OptimizerConfigError: ``hook`` is not callable; with a ``compression`` (or
-                ``"auto"``), ``op`` other than Average, ``zero_stage`` or ``groups``.
+                ``"auto"``), ``op`` other than Average, ``zero_stage`` or ``groups``; a
+                ``PostLocalSGDState`` (its model averager is not run).
             GradientSyncError: called while a step's gradients are being reduced.
         """
         if not callable(hook):
+            swapped = " The arguments are (state, hook), as in DDP." if callable(state) else ""
             raise OptimizerConfigError(
-                f"register_comm_hook(state, hook): hook={hook!r:.80} is not callable. HINT: pass "
-                "a function hook(state, bucket) -> torch.futures.Future, e.g. "
-                "torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook."
+                f"register_comm_hook(state, hook): hook={hook!r:.80} is not callable.{swapped} HINT: "
+                "pass a function hook(state, bucket) -> torch.futures.Future, e.g. "
+                "register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks."
+                "allreduce_hook)."
             )
-        self._opts.refuse_comm_hook("register_comm_hook()", groups=bool(self._groups))
-        self._check_not_due("register_comm_hook()")
+        self._opts.refuse_comm_hook("register_comm_hook()", groups=bool(self._groups), state=state)
+        self._follow_world()
+        if self._due:
+            raise GradientSyncError(
+                "register_comm_hook() was called between backward() and step(), while this step's "
+                "gradients are being reduced. HINT: register the hook before the first backward(), "
+                "or after a step()."
+            )
         self._comm_hook = (state, hook)
         self._reducer_kwargs = self._check_reducer_kwargs()
         if self._reducer is not None:

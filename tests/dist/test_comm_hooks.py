@@ -147,6 +147,23 @@ def _bad_hook_case(hvd, kind: str) -> dict:
     return {"error": None}
 
 
+def _hook_on_one_rank(hvd) -> dict:
+    """A hook registered on rank 0 only: a mismatch error on every rank, naming the hook."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
+
+    from hvd_trainer.comm import GradientReducer
+
+    model = _model()
+    hook = (None, default.allreduce_hook) if hvd.rank() == 0 else None
+    reducer = GradientReducer(list(model.named_parameters()), world=hvd.get_world(), comm_hook=hook)
+    try:
+        model(_batch(0, hvd.rank())).sum().backward()
+        reducer.wait()
+    except hvd.CollectiveMismatchError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
 def _refusals(hvd) -> dict:
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
 
@@ -169,6 +186,7 @@ def _torch_optimizer_case(hvd) -> dict:
     """``register_comm_hook`` on the torch DistributedOptimizer, 2 backward passes per step and a
     predivide factor of 2, against SGD on the summed average computed in one process."""
     import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
     import hvd_trainer.torch as hvd_torch
 
@@ -190,18 +208,59 @@ def _torch_optimizer_case(hvd) -> dict:
         ref_opt.step()
     err = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters(), strict=True))
     refused = {}
+    post_local = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=2)
     for key, kwargs in {"bf16": {"compression": "bf16"}, "zero": {"zero_stage": 1},
-                        "groups": {"groups": 2}, "adasum": {"op": hvd.Adasum}}.items():
+                        "groups": {"groups": 2}, "adasum": {"op": hvd.Adasum}, "post_local": {}}.items():
         other = _model()
         wrapped = hvd_torch.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1),
                                                  named_parameters=other.named_parameters(), **kwargs)
         try:
-            wrapped.register_comm_hook(None, default.allreduce_hook)
+            wrapped.register_comm_hook(post_local if key == "post_local" else None, default.allreduce_hook)
             refused[key] = None
         except hvd_torch.OptimizerConfigError as exc:
             refused[key] = str(exc)
-    return {"err": err, "refused": refused,
+    return {"err": err, "refused": refused, **_after_a_failing_hook(hvd, hvd_torch),
             "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()}
+
+
+def _after_a_failing_hook(hvd, hvd_torch) -> dict:
+    """A hook that raises (on every rank): the error reaches the user, from step() (the first
+    synchronize() builds the buckets) and then from backward(); registering mid-step is refused
+    with its own hint; after the failed step, zero_grad(), another hook and the next step work."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
+
+    def failing(state, bucket):
+        raise RuntimeError("hook failed on purpose")
+
+    model = _model()
+    opt = hvd_torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    opt.register_comm_hook(None, failing)
+    out: dict = {"failures": []}
+    model(_batch(0, hvd.rank())).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out["failures"].append(str(exc))
+    opt.zero_grad()
+    try:
+        model(_batch(1, hvd.rank())).sum().backward()
+    except RuntimeError as exc:
+        out["failures"].append(str(exc))
+    try:
+        opt.register_comm_hook(None, default.allreduce_hook)
+    except hvd_torch.GradientSyncError as exc:
+        out["mid_step"] = str(exc)
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        out["failures"].append(str(exc))
+    opt.zero_grad()
+    opt.register_comm_hook(None, default.allreduce_hook)
+    model(_batch(2, hvd.rank())).sum().backward()
+    opt.step()
+    out["recovered"] = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()
+    return out
 
 
 def _lightning_cases() -> dict:
@@ -229,7 +288,8 @@ def _all_cases() -> dict:
     out["lightning"] = _lightning_cases()
     out["refusals"] = _refusals(hvd)
     out["wrong_size"] = _bad_hook_case(hvd, "wrong_size")
-    out["no_future"] = _bad_hook_case(hvd, "no_future")  # last: its check is left unsettled
+    out["no_future"] = _bad_hook_case(hvd, "no_future")
+    out["one_rank"] = _hook_on_one_rank(hvd)  # last: a mismatch leaves the world out of step
     return out
 
 
@@ -267,6 +327,8 @@ def test_bad_hooks_and_options_are_refused(results: list[dict]) -> None:
         assert "pair (state, hook)" in ref["not_pair"], ref
         assert "holds a tensor of 3 elements" in res["wrong_size"]["error"], res["wrong_size"]
         assert "not a future" in res["no_future"]["error"], res["no_future"]
+        one_rank = res["one_rank"]["error"]
+        assert one_rank is not None and "comm_hook" in one_rank and "allreduce_hook" in one_rank, one_rank
 
 
 def test_torch_optimizer_register_comm_hook(results: list[dict]) -> None:
@@ -278,7 +340,11 @@ def test_torch_optimizer_register_comm_hook(results: list[dict]) -> None:
         assert "zero_stage=1" in refused["zero"], refused
         assert "groups" in refused["groups"], refused
         assert "op=Adasum" in refused["adasum"], refused
+        assert "PostLocalSGDState" in refused["post_local"] and "LocalSGD" in refused["post_local"], refused
+        assert len(case["failures"]) == 3 and all("on purpose" in f for f in case["failures"]), case
+        assert "HINT: register the hook before the first backward()" in case["mid_step"], case
     assert results[0]["torch_optimizer"]["weights"] == results[1]["torch_optimizer"]["weights"]
+    assert results[0]["torch_optimizer"]["recovered"] == results[1]["torch_optimizer"]["recovered"]
 
 
 def test_strategy_ddp_comm_hook_in_a_trainer(results: list[dict]) -> None:

@@ -377,6 +377,9 @@ class GradientReducer:
             self._fit_to_hosts(world, named[0][1].device)
         self._buckets: list[_Bucket] = []
         self._slot: dict[int, tuple[_Bucket, int]] = {}
+        # A user hook is part of each bucket's signature: a hook on some ranks only, or another
+        # hook on another rank, is a mismatch error on the first step, not a transport abort.
+        self._hook_name = None if comm_hook is None else _hook_name(comm_hook[1])
         self._build(_assign_buckets(named, self.config))
         self._tuner, self._layouts = self._make_tuner(world)
         self._state: HookState | None = None if self.process_set is None else HookState(
@@ -487,6 +490,8 @@ class GradientReducer:
     def _bucket_signature(self, bucket: _Bucket) -> Signature:
         layout = [f"{n}:{list(p.shape)}" for n, p in zip(bucket.names, bucket.params, strict=True)]
         extra = (("bucket", f"{bucket.order + 1} of {len(self._buckets)}"), ("parameters", layout))
+        if self._hook_name is not None:
+            extra += (("comm_hook", self._hook_name),)
         return signature(
             "bucket", f"gradients[{bucket.names[0]}..{bucket.names[-1]}]", bucket.flat, self.op,
             self.prescale_factor, self.postscale_factor, self.compression, extra,
@@ -661,8 +666,8 @@ class GradientReducer:
         for bucket in self._buckets[self._next_launch :]:
             bucket.ready = [True] * len(bucket.params)
             bucket.pending = 0
-        self._launch_ready()
         try:
+            self._launch_ready()  # a launch that raises (a mismatch, a hook) ends the step too
             for bucket in self._buckets:
                 assert bucket.work is not None
                 bucket.work.finish()
@@ -698,6 +703,16 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def _hook_name(hook: Any, depth: int = 0) -> str:
+    """A hook's name as every rank spells it (a wrapper's inner function: ``wrapper(hook)``)."""
+    name = f"{getattr(hook, '__module__', '')}.{getattr(hook, '__qualname__', type(hook).__name__)}"
+    if depth >= 2:
+        return name
+    inner = [c.cell_contents for c in (getattr(hook, "__closure__", None) or ())
+             if callable(c.cell_contents) and c.cell_contents is not hook]
+    return name + "".join(f"({_hook_name(f, depth + 1)})" for f in inner)
 
 
 def _check_comm_hook(comm_hook: Any, op: ReduceOp, compression: Compressor) -> None:
