@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm.world.world import get_world, is_initialized
+from hvd_trainer.comm import get_world, is_initialized
 
 __all__ = ["atomic_save", "save_checkpoint", "load_checkpoint", "discard"]
 

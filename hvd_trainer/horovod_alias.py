@@ -54,7 +54,7 @@ import sys
 import types
 from collections.abc import Callable, Sequence
 
-from hvd_trainer.comm.base.config import REDUCESCATTER_GRAD_ENV
+from hvd_trainer.comm import REDUCESCATTER_GRAD_ENV
 
 __all__ = ["install", "uninstall", "is_installed", "target_of", "HorovodAliasFinder"]
 

@@ -49,17 +49,27 @@ from torch.distributed.nn.functional import all_gather as differentiable_all_gat
 from typing_extensions import override
 
 from hvd_trainer import comm
-from hvd_trainer.comm.base.launch_env import torchelastic_env
-from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.ops.flatten import flat_collective_
-from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
-from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, OuterArgs, OuterSync
-from hvd_trainer.comm.sync_options import SyncOptions
-from hvd_trainer.comm.world.world import World
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding, per_element
+from hvd_trainer.comm import (
+    AutoChoice,
+    AutoMode,
+    AutotuneConfig,
+    Compression,
+    Compressor,
+    FusionConfig,
+    GradientReducer,
+    LocalSGDConfig,
+    OuterArgs,
+    OuterSync,
+    ShardedGradientReducer,
+    SyncOptions,
+    World,
+    ZeroSharding,
+    flat_collective_,
+    per_element,
+    resolve_autotune,
+    resolve_set,
+    torchelastic_env,
+)
 from hvd_trainer.lightning._compat import (
     AcceleratorConnector,
     SubprocessScriptLauncher,

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import allgather_object, allreduce_
-from hvd_trainer.comm.world.world import World, get_world
+from hvd_trainer.comm import World, allgather_object, allreduce_, get_world
 
 __all__ = ["MetricKeysMismatchError", "average_metrics"]
 

@@ -48,7 +48,11 @@ import inside a function except the optional ``mpi4py``; ``tests/unit/test_layer
 
 from __future__ import annotations
 
-from hvd_trainer.comm.base.config import CommConfig, default_fusion_threshold_bytes
+# The front ends' door: what torch/, keras/, strategy.py, lightning/, elastic/, launch/ and the
+# package's other modules use of comm beyond the user API above. They import comm only from here
+# (tests/unit/test_layering.py); these names are not in __all__ (not Horovod's API).
+from hvd_trainer.comm.base._torch_compat import BatchNormBase, init_optimizer_bookkeeping
+from hvd_trainer.comm.base.config import REDUCESCATTER_GRAD_ENV, CommConfig, default_fusion_threshold_bytes
 from hvd_trainer.comm.base.errors import (
     CollectiveMismatchError,
     CommError,
@@ -62,6 +66,14 @@ from hvd_trainer.comm.base.errors import (
     NotInitializedError,
     RankFailedError,
     StallError,
+)
+from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE, peer_failed, pid_alive
+from hvd_trainer.comm.base.launch_env import (
+    TorchElasticEnv,
+    lightning_script_view,
+    recovery_env,
+    torchelastic_env,
+    worker_launcher,
 )
 from hvd_trainer.comm.ops.by_name import (  # the public async forms: named calls match by name
     allgather_async,
@@ -92,7 +104,15 @@ from hvd_trainer.comm.ops.collectives import (
     join,
     reducescatter,
 )
-from hvd_trainer.comm.ops.compression import Compression, Compressor
+from hvd_trainer.comm.ops.compression import (
+    BF16Compressor,
+    Compression,
+    CompressionError,
+    Compressor,
+    FP16Compressor,
+    NoneCompressor,
+)
+from hvd_trainer.comm.ops.flatten import flat_collective, flat_collective_, numpy_to_wire, wire_to_numpy
 from hvd_trainer.comm.ops.handle import Handle, poll, synchronize
 from hvd_trainer.comm.ops.objects import allgather_object, broadcast_object
 from hvd_trainer.comm.ops.ops import (
@@ -104,10 +124,12 @@ from hvd_trainer.comm.ops.ops import (
     ReduceOp,
     Sum,
     UnsupportedOpError,
+    op_or_average,
     reject_adasum,
     to_reduce_op,
 )
-from hvd_trainer.comm.ops.process_set import ProcessSet, global_process_set
+from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_backward_passes_per_step
+from hvd_trainer.comm.ops.process_set import ProcessSet, global_process_set, resolve_set
 from hvd_trainer.comm.ops.process_set_registry import (
     HorovodBasics,
     add_process_set,
@@ -116,8 +138,16 @@ from hvd_trainer.comm.ops.process_set_registry import (
     remove_process_set,
 )
 from hvd_trainer.comm.ops.timeline import Timeline, start_timeline, stop_timeline
-from hvd_trainer.comm.reduce.autotune import AutotuneConfig
+from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
+from hvd_trainer.comm.reduce.autotune import AutotuneConfig, resolve_autotune
+from hvd_trainer.comm.reduce.compressed import (
+    FeedbackState,
+    merge_feedback,
+    reduce_with_feedback,
+    rename_feedback,
+)
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
+from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterArgs, OuterSync
 from hvd_trainer.comm.session import (
     finish_job,
     first_survivor,
@@ -127,6 +157,7 @@ from hvd_trainer.comm.session import (
     reform_due,
     shutdown,
 )
+from hvd_trainer.comm.sync_options import SyncOptions, local_steps_config
 from hvd_trainer.comm.world.build_info import (
     ccl_built,
     cuda_built,
@@ -134,12 +165,18 @@ from hvd_trainer.comm.world.build_info import (
     gloo_built,
     gloo_enabled,
     is_homogeneous,
+    mpi4py_installed,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
+    nccl_version,
     rocm_built,
 )
+from hvd_trainer.comm.world.heartbeat import UNREACHABLE_RECORD, read_records
+from hvd_trainer.comm.world.liveness import raise_if_peer_failed
+from hvd_trainer.comm.world.membership import SECRET_ENV
+from hvd_trainer.comm.world.quorum import gone_key
 from hvd_trainer.comm.world.world import (
     LaunchEnv,
     World,
@@ -154,6 +191,15 @@ from hvd_trainer.comm.world.world import (
     rank,
     size,
 )
+from hvd_trainer.comm.zero import (
+    ShardedGradientReducer,
+    ShardPlan,
+    ZeroSharding,
+    exchange_parameters,
+    per_element,
+    plan_parameters,
+)
+from hvd_trainer.comm.zero.reducer import stage2_config
 
 __all__ = [
     "Average", "Sum", "Min", "Max", "Product", "ReduceOp", "to_reduce_op", "reject_adasum",

@@ -64,7 +64,9 @@ from typing import Any, TypeVar
 
 from hvd_trainer.checkpoint import discard
 from hvd_trainer.comm import (
+    PEER_FAILED_EXIT_CODE,
     HostsUpdatedInterrupt,
+    TorchElasticEnv,
     World,
     allgather_object,
     barrier,
@@ -74,9 +76,8 @@ from hvd_trainer.comm import (
     in_process_recovery,
     init,
     recover,
+    torchelastic_env,
 )
-from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
-from hvd_trainer.comm.base.launch_env import TorchElasticEnv, torchelastic_env
 from hvd_trainer.elastic.state import STATE_FILENAME, State
 from hvd_trainer.elastic.user_error import is_peer_failure, record_user_error
 

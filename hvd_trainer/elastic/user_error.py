@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hvd_trainer.comm.base.errors import HorovodInternalError, HostsUpdatedInterrupt, StallError
-from hvd_trainer.comm.base.fatal import peer_failed
+from hvd_trainer.comm import HorovodInternalError, HostsUpdatedInterrupt, StallError, peer_failed
 
 __all__ = ["JOB_DIR_ENV", "is_peer_failure", "record_user_error", "user_error_path"]
 

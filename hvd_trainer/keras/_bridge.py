@@ -27,12 +27,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from hvd_trainer.comm import allreduce_, broadcast_
-from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.ops.flatten import flat_collective, numpy_to_wire, wire_to_numpy
-from hvd_trainer.comm.ops.ops import ReduceOp
-from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback
-from hvd_trainer.comm.world.world import World
+from hvd_trainer.comm import (
+    Compression,
+    Compressor,
+    FeedbackState,
+    ReduceOp,
+    World,
+    allreduce_,
+    broadcast_,
+    flat_collective,
+    numpy_to_wire,
+    reduce_with_feedback,
+    wire_to_numpy,
+)
 
 __all__ = ["FlatBuffers", "allreduce_arrays", "allreduce_arrays_with_feedback", "broadcast_arrays"]
 

@@ -28,8 +28,7 @@ import keras
 import numpy as np
 import torch.distributed as dist
 
-from hvd_trainer.comm.ops.process_set import ProcessSet
-from hvd_trainer.comm.zero import ShardPlan, exchange_parameters, plan_parameters
+from hvd_trainer.comm import ProcessSet, ShardPlan, exchange_parameters, plan_parameters
 from hvd_trainer.keras._compat import iterations_variable
 
 __all__ = ["KerasZero", "replicated", "slot_variables", "state_bytes"]

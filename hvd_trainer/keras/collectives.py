@@ -23,10 +23,15 @@ import numpy as np
 import torch
 
 import hvd_trainer.comm as comm
-from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.ops.flatten import numpy_to_wire
-from hvd_trainer.comm.ops.ops import ReduceOp, op_or_average, to_reduce_op
-from hvd_trainer.comm.world.world import get_world
+from hvd_trainer.comm import (
+    Compression,
+    Compressor,
+    ReduceOp,
+    get_world,
+    numpy_to_wire,
+    op_or_average,
+    to_reduce_op,
+)
 
 __all__ = ["allreduce", "allgather", "broadcast", "KerasCollectiveError"]
 

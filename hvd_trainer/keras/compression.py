@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hvd_trainer.comm.ops.compression import (
+from hvd_trainer.comm import (
     BF16Compressor,
     Compression,
     CompressionError,

@@ -17,21 +17,24 @@ import keras
 import numpy as np
 
 from hvd_trainer.comm import (
+    AutoChoice,
+    AutoMode,
     Compression,
     Compressor,
+    FeedbackState,
     GradientReducer,
+    OptimizerArgumentError,
     ReduceOp,
+    ShardedGradientReducer,
+    SyncOptions,
     World,
     get_world,
     grouped_allreduce_,
     in_process_recovery,
+    reduce_with_feedback,
+    rename_feedback,
+    resolve_set,
 )
-from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError
-from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.compressed import FeedbackState, reduce_with_feedback, rename_feedback
-from hvd_trainer.comm.sync_options import SyncOptions
-from hvd_trainer.comm.zero import ShardedGradientReducer
 from hvd_trainer.keras import _accumulate, _bridge
 from hvd_trainer.keras._compat import built_trainable_variables, in_xla_context
 from hvd_trainer.keras._zero import KerasZero, replicated

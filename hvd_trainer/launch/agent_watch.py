@@ -41,7 +41,7 @@ from typing import Any, TextIO
 
 from torch.distributed import TCPStore
 
-from hvd_trainer.comm.world.quorum import gone_key
+from hvd_trainer.comm import gone_key
 from hvd_trainer.launch.failures import describe_exit, root_failure, script_pid
 from hvd_trainer.launch.partition_watch import forget_partition_records
 

@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from hvd_trainer.comm.world.build_info import gloo_built, mpi4py_installed, nccl_version
+from hvd_trainer.comm import gloo_built, mpi4py_installed, nccl_version
 from hvd_trainer.launch.commands import find_mpirun
 
 __all__ = ["check_build_report"]

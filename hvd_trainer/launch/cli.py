@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Sequence
 from importlib.metadata import version
 
-from hvd_trainer.comm.base.launch_env import worker_launcher
+from hvd_trainer.comm import worker_launcher
 from hvd_trainer.launch.agent_identity import AgentIdentity, identify, interface_env
 from hvd_trainer.launch.check_build import check_build_report
 from hvd_trainer.launch.commands import mpirun_command, pick_port, restarts, torchrun_args, worker_env

@@ -14,7 +14,7 @@ import sys
 import uuid
 import zlib
 
-from hvd_trainer.comm.world.world import free_port
+from hvd_trainer.comm import free_port
 from hvd_trainer.launch.agent_identity import AgentIdentity
 from hvd_trainer.launch.errors import HvdrunError
 from hvd_trainer.launch.options import DEFAULT_RDZV_PORT, ELASTIC_TIMEOUT_SECONDS, HvdrunOptions

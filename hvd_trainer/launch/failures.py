@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.comm import PEER_FAILED_EXIT_CODE
 
 __all__ = ["PID_FILE", "describe_exit", "exit_status", "own_failures", "root_failure", "script_pid"]
 

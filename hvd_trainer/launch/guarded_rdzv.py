@@ -61,7 +61,7 @@ from torch.distributed.elastic.rendezvous.utils import (
     parse_rendezvous_endpoint,
 )
 
-from hvd_trainer.comm.base.fatal import pid_alive
+from hvd_trainer.comm import pid_alive
 from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 
 __all__ = ["BACKEND", "DoorRecord", "Places", "use_guarded_rendezvous", "SignedC10dBackend"]

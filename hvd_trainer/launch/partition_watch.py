@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.world.heartbeat import UNREACHABLE_RECORD, read_records
+from hvd_trainer.comm import UNREACHABLE_RECORD, read_records
 
 __all__ = ["PartitionWatch", "partition_line", "descendants", "forget_partition_records"]
 

@@ -21,8 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
-from hvd_trainer.comm.world.heartbeat import read_records
+from hvd_trainer.comm import PEER_FAILED_EXIT_CODE, read_records
 from hvd_trainer.launch.agent_watch import AgentWatch
 from hvd_trainer.launch.errors import RendezvousEndedError, RendezvousRefusedError, RendezvousUnreachableError
 from hvd_trainer.launch.failures import describe_exit, exit_status, own_failures, root_failure, script_pid

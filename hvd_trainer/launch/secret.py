@@ -20,7 +20,7 @@ import os
 import secrets
 from collections.abc import Mapping
 
-from hvd_trainer.comm.world.membership import SECRET_ENV
+from hvd_trainer.comm import SECRET_ENV
 from hvd_trainer.launch.options import HvdrunOptions
 
 __all__ = ["SECRET_ENV", "MASK", "job_secret", "masked"]

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-from hvd_trainer.comm.base.fatal import PEER_FAILED_EXIT_CODE
+from hvd_trainer.comm import PEER_FAILED_EXIT_CODE
 from hvd_trainer.launch.failures import describe_exit, exit_status
 from hvd_trainer.launch.options import HvdrunOptions
 from hvd_trainer.launch.remote_agents import RemoteAgents, RemoteExit

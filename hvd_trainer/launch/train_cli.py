@@ -275,7 +275,7 @@ def _say(text: str, *, error: bool = False, end: str = "\n") -> None:
 def _run(name: str, cfg: Any) -> int:
     """Import recipe ``name`` (and with it its frameworks), run it on ``cfg``, print ``RESULT``
     on global rank 0; 0."""
-    from hvd_trainer.comm.session import shutdown  # torch: only once a run starts
+    from hvd_trainer.comm import shutdown  # torch: only once a run starts
 
     result = _import_recipe(name).run(cfg)
     if result is not None:

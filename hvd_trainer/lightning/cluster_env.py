@@ -21,8 +21,7 @@ from collections.abc import Mapping
 from lightning_fabric.plugins import ClusterEnvironment
 from typing_extensions import override
 
-from hvd_trainer.comm.base.launch_env import lightning_script_view
-from hvd_trainer.comm.world.world import LaunchEnv, detect_launch_env, free_port
+from hvd_trainer.comm import LaunchEnv, detect_launch_env, free_port, lightning_script_view
 
 __all__ = ["HorovodEnvironment", "SelfLaunchError", "UnevenHostsError", "launch_devices"]
 

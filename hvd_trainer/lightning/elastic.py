@@ -113,7 +113,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import hvd_trainer.comm as comm
 from hvd_trainer.checkpoint import discard, load_checkpoint
-from hvd_trainer.comm.base.launch_env import recovery_env, torchelastic_env
+from hvd_trainer.comm import recovery_env, torchelastic_env
 from hvd_trainer.elastic.persist import BackgroundWriter, PersistError, snapshot_to_cpu
 from hvd_trainer.elastic.resumable_loader import ResumableDataLoader, ResumableSampler, make_resumable
 from hvd_trainer.elastic.rng_state import capture_rng_states, restore_rng_states

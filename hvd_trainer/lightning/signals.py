@@ -23,8 +23,7 @@ from types import FrameType
 
 import pytorch_lightning as pl
 
-from hvd_trainer.comm.world.liveness import raise_if_peer_failed
-from hvd_trainer.comm.world.world import World
+from hvd_trainer.comm import World, raise_if_peer_failed
 from hvd_trainer.lightning._compat import replace_sigterm_notifier
 
 __all__ = ["install_sigterm_handler"]

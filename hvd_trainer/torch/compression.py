@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hvd_trainer.comm.ops.compression import (
+from hvd_trainer.comm import (
     BF16Compressor,
     Compression,
     CompressionError,

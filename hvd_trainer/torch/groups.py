@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import FusionConfig, GradientReducer
-from hvd_trainer.comm.reduce.compressed import merge_feedback
+from hvd_trainer.comm import FusionConfig, GradientReducer, merge_feedback
 
 __all__ = ["resolve_groups", "ReducerSet", "ONE_BUCKET"]
 

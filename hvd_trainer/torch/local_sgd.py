@@ -16,16 +16,23 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import Average, Compression, Compressor, World, get_world, grouped_allreduce_
-from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
-from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.localsgd import (
+from hvd_trainer.comm import (
+    AutoChoice,
+    AutoMode,
+    Average,
+    Compression,
+    Compressor,
     LocalSGDConfigError,
     OuterArgs,
     OuterSync,
+    ProcessSet,
+    World,
+    get_world,
+    grouped_allreduce_,
+    init_optimizer_bookkeeping,
+    local_steps_config,
+    resolve_set,
 )
-from hvd_trainer.comm.sync_options import local_steps_config
 from hvd_trainer.torch.state_sync import broadcast_parameters
 
 __all__ = ["LocalSGD", "LocalSGDConfigError"]

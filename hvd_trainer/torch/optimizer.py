@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import (
+    AutoChoice,
+    AutoMode,
     Average,
     CommValueError,
     Compression,
@@ -42,18 +44,19 @@ from hvd_trainer.comm import (
     FusionConfig,
     GradientReducer,
     Max,
+    OptimizerArgumentError,
     ReduceOp,
+    ShardedGradientReducer,
     Sum,
+    SyncOptions,
     World,
+    ZeroSharding,
     allreduce,
+    check_backward_passes_per_step,
     get_world,
+    init_optimizer_bookkeeping,
+    resolve_set,
 )
-from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.ops.optimizer_args import OptimizerArgumentError, check_backward_passes_per_step
-from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
-from hvd_trainer.comm.sync_options import SyncOptions
-from hvd_trainer.comm.zero import ShardedGradientReducer, ZeroSharding
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from hvd_trainer.comm import (
+    CommTypeError,
+    CommValueError,
     Handle,
     ProcessSet,
     ReduceOp,
@@ -19,10 +21,9 @@ from hvd_trainer.comm import (
     allgather,
     allgather_async,
     reject_adasum,
+    resolve_set,
     to_reduce_op,
 )
-from hvd_trainer.comm.base.errors import CommTypeError, CommValueError
-from hvd_trainer.comm.ops.process_set import resolve_set
 
 __all__ = ["sparse_allreduce", "sparse_allreduce_async"]
 

@@ -25,8 +25,14 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import World, allgather_object, broadcast_, broadcast_object, get_world
-from hvd_trainer.comm.ops.flatten import flat_collective_
+from hvd_trainer.comm import (
+    World,
+    allgather_object,
+    broadcast_,
+    broadcast_object,
+    flat_collective_,
+    get_world,
+)
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_tensors_"]
 

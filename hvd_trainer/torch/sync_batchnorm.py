@@ -36,8 +36,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hvd_trainer.comm import ProcessSet, Sum, World, allgather, allreduce_, get_world, is_initialized
-from hvd_trainer.comm.base._torch_compat import BatchNormBase
+from hvd_trainer.comm import (
+    BatchNormBase,
+    ProcessSet,
+    Sum,
+    World,
+    allgather,
+    allreduce_,
+    get_world,
+    is_initialized,
+)
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

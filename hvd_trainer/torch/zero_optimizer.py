@@ -33,9 +33,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm.base._torch_compat import init_optimizer_bookkeeping
-from hvd_trainer.comm.zero import ZeroSharding
-from hvd_trainer.comm.zero.reducer import stage2_config
+from hvd_trainer.comm import ZeroSharding, init_optimizer_bookkeeping, stage2_config
 
 __all__ = ["ZeroStep", "make_sharding"]
 

@@ -14,6 +14,8 @@
 5. comm's sub-packages are layers, bottom to top :data:`COMM_SUBPACKAGES` (base < world < ops <
    reduce), with comm's own top-level modules (:data:`COMM_TOP`: session, runtime, sync_options) above them: a
    module never imports one of a higher sub-package.
+6. Outside comm, a module imports comm only through its public face, ``hvd_trainer.comm`` (its
+   ``__init__``): never one of comm's modules (:func:`_reaches_into_comm`).
 
 Edges: ``import a.b`` is an edge to ``a.b``; ``from a import b`` is an edge to ``a.b`` when that
 is a module, else to ``a``. The implicit import of parent packages is not an edge (every
@@ -47,7 +49,7 @@ LAZY_HOOK = "hvd_trainer._register"
 ALLOWED_FUNCTION_IMPORTS: set[tuple[str, str]] = {
     # hvd-train reads and checks the config (and prints its errors) before torch is imported; the
     # comm session is needed only once the recipe runs (tests/unit/test_train_cli_fast.py).
-    ("hvd_trainer.launch.train_cli", "hvd_trainer.comm.session"),
+    ("hvd_trainer.launch.train_cli", "hvd_trainer.comm"),
 }
 ALLOWED_CYCLE_EDGES: set[tuple[str, str]] = set()
 ALLOWED_LAYER_EDGES: set[tuple[str, str]] = set()
@@ -347,6 +349,19 @@ def test_comm_subpackages_import_only_lower_ones() -> None:
     )
 
 
+def _reaches_into_comm(importer: str, imported: str) -> bool:
+    """Whether a module outside comm imports one of comm's modules instead of ``hvd_trainer.comm``."""
+    return not _in(importer, "hvd_trainer.comm") and imported.startswith("hvd_trainer.comm.")
+
+
+def test_upper_layers_use_comms_public_face() -> None:
+    bad = [e for e in _internal_edges() if _reaches_into_comm(e.importer, e.imported)]
+    assert not bad, _report(
+        "imports of comm's modules from outside comm (HINT: import the name from hvd_trainer.comm; "
+        "a name it lacks goes into the front ends' block of hvd_trainer/comm/__init__.py)", bad
+    )
+
+
 def test_the_rules_see_violations() -> None:
     """The checks above would fail on the edges they exist to catch."""
     assert not _allowed("hvd_trainer.comm.world.world", "hvd_trainer.strategy")
@@ -364,6 +379,10 @@ def test_the_rules_see_violations() -> None:
     assert _allowed("hvd_trainer.ray", "ray.train.torch")
     assert _allowed("hvd_trainer.keras.collectives", "hvd_trainer.comm")
     assert _allowed("hvd_trainer.comm.base.launch_env", "mpi4py")
+    assert _reaches_into_comm("hvd_trainer.torch.optimizer", "hvd_trainer.comm.zero")
+    assert _reaches_into_comm("hvd_trainer.strategy", "hvd_trainer.comm.reduce.fusion")
+    assert not _reaches_into_comm("hvd_trainer.strategy", "hvd_trainer.comm")
+    assert not _reaches_into_comm("hvd_trainer.comm.session", "hvd_trainer.comm.zero.sharding")
     assert _comm_points_up("hvd_trainer.comm.base.store", "hvd_trainer.comm.world.liveness")
     assert _comm_points_up("hvd_trainer.comm.ops.collectives", "hvd_trainer.comm.reduce.fusion")
     assert _comm_points_up("hvd_trainer.comm.reduce.fusion", "hvd_trainer.comm.session")

@@ -7,7 +7,7 @@ import warnings
 import keras
 import numpy as np
 
-from hvd_trainer.comm.world.world import get_world
+from hvd_trainer.comm import get_world
 from hvd_trainer.keras import _bridge
 from hvd_trainer.keras.optimizer import DistributedOptimizer, DistributedOptimizerError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from hvd_trainer.comm.world.world import World, get_world
+from hvd_trainer.comm import World, get_world
 
 __all__ = ["BestModelCheckpoint"]
 

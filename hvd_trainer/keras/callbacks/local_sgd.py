@@ -13,12 +13,18 @@ import keras
 import numpy as np
 import torch
 
-from hvd_trainer.comm.ops.compression import Compression
-from hvd_trainer.comm.ops.process_set import resolve_set
-from hvd_trainer.comm.reduce.auto import AutoChoice, AutoMode
-from hvd_trainer.comm.reduce.localsgd import LocalSGDConfig, LocalSGDConfigError, OuterArgs, OuterSync
-from hvd_trainer.comm.sync_options import local_steps_config
-from hvd_trainer.comm.world.world import get_world
+from hvd_trainer.comm import (
+    AutoChoice,
+    AutoMode,
+    Compression,
+    LocalSGDConfig,
+    LocalSGDConfigError,
+    OuterArgs,
+    OuterSync,
+    get_world,
+    local_steps_config,
+    resolve_set,
+)
 from hvd_trainer.keras.callbacks.broadcast import broadcast_variables
 
 __all__ = ["LocalSGDCallback"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 
 from hvd_trainer.callbacks.schedules import LRWarmup, fractional_epoch
-from hvd_trainer.comm.world.world import get_world
+from hvd_trainer.comm import get_world
 from hvd_trainer.keras.callbacks._lr import get_lr, set_lr, steps_per_epoch
 
 __all__ = ["LearningRateWarmupCallback"]
