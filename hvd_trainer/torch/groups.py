@@ -91,6 +91,11 @@ class ReducerSet:
 
     def __init__(self, reducers: list[GradientReducer]) -> None:
         self.reducers = reducers
+        self._by_param = {id(p): r for r in reducers for _, p in r.named_parameters}
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """Hand ``param``'s accumulated gradient to the reducer holding it."""
+        self._by_param[id(param)].grad_ready(param)
 
     @property
     def require_sync(self) -> bool:

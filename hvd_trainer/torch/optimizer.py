@@ -456,7 +456,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._trainable_ids.add(id(p))
         if self._reducer is not None:
             self._reducer.remove()
-            self._reducer = None  # rebuilt at the next synchronize()
+            self._reducer, self._reducer_ids = None, set()  # rebuilt at the next synchronize()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally: expose the inner optimizer's extras.
@@ -486,9 +486,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._on_sparse_grad(p)
         if count == self._bpps:
             self._due = True
-        if self._reducer is not None:
-            # The reducer's hook on this parameter runs right after this one.
-            self._reducer.require_sync = count == self._bpps
+        if count == self._bpps and self._reducer is not None and id(p) in self._reducer_ids:
+            self._reducer.grad_ready(p)  # this hook is the reducer's too: one per parameter
 
     def _on_sparse_grad(self, p: torch.Tensor) -> None:
         self._sparse_dims[id(p)] = p.grad.sparse_dim()
@@ -504,7 +503,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- reduction ----------------------------------------------------------------------------
     def _check_reducer_kwargs(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = {"register_hooks": False}  # _on_grad hands each gradient over
         if self._compression is not Compression.none:
             extra["compression"] = self._compression
         if self._predivide != 1.0:

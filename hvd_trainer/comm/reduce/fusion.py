@@ -323,6 +323,9 @@ class GradientReducer:
             parameter unused on every rank then gets the hook's result (zeros for a linear
             reduction, as in Horovod) instead of ``None``, and :attr:`wire_bytes_sent` does not
             count what the hook sends.
+        register_hooks: ``False``: register no autograd hook; the caller's own
+            ``post_accumulate_grad`` hook calls :meth:`grad_ready` (one hook per parameter, e.g.
+            an optimizer that also counts backward passes).
 
     Raises:
         ValueError: duplicate names or parameters, an op other than Average/Sum, or
@@ -345,6 +348,7 @@ class GradientReducer:
         process_set: ProcessSet | None = None,
         hook: BucketHook | None = None,
         comm_hook: tuple[Any, BucketHook] | None = None,
+        register_hooks: bool = True,
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
@@ -396,7 +400,7 @@ class GradientReducer:
         self._saw_missing_grad = False
         self._end_queued = False  # the end-of-backward callback is queued for this backward
         self._handles = []
-        if self.active:
+        if self.active and register_hooks:
             self._handles = [
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
                 for b in self._buckets
@@ -507,6 +511,22 @@ class GradientReducer:
     def bucket_names(self) -> list[list[str]]:
         """Parameter names in each bucket, in launch order."""
         return [list(b.names) for b in self._buckets]
+
+    @property
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """The ``(name, parameter)`` pairs reduced, in registration order."""
+        return list(self._named)
+
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """``param``'s gradient of this backward pass is accumulated (with
+        ``register_hooks=False``, the caller's hook calls this; otherwise the reducer's own hook
+        does). A no-op on ranks outside the process set.
+
+        Raises:
+            RuntimeError: the gradient was produced twice before :meth:`wait`.
+        """
+        if self.active:
+            self._on_grad_ready(param)
 
     @property
     def pending(self) -> bool:

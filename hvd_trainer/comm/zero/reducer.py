@@ -185,7 +185,8 @@ class ShardedGradientReducer(GradientReducer):
         >>> owned = reducer.plan.owned(reducer.process_set.rank())
 
     Args:
-        named_parameters, world, config, op, prescale_factor, postscale_factor, process_set:
+        named_parameters, world, config, op, prescale_factor, postscale_factor, process_set,
+        register_hooks:
             as :class:`~hvd_trainer.comm.reduce.fusion.GradientReducer`. ``config.autotune`` is
             not supported (the layout fixes the ownership; turned off with a warning), nor are
             ``link_aware`` and ``hierarchical`` (off: the caps given are used as they are).
@@ -214,6 +215,7 @@ class ShardedGradientReducer(GradientReducer):
         process_set: ProcessSet | None = None,
         plan: ShardPlan | None = None,
         split: bool = False,
+        register_hooks: bool = True,
     ) -> None:
         config = config or FusionConfig()
         if config.autotune is not None:
@@ -238,7 +240,8 @@ class ShardedGradientReducer(GradientReducer):
         self._check_unused = False
         super().__init__(named, world=world, config=config, op=op, compression=compression,
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                         process_set=process_set, hook=reducescatter_hook)
+                         process_set=process_set, hook=reducescatter_hook,
+                         register_hooks=register_hooks)
         self.link = link
 
     def _new_bucket(self, index: int, names: list[str], params: list[torch.Tensor]) -> _Bucket:
