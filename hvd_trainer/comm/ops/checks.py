@@ -105,12 +105,19 @@ class Signature:
     kind: str
     name: str | None
     fields: tuple[tuple[str, Any], ...] = ()
+    _encoded: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", tuple((k, _freeze(v)) for k, v in self.fields))
 
     def encode(self) -> str:
-        return json.dumps([self.kind, self.name, [[k, v] for k, v in self.fields]])
+        """The signature as JSON (what ranks compare), computed once: a bucket's signature lists
+        every parameter, and each completed collective records it."""
+        if self._encoded is None:
+            text = json.dumps([self.kind, self.name, [[k, v] for k, v in self.fields]])
+            object.__setattr__(self, "_encoded", text)
+            return text
+        return self._encoded
 
     def label(self) -> str:
         return f"{self.kind} {self.name!r}" if self.name else f"{self.kind} (unnamed)"
