@@ -24,6 +24,7 @@ from typing import Any
 from hvd_trainer.comm.ops.compression import AUTO, Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.optimizer_args import check_optimizer_args
+from hvd_trainer.comm.reduce.bucket_hooks import refuse_with_hook
 from hvd_trainer.comm.reduce.localsgd.outer import (
     LocalSGDConfig,
     LocalSGDConfigError,
@@ -253,13 +254,7 @@ class SyncOptions:
                 "outer_lr=1.0 and outer_momentum=0.0 they average the models every H steps, after "
                 "sync_warmup_steps synchronous ones)."
             )
-        if self.compression is not Compression.none:
-            raise error(f"{spelled} with compression={self.compression.name!r}: the hook decides the "
-                        "wire format. HINT: drop compression=, or use a compressing hook "
-                        "(bf16_compress_hook, powerSGD_hook).")
-        if self.op is not ReduceOp.AVERAGE:
-            raise error(f"{spelled} with op={self.op.name.title()}: a communication hook averages the bucket "
-                        "itself (DDP's contract). HINT: use op=Average with a hook.")
+        refuse_with_hook(self.op, self.compression, spelled=spelled, error=error)
         if self.zero_stage:
             raise error(f"{spelled} with zero_stage={self.zero_stage}: ZeRO shards the buckets "
                         "between their owners, which a hook does not know. HINT: drop the hook or "

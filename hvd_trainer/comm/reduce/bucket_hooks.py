@@ -36,7 +36,7 @@ import torch
 
 from hvd_trainer.comm.base.errors import CommValueError
 from hvd_trainer.comm.ops.checks import Op, Signature
-from hvd_trainer.comm.ops.compression import Compressor
+from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
 from hvd_trainer.comm.ops.process_set import ProcessSet
 from hvd_trainer.comm.ops.reduce import start_allreduce
@@ -44,7 +44,7 @@ from hvd_trainer.comm.reduce.compressed.reductions import BucketView, FeedbackSt
 from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology
 
 __all__ = ["BucketHook", "BucketWork", "GradBucket", "HookState", "HookWork", "allreduce_hook",
-           "builtin_hook", "feedback_hook", "hierarchical_launch", "user_hook"]
+           "builtin_hook", "feedback_hook", "hierarchical_launch", "refuse_with_hook", "user_hook"]
 
 
 class BucketWork(Protocol):
@@ -136,6 +136,24 @@ def feedback_hook(state: HookState, bucket: GradBucket) -> BucketWork:
     view = BucketView(bucket.flat, bucket.grad_numel, bucket.names, bucket.views)
     return start_bucket_reduction(view, state.compression, state.feedback, pset=state.process_set,
                                   sig=bucket.sig, post_factor=state.postscale_factor)
+
+
+def refuse_with_hook(op: ReduceOp, compression: Compressor, *, spelled: str,
+                     error: type[Exception]) -> None:
+    """Refuse the ``op`` and ``compression`` a DDP-style hook would override (it averages the
+    bucket and decides its wire format itself); ``spelled``: the hook's argument as the caller
+    names it, for the message.
+
+    Raises:
+        error: ``compression`` other than none, or ``op`` other than Average, with a HINT.
+    """
+    if compression is not Compression.none:
+        raise error(f"{spelled} with compression={compression.name!r}: the hook decides the wire "
+                    "format. HINT: drop compression=, or use a compressing hook (bf16_compress_hook, "
+                    "powerSGD_hook).")
+    if op is not ReduceOp.AVERAGE:
+        raise error(f"{spelled} with op={op.name.title()}: a communication hook averages the bucket "
+                    "itself (DDP's contract). HINT: use op=Average with a hook.")
 
 
 def builtin_hook(compression: Compressor) -> BucketHook:

@@ -87,6 +87,7 @@ from hvd_trainer.comm.reduce.bucket_hooks import (
     HookState,
     builtin_hook,
     hierarchical_launch,
+    refuse_with_hook,
     user_hook,
 )
 from hvd_trainer.comm.reduce.compressed.reductions import FeedbackState, rename_feedback
@@ -740,13 +741,7 @@ def _check_comm_hook(comm_hook: Any, op: ReduceOp, compression: Compressor) -> N
     if not (isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1])):
         raise ValueError(f"comm_hook={comm_hook!r:.80} must be a pair (state, hook) with hook(state, "
                          "bucket) -> torch.futures.Future. HINT: comm_hook=(None, allreduce_hook).")
-    if op is not ReduceOp.AVERAGE:
-        raise ValueError(f"comm_hook with op={op.name.title()}: a communication hook averages the "
-                         "bucket itself (DDP's contract). HINT: use op=Average with a comm hook.")
-    if compression is not Compression.none:
-        raise ValueError(f"comm_hook with compression={compression.name!r}: the hook decides the wire "
-                         "format. HINT: drop compression=, or use a compressing hook (bf16_compress_hook, "
-                         "powerSGD_hook).")
+    refuse_with_hook(op, compression, spelled="comm_hook", error=ValueError)
 
 
 def _check_unique(named: Sequence[tuple[str, torch.Tensor]]) -> None:
