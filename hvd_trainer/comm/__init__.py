@@ -2,12 +2,13 @@
 checks, compression, process sets and the timeline.
 
 Knows nothing of Lightning or Keras; every upper layer sits on it. Five sub-packages are its
-layers, bottom to top ``base < world < ops < reduce < zero``, with ``session``, ``runtime``
-and ``sync_options`` on top; a module never imports one of a higher sub-package. Inside, every
+layers, bottom to top ``base < world < ops < reduce < zero``, with ``session``, ``gradient_sync``,
+``runtime`` and ``sync_options`` on top; a module never imports one of a higher sub-package. Inside, every
 import points down: a module imports only modules of the rows below its own (no cycle, and no
 import inside a function except the optional ``mpi4py``; ``tests/unit/test_layering.py`` keeps both so)::
 
     session                init / shutdown, Horovod's init(comm, process_sets); recover (in-process)
+    gradient_sync          the gradient reduction every front end drives: reducer, "auto", feedback state
     runtime                per-world state: config, store, timeline, the live process sets
     sync_options           every front end's gradient-sync options, checked in one place
   zero/                    ZeRO stages 1 and 2 (imported as hvd_trainer.comm.zero, not re-exported)
@@ -75,6 +76,7 @@ from hvd_trainer.comm.base.launch_env import (
     torchelastic_env,
     worker_launcher,
 )
+from hvd_trainer.comm.gradient_sync import ONE_BUCKET, GradientSync, ReducerSet
 from hvd_trainer.comm.ops.by_name import (  # the public async forms: named calls match by name
     allgather_async,
     allreduce_async,

@@ -16,12 +16,7 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import FusionConfig, GradientReducer, merge_feedback
-
-__all__ = ["resolve_groups", "ReducerSet", "ONE_BUCKET"]
-
-ONE_BUCKET = FusionConfig(fusion_threshold_bytes=2**62, first_bucket_bytes=2**62, autotune=None)
-"""Bucket caps no group reaches: a group is one bucket per (device, dtype)."""
+__all__ = ["resolve_groups"]
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -83,51 +78,3 @@ def _explicit(named: Named, groups: Sequence[Sequence[torch.Tensor]], error: typ
         if members:
             out.append(sorted(members, key=lambda m: position[id(m[1])]))
     return out
-
-
-class ReducerSet:
-    """Several :class:`~hvd_trainer.comm.GradientReducer` driven as one (the groups, then the
-    parameters in no group)."""
-
-    def __init__(self, reducers: list[GradientReducer]) -> None:
-        self.reducers = reducers
-        self._by_param = {id(p): r for r in reducers for _, p in r.named_parameters}
-
-    def grad_ready(self, param: torch.Tensor) -> None:
-        """Hand ``param``'s accumulated gradient to the reducer holding it."""
-        self._by_param[id(param)].grad_ready(param)
-
-    @property
-    def require_sync(self) -> bool:
-        return all(r.require_sync for r in self.reducers)
-
-    @require_sync.setter
-    def require_sync(self, value: bool) -> None:
-        for r in self.reducers:
-            r.require_sync = value
-
-    def wait(self) -> None:
-        """Finish every reducer's reduction of this step (in creation order, on every rank)."""
-        for r in self.reducers:
-            r.wait()
-
-    @property
-    def wire_bytes_sent(self) -> int:
-        return sum(r.wire_bytes_sent for r in self.reducers)
-
-    def compression_state_dict(self) -> dict[str, Any] | None:
-        """The reducers' error-feedback states merged (parameter names are unique)."""
-        states = [r.compression_state_dict() for r in self.reducers]
-        states = [s for s in states if s is not None]
-        if not states:
-            return None
-        return merge_feedback(states)
-
-    def load_compression_state_dict(self, state: dict[str, Any]) -> None:
-        for r in self.reducers:
-            r.load_compression_state_dict(state)
-
-    def remove(self) -> None:
-        """Unregister every reducer's hooks."""
-        for r in self.reducers:
-            r.remove()

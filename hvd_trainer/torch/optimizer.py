@@ -27,7 +27,6 @@ dense allreduces overlap backward.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -35,18 +34,17 @@ from typing import Any
 import torch
 
 from hvd_trainer.comm import (
-    AutoChoice,
-    AutoMode,
     Average,
     CommValueError,
     Compression,
     Compressor,
     FusionConfig,
     GradientReducer,
+    GradientSync,
     Max,
     OptimizerArgumentError,
     ReduceOp,
-    ShardedGradientReducer,
+    ReducerSet,
     Sum,
     SyncOptions,
     World,
@@ -55,10 +53,9 @@ from hvd_trainer.comm import (
     check_backward_passes_per_step,
     get_world,
     init_optimizer_bookkeeping,
-    resolve_set,
 )
 from hvd_trainer.torch.adasum_step import adasum_step
-from hvd_trainer.torch.groups import ONE_BUCKET, ReducerSet, resolve_groups
+from hvd_trainer.torch.groups import resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
 from hvd_trainer.torch.zero_optimizer import make_sharding
 
@@ -260,7 +257,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}."
             )
-        self._pending_compression_state: dict[str, Any] | None = None
         self._inner = optimizer
         self._named = _resolve_named(optimizer, named_parameters)
         self._groups = resolve_groups([(n, p) for n, p in self._named if p.requires_grad],
@@ -273,28 +269,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             zero_overlap_exchange=zero_overlap_exchange, groups=bool(self._groups), allow_adasum=True,
         )
         self._opts = opts
-        self._comm_hook: tuple[Any, Callable[..., Any]] | None = None
+        self._sync = GradientSync(opts, world=world, process_set=process_set, fusion=fusion_config)
         self._op = opts.op
-        self._auto_compression = opts.auto_compression
-        self._compression = opts.compression
         self._names = {id(p): n for n, p in self._named}
         self._bpps = opts.backward_passes_per_step
         self._predivide = opts.gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
-        self._fusion_config = fusion_config
-        self._reducer_kwargs = self._check_reducer_kwargs()
-        self._world_arg = world
         if world is None:
             get_world()  # NotInitializedError now, not at the first step
-        self._built_for: World | None = None  # the world the reducer was built for
         # torch.optim.Optimizer bookkeeping (hook tables, profiled step); its __init__ is not
         # called because the parameters, state and defaults are the inner optimizer's.
         init_optimizer_bookkeeping(self)
-        self._reducer: GradientReducer | ReducerSet | None = None
-        self._reducer_ids: set[int] = set()
-        self._auto: AutoMode | None = None  # compression="auto": measuring, then chosen
-        self._released_wire_bytes = 0  # sent by reducers replaced when auto chose
+        self._reducer_ids: set[int] = set()  # the dense parameters the reducer holds
         self._sparse: list[tuple[str, torch.Tensor]] = []
         self._sparse_dims: dict[int, int] = {}
         self._densified: set[int] = set()
@@ -361,7 +348,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._zero is not None:
             return self._zero.state_dict()
         state = self._inner.state_dict()
-        compression = self._compression_state()
+        compression = self._sync.compression_state_dict()
         if compression is not None:
             state = {**state, EXTRA_STATE_KEY: {"compression": compression}}
         return state
@@ -383,24 +370,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         extra = state_dict.pop(EXTRA_STATE_KEY, None) or {}
         self._inner.load_state_dict(state_dict)
         if extra.get("compression") is not None:
-            if not self._compression.error_feedback:
-                raise OptimizerConfigError(
-                    f"the state_dict holds error-feedback state of compression "
-                    f"{extra['compression'].get('compressor')!r}; this optimizer uses "
-                    f"{self._compression!r}. HINT: resume with the same compression=."
-                )
-            if self._reducer is None:
-                self._pending_compression_state = extra["compression"]
-            else:
-                self._reducer.load_compression_state_dict(extra["compression"])
+            self._sync.load_compression_state_dict(extra["compression"])
         self._reset_counts()
-
-    def _compression_state(self) -> dict[str, Any] | None:
-        if not self._compression.error_feedback:
-            return None
-        if self._reducer is None:
-            return self._pending_compression_state
-        return self._reducer.compression_state_dict()
 
     def consolidate_state_dict(self, to: int | None = 0) -> None:
         """ZeRO: gather the sharded optimizer state on rank ``to`` (``None``: on every rank; a
@@ -454,9 +425,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 self._trainable_ids.add(id(p))
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._reducer, self._reducer_ids = None, set()  # rebuilt at the next synchronize()
+        self._sync.release()  # rebuilt at the next synchronize()
+        self._reducer_ids = set()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally: expose the inner optimizer's extras.
@@ -502,27 +472,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             p.grad = p.grad.to_dense()
 
     # -- reduction ----------------------------------------------------------------------------
-    def _check_reducer_kwargs(self) -> dict[str, Any]:
-        extra: dict[str, Any] = {"register_hooks": False}  # _on_grad hands each gradient over
-        if self._compression is not Compression.none:
-            extra["compression"] = self._compression
-        if self._predivide != 1.0:
-            extra["prescale_factor"] = 1.0 / self._predivide
-            extra["postscale_factor"] = self._predivide
-        if self._process_set is not None:
-            extra["process_set"] = self._process_set
-        if self._comm_hook is not None:
-            extra["comm_hook"] = self._comm_hook
-        accepted = inspect.signature(GradientReducer).parameters
-        missing = sorted(k for k in extra if k not in accepted)
-        if missing:
-            raise OptimizerConfigError(
-                f"this hvd_trainer's GradientReducer does not accept {missing} (asked for "
-                f"{ {k: extra[k] for k in missing} }). HINT: update hvd_trainer, or use the "
-                "default for that option."
-            )
-        return extra
-
     def _agree_sparse(self, trainable: list[tuple[str, torch.Tensor]]) -> set[int]:
         """Ids of parameters that produced a sparse gradient on any rank."""
         if self._sparse_as_dense:
@@ -540,7 +489,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
 
     def _build_reducer(self) -> None:
-        self._built_for = self._world
         trainable = [(n, p) for n, p in self._named if id(p) in self._trainable_ids]
         frozen = [p for _, p in trainable if not p.requires_grad]
         for p in frozen:  # frozen since construction: hooks need requires_grad to register
@@ -551,43 +499,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in frozen:
                 p.requires_grad_(False)
 
-    def _resolve_auto_compression(self, dense: list[tuple[str, torch.Tensor]]) -> None:
-        """``compression="auto"``: start choosing when the first reducer is built
-        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: on one host at once; across hosts after
-        the first steps are timed, at :meth:`step`), said on rank 0."""
-        if not self._auto_compression or self._auto is not None or not dense:
-            return
-        pset = resolve_set(self._process_set, self._world, "compression=auto")
-        grad_bytes = sum(p.numel() * 4 for _, p in dense)
-        self._auto = AutoMode(self._world, pset, dense[0][1].device, grad_bytes,
-                              asked={"compression": True})
-        if self._auto.choice is not None:
-            self._take_auto(self._auto.choice)
-
-    def _take_auto(self, choice: AutoChoice) -> None:
-        self._auto_compression = False
-        self._compression = choice.compression
-        self._reducer_kwargs = self._check_reducer_kwargs()
+    @property
+    def _reducer(self) -> GradientReducer | ReducerSet | None:
+        return self._sync.reducer
 
     def _auto_step_end(self) -> None:
         """After a step while ``"auto"`` measures: count it; when it chose a compressor, the
         buckets are built again with it at the next ``synchronize()``."""
-        auto = self._auto
-        if auto is None or not auto.measuring:
-            return
-        choice = auto.step_end(self._world)
-        if choice is None:
-            return
-        self._take_auto(choice)
-        if self._reducer is not None and choice.compression is not Compression.none:
-            self._released_wire_bytes += self._reducer.wire_bytes_sent
-            self._reducer.remove()
-            self._reducer, self._reducer_ids = None, set()
+        if self._sync.step_end() is not None and self._sync.reducer is None:
+            self._reducer_ids = set()
 
     @property
     def compression(self) -> Compressor:
         """The compressor in use (``Compression.none`` while ``"auto"`` measures)."""
-        return self._compression
+        return self._sync.compression
 
     def _build_reducer_over(self, trainable: list[tuple[str, torch.Tensor]]) -> None:
         sparse_ids = self._agree_sparse(trainable)
@@ -597,40 +522,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if p.grad is not None and p.grad.is_sparse:  # sparse_as_dense, first step
                 p.grad = p.grad.to_dense()
         self._reducer_ids = {id(p) for _, p in dense}
-        self._resolve_auto_compression(dense)
-        if self._zero is not None and self._zero.stage == 2 and self._zero.active:
-            if self._sparse:
-                raise OptimizerConfigError(
-                    f"zero_stage=2 reduces dense buckets, but {[n for n, _ in self._sparse][:3]} "
-                    "produced sparse gradients. HINT: DistributedOptimizer(..., "
-                    "sparse_as_dense=True)."
-                )
-            self._reducer = ShardedGradientReducer(  # to the owners the optimizer steps
-                dense, world=self._world, config=self._fusion_config, op=self._op,
-                plan=self._zero.plan, **self._reducer_kwargs,
+        if dense:
+            self._sync.start_auto(sum(p.numel() * 4 for _, p in dense), dense[0][1].device)
+        sharded = self._zero is not None and self._zero.stage == 2 and self._zero.active
+        if sharded and self._sparse:
+            raise OptimizerConfigError(
+                f"zero_stage=2 reduces dense buckets, but {[n for n, _ in self._sparse][:3]} "
+                "produced sparse gradients. HINT: DistributedOptimizer(..., sparse_as_dense=True)."
             )
-            return
-        if not self._groups:
-            self._reducer = GradientReducer(
-                dense, world=self._world, config=self._fusion_config, op=self._op,
-                **self._reducer_kwargs,
-            )
-            self._load_pending_compression_state()
-            return
-        grouped = [[(n, p) for n, p in g if id(p) in self._reducer_ids] for g in self._groups]
-        in_group = {id(p) for g in grouped for _, p in g}
-        rest = [(n, p) for n, p in dense if id(p) not in in_group]
-        parts = [(g, ONE_BUCKET) for g in grouped if g] + ([(rest, self._fusion_config)] if rest else [])
-        self._reducer = ReducerSet([
-            GradientReducer(named, world=self._world, config=config, op=self._op, **self._reducer_kwargs)
-            for named, config in parts
-        ])
-        self._load_pending_compression_state()
-
-    def _load_pending_compression_state(self) -> None:
-        if self._pending_compression_state is not None and self._reducer is not None:
-            self._reducer.load_compression_state_dict(self._pending_compression_state)
-            self._pending_compression_state = None
+        groups = [[(n, p) for n, p in g if id(p) in self._reducer_ids] for g in self._groups]
+        self._sync.build(dense, op=self._op, prescale_factor=1.0 / self._predivide,
+                         postscale_factor=self._predivide, groups=groups, sharded=sharded,
+                         register_hooks=False,  # _on_grad hands each gradient over
+                         **({"plan": self._zero.plan} if sharded else {}))
 
     def _reduce_sparse(self) -> None:
         for _, p in self._sparse:
@@ -653,7 +557,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def _world(self) -> World:
         """The world passed in, else the current one (which in-process recovery replaces)."""
-        return get_world() if self._world_arg is None else self._world_arg
+        return self._sync.world
 
     def _follow_world(self) -> None:
         """After in-process recovery replaced the current world: drop the reducer built for the
@@ -666,15 +570,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._zero.abandon_exchange()  # its transfers ran on the old world's groups
             self._zero.restore_param_groups()
             self._zero = ZeroSharding(self._named, self._inner, stage=self._zero.stage, world=world,
-                                      config=self._fusion_config, process_set=self._process_set,
+                                      config=self._sync.fusion, process_set=self._process_set,
                                       overlap_exchange=self._zero.overlap_exchange)
             self._zero_world, self._zero_needs_state = world, True
-        if self._reducer is None or self._built_for is world:
+        if not self._sync.follow_world():
             return
-        self._reducer.remove()
-        self._reducer, self._reducer_ids = None, set()
-        if self._auto is not None and self._auto.measuring:
-            self._auto = None  # its process set was the old world's: measure again in the new one
+        self._reducer_ids = set()
         self._counts.clear()
         self._due = self._synced = self._user_synced = False
 
@@ -695,10 +596,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._build_reducer()
         assert self._reducer is not None
         try:
-            if self._auto is not None and self._auto.measuring:
-                with self._auto.waiting():
-                    self._reducer.wait()
-            else:
+            with self._sync.waiting():
                 self._reducer.wait()
         except BaseException:
             self._reset_counts()  # the reducer dropped this step's work: zero_grad() may follow
@@ -772,12 +670,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "gradients are being reduced. HINT: register the hook before the first backward(), "
                 "or after a step()."
             )
-        self._comm_hook = (state, hook)
-        self._reducer_kwargs = self._check_reducer_kwargs()
-        if self._reducer is not None:
-            self._released_wire_bytes += self._reducer.wire_bytes_sent
-            self._reducer.remove()
-            self._reducer, self._reducer_ids = None, set()  # rebuilt at the next synchronize()
+        self._sync.comm_hook = (state, hook)
+        self._sync.release()  # rebuilt at the next synchronize()
+        self._reducer_ids = set()
 
     def finish_parameter_exchange(self) -> None:
         """With ``zero_overlap_exchange=True``: finish the exchange of updated parameters that
@@ -854,7 +749,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._user_synced = False
         if self._op is ReduceOp.ADASUM:
             params = [p for _, p in self._named if p.requires_grad]
-            return adasum_step(self._inner, params, compression=self._compression,
+            return adasum_step(self._inner, params, compression=self._sync.compression,
                                process_set=self._process_set, world=self._world)
         distributed = self._distributed_closure(closure) if closure is not None else None
         if self._zero is not None:
@@ -933,7 +828,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Bytes this rank has sent for dense gradient buckets so far (see
         :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent`; ZeRO-2's reduce-scatter
         included; sparse gradients and ZeRO's parameter exchange after the step not counted)."""
-        return self._released_wire_bytes + (0 if self._reducer is None else self._reducer.wire_bytes_sent)
+        return self._sync.wire_bytes_sent
 
     @property
     def op(self) -> ReduceOp:
@@ -945,6 +840,5 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        if self._reducer is not None:
-            self._reducer.remove()
+        self._sync.release()
 

@@ -52,9 +52,9 @@ def make_sharding(opt: Any, zero_stage: int, *, overlap_exchange: bool = False) 
         # Bucket caps paced to the link now (a collective over the set on several hosts), so
         # the ownership planned here is the one the stage-2 reducer plans at the first step.
         device = next((p.device for _, p in opt._named), None)
-        opt._fusion_config, _ = stage2_config(opt._fusion_config, opt._world, opt._process_set, device)
+        opt._sync.fusion, _ = stage2_config(opt._sync.fusion, opt._world, opt._process_set, device)
     return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
-                        config=opt._fusion_config, process_set=opt._process_set,
+                        config=opt._sync.fusion, process_set=opt._process_set,
                         overlap_exchange=overlap_exchange)
 
 

@@ -12,8 +12,8 @@
 4. Inside comm, a module imports only modules of lower rows of :data:`COMM_ROWS` (the table
    in ``hvd_trainer/comm/__init__.py``'s docstring).
 5. comm's sub-packages are layers, bottom to top :data:`COMM_SUBPACKAGES` (base < world < ops <
-   reduce), with comm's own top-level modules (:data:`COMM_TOP`: session, runtime, sync_options) above them: a
-   module never imports one of a higher sub-package.
+   reduce), with comm's own top-level modules (:data:`COMM_TOP`: session, gradient_sync, runtime,
+   sync_options) above them: a module never imports one of a higher sub-package.
 6. Outside comm, a module imports comm only through its public face, ``hvd_trainer.comm`` (its
    ``__init__``): never one of comm's modules (:func:`_reaches_into_comm`).
 
@@ -56,6 +56,7 @@ ALLOWED_LAYER_EDGES: set[tuple[str, str]] = set()
 
 COMM_ROWS = (
     ("session",),
+    ("gradient_sync",),
     ("runtime", "sync_options"),
     # zero/
     ("zero.sharding",),
@@ -94,7 +95,7 @@ COMM_SUBPACKAGES = ("base", "world", "ops", "reduce", "zero")
 """comm's sub-packages, bottom to top: a module may import modules of its own sub-package or of
 a lower one, never of a higher one."""
 
-COMM_TOP = ("session", "runtime", "sync_options")
+COMM_TOP = ("session", "gradient_sync", "runtime", "sync_options")
 """comm's modules outside the sub-packages; they (and ``hvd_trainer.comm`` itself) sit above
 every sub-package."""
 
