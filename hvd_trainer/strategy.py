@@ -51,12 +51,11 @@ from typing_extensions import override
 from hvd_trainer import comm
 from hvd_trainer.comm import (
     AutoChoice,
-    AutoMode,
     AutotuneConfig,
-    Compression,
     Compressor,
     FusionConfig,
     GradientReducer,
+    GradientSync,
     LocalSGDConfig,
     OuterArgs,
     OuterSync,
@@ -67,7 +66,6 @@ from hvd_trainer.comm import (
     flat_collective_,
     per_element,
     resolve_autotune,
-    resolve_set,
     torchelastic_env,
 )
 from hvd_trainer.lightning._compat import (
@@ -298,24 +296,18 @@ class _HorovodStrategyLogic:
                             sync_warmup_steps=sync_warmup_steps),
             comm_hook=None if ddp_comm_hook is None else "ddp_comm_hook", comm_state=ddp_comm_state,
         )
-        self._comm_hook = _comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
-        self._auto = self._opts.asked
-        self._auto_mode: AutoMode | None = None  # measuring the first steps, then chosen
-        self._compression = self._opts.compression
+        self._sync = GradientSync(self._opts, world=self._require_world, fusion=self._fusion)
+        self._sync.comm_hook = _comm_hook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         self._timeout_seconds = float(timeout_seconds)
         self._scale_lr = bool(scale_lr_by_world_size)
         self._scaled_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._num_nodes = 1
         self._world: World | None = None
-        self._reducer: GradientReducer | None = None
-        self._released_wire_bytes = 0  # wire bytes of reducers and outer loops already released
         self._autotune_reported = False  # the layout search's outcome was printed (rank 0)
         self._managed_ids: set[int] = set()
         self._sync_depth = 0  # > 0 inside block_backward_sync
         self._elastic_config = _elastic_config(elastic, elastic_checkpoint_dir, elastic_commit_every_n_steps)
         self._elastic: ElasticFit | None = None
-        self._local: LocalSGDConfig | None = self._opts.local
-        """The outer loop's settings while local steps run (``sync_every="auto"``: once chosen)."""
         self._outer: OuterSync | None = None
         self._zero_stage = self._opts.zero_stage
         self._zero_overlap = self._opts.zero_overlap_exchange
@@ -365,7 +357,11 @@ class _HorovodStrategyLogic:
     @property
     def reducer(self) -> GradientReducer | None:
         """The gradient reducer while fitting (``None`` otherwise)."""
-        return self._reducer
+        return self._sync.reducer
+
+    @property
+    def _reducer(self) -> GradientReducer | None:
+        return self._sync.reducer
 
     @property
     def wire_bytes_sent(self) -> int:
@@ -373,9 +369,7 @@ class _HorovodStrategyLogic:
         this strategy (readable after ``fit`` returns): the reducers'
         :attr:`~hvd_trainer.comm.GradientReducer.wire_bytes_sent` plus the local-steps outer
         loop's :attr:`~hvd_trainer.comm.OuterSync.bytes_sent`."""
-        reducer = 0 if self._reducer is None else self._reducer.wire_bytes_sent
-        outer = 0 if self._outer is None else self._outer.bytes_sent
-        return self._released_wire_bytes + reducer + outer
+        return self._sync.wire_bytes_sent + (0 if self._outer is None else self._outer.bytes_sent)
 
     @property
     @override
@@ -411,8 +405,7 @@ class _HorovodStrategyLogic:
         measuring starts again over it)."""
         self._world = world
         self.set_world_ranks()
-        if self._auto_mode is not None and self._auto_mode.measuring:
-            self._auto_mode = None
+        self._sync.follow_world()
 
     @property
     def elastic_fit(self) -> ElasticFit | None:
@@ -475,7 +468,7 @@ class _HorovodStrategyLogic:
             self.setup_optimizers(trainer)
             self._maybe_scale_lr()
             self._resolve_auto()
-            if self._local is None:
+            if self._sync.local is None:
                 self._attach_reducer()
                 self._attach_zero()
             else:
@@ -512,96 +505,75 @@ class _HorovodStrategyLogic:
         managed even while they are frozen (``toggle_optimizer`` freezes them temporarily)."""
         module = self.lightning_module
         assert module is not None
-        old = self._reducer
         named = [
             (n, p) for n, p in module.named_parameters()
             if p.requires_grad or id(p) in self._managed_ids
         ]
-        if old is not None:
-            old.remove()
-            self._released_wire_bytes += old.wire_bytes_sent
         frozen = [p for _, p in named if not p.requires_grad]
         for p in frozen:  # hooks can only be registered on tensors that require grad
             p.requires_grad_(True)
-        kwargs: dict[str, Any] = {}
-        if self._zero_stage == 2:  # one plan, made here: by elements for a per-element optimizer
-            kwargs["split"] = len(self.optimizers) == 1 and per_element(self.optimizers[0])
-        if self._comm_hook is not None:
-            kwargs["comm_hook"] = self._comm_hook
-        reducer_cls = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
+        # ZeRO-2: one plan, made here (by elements for a per-element optimizer)
+        zero = {"split": len(self.optimizers) == 1 and per_element(self.optimizers[0])} \
+            if self._zero_stage == 2 else {}
         try:
-            self._reducer = reducer_cls(
-                named, world=self._require_world(), config=self._fusion, compression=self._compression,
-                **kwargs,
-            )
+            reducer = self._sync.build(named, sharded=self._zero_stage == 2, **zero)
         finally:
             for p in frozen:
                 p.requires_grad_(False)
-        self._reducer.require_sync = self._sync_depth == 0
+        reducer.require_sync = self._sync_depth == 0
         self._managed_ids = {id(p) for _, p in named}
 
     def _resolve_auto(self) -> None:
         """``compression="auto"`` / ``sync_every="auto"``: start choosing
-        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: on one host at once; across hosts the
-        first optimizer steps run plain and are timed, then :meth:`optimizer_step` switches), said
-        on rank 0. A choice made in an earlier ``fit`` is kept."""
-        if not any(self._auto.values()) or (self._auto_mode is not None and not self._auto_mode.measuring):
-            return
-        if self._auto["sync_every"]:
+        (:meth:`~hvd_trainer.comm.GradientSync.start_auto`: on one host at once; across hosts the
+        first optimizer steps run plain and are timed, then :meth:`optimizer_step` switches). A
+        choice made in an earlier ``fit`` is kept."""
+        if self._opts.auto_sync_every:
             self._check_one_optimizer("auto")
         module = self.lightning_module
         assert module is not None
-        world = self._require_world()
         grad_bytes = sum(p.numel() * 4 for p in module.parameters() if p.requires_grad)
-        self._auto_mode = AutoMode(world, resolve_set(None, world, "auto"), self.root_device, grad_bytes,
-                                   asked=self._auto)
-        if self._auto_mode.choice is not None:
-            self._apply_auto(self._auto_mode.choice)
+        self._sync.start_auto(grad_bytes, self.root_device)
 
     def _auto_step_end(self) -> None:
         """After an optimizer step while ``"auto"`` measures: count it; when it chose, switch to
         the choice (new buckets for a compressor; local steps: the outer loop from these
         parameters, equal on every rank after a synchronous step, and no gradient reducer)."""
-        mode = self._auto_mode
-        if mode is None or not mode.measuring:
+        had_reducer = self._sync.reducer is not None
+        if self._sync.step_end() is None:
             return
-        choice = mode.step_end(self._require_world())
-        if choice is None:
-            return
-        had_local_steps = self._local is not None  # sync_every given: its outer loop runs on
-        self._apply_auto(choice)
-        if self._local is not None and not had_local_steps:
-            if self._reducer is not None:
-                self._reducer.remove()
-                self._released_wire_bytes += self._reducer.wire_bytes_sent
-                self._reducer = None
+        if self._sync.local is not None and self._outer is None:
             self._attach_outer()
-        elif self._reducer is not None and choice.compression is not Compression.none:
+        elif had_reducer and self._sync.reducer is None:
             self._attach_reducer()
 
-    def _apply_auto(self, choice: AutoChoice) -> None:
-        """Take what ``"auto"`` chose; local steps keep the user's outer optimizer and outer
-        compression."""
-        if self._auto["compression"]:
-            self._compression = choice.compression
-        if self._auto["sync_every"] and choice.sync_every is not None:
-            self._local = self._opts.local_for(choice.sync_every, self._compression)
+    @property
+    def compression(self) -> Compressor:
+        """The gradients' (with local steps: the outer gradient's) wire format in use
+        (``Compression.none`` while ``"auto"`` measures)."""
+        return self._sync.compression
+
+    @property
+    def local_steps(self) -> LocalSGDConfig | None:
+        """The local-steps outer loop's settings (``sync_every`` given, or chosen by
+        ``sync_every="auto"``), else ``None``."""
+        return self._sync.local
 
     @property
     def auto_choice(self) -> str:
         """What the strategy runs now: ``"compression=<name>[, sync_every=H]"``."""
-        return f"compression={self._compression.name}" + (
-            f", sync_every={self._local.sync_every}" if self._local is not None else "")
+        return self._sync.describe()
 
     def _attach_outer(self) -> None:
         """Local steps: the outer loop over the module's trainable parameters (already equal on
         every rank: broadcast in ``setup``); no gradient reducer."""
         module = self.lightning_module
-        assert module is not None and self._local is not None
-        self._check_one_optimizer(self._local.sync_every)
+        local = self._sync.local
+        assert module is not None and local is not None
+        self._check_one_optimizer(local.sync_every)
         if self._outer is not None:  # replaced without a teardown (a re-formed world)
-            self._released_wire_bytes += self._outer.bytes_sent
-        self._outer = OuterSync(list(module.parameters()), self._local, world=self._require_world())
+            self._sync.count_sent(self._outer.bytes_sent)
+        self._outer = OuterSync(list(module.parameters()), local, world=self._require_world())
 
     def _check_one_optimizer(self, sync_every: int | str) -> None:
         if len(self.optimizers) != 1:
@@ -690,27 +662,21 @@ class _HorovodStrategyLogic:
         extra: dict[str, Any] = {}
         if self._outer is not None:
             extra["local_steps"] = self._outer.state_dict()
-        feedback = self._reducer.compression_state_dict() if self._reducer is not None else None
+        feedback = self._sync.compression_state_dict()
         if feedback is not None:
             extra["compression_per_rank"] = comm.allgather_object(feedback, world=self._require_world())
         return extra
 
     def _load_extra_training_state(self, extra: dict[str, Any]) -> None:
-        mode = self._auto_mode
-        if mode is not None and mode.measuring and self._auto["sync_every"] and "local_steps" in extra:
+        if self._sync.auto_measuring and self._opts.auto_sync_every and "local_steps" in extra:
             # saved after "auto" chose local steps: take up that period, do not measure again
             h = int(extra["local_steps"]["sync_every"])
-            mode.adopt(AutoChoice(self._compression, h, "restored from the checkpoint"))
-            self._apply_auto(mode.choice)
-            if self._reducer is not None:
-                self._reducer.remove()
-                self._released_wire_bytes += self._reducer.wire_bytes_sent
-                self._reducer = None
+            self._sync.adopt(AutoChoice(self._sync.compression, h, "restored from the checkpoint"))
             self._attach_outer()
         if self._outer is not None and "local_steps" in extra:
             self._outer.load_state_dict(extra["local_steps"])
         per_rank = extra.get("compression_per_rank")
-        if per_rank is None or self._reducer is None or self._reducer.feedback_state is None:
+        if per_rank is None or not self._sync.compression.error_feedback:
             return
         if len(per_rank) != self.world_size:
             rank_zero_info(
@@ -718,7 +684,7 @@ class _HorovodStrategyLogic:
                 f"this run has {self.world_size}; residuals start from zero."
             )
             return
-        self._reducer.load_compression_state_dict(per_rank[self.global_rank])
+        self._sync.load_compression_state_dict(per_rank[self.global_rank])
 
     def _has_new_trainable_params(self) -> bool:
         module = self.lightning_module
@@ -829,12 +795,9 @@ class _HorovodStrategyLogic:
         self._zero = {}
         if self.precision_plugin is not None:
             vars(self.precision_plugin).pop("clip_grad_by_norm", None)
-        if self._reducer is not None:
-            self._reducer.remove()
-            self._released_wire_bytes += self._reducer.wire_bytes_sent
-            self._reducer = None
+        self._sync.release()
         if self._outer is not None:
-            self._released_wire_bytes += self._outer.bytes_sent
+            self._sync.count_sent(self._outer.bytes_sent)
         self._outer = None
         self._managed_ids = set()
         module = self.lightning_module
@@ -897,8 +860,7 @@ class _HorovodStrategyLogic:
         """Wait for this step's gradient buckets (before unscale and clipping)."""
         reducer = self._reducer
         if reducer is not None and reducer.require_sync:
-            mode = self._auto_mode
-            with mode.waiting() if mode is not None and mode.measuring else contextlib.nullcontext():
+            with self._sync.waiting():
                 reducer.wait()
             tuner = reducer.autotuner
             if tuner is not None and tuner.done and not self._autotune_reported:

@@ -24,7 +24,7 @@ optimizer step and its state dict.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -99,7 +99,8 @@ class GradientSync:
 
     Args:
         opts: the options as checked (:meth:`SyncOptions.check`).
-        world: the world to reduce over; ``None``: the current one, looked up at each use.
+        world: the world to reduce over, or a function returning it (looked up at each use);
+            ``None``: the current one (:func:`~hvd_trainer.comm.get_world`).
         process_set: reduce over these ranks only (``None``: the whole world).
         fusion: bucket sizes (``None``: :class:`~hvd_trainer.comm.FusionConfig`'s defaults).
 
@@ -111,7 +112,8 @@ class GradientSync:
         comm_hook: ``(state, hook)``, a DDP-style communication hook the next :meth:`build` uses.
     """
 
-    def __init__(self, opts: SyncOptions, *, world: World | None = None, process_set: Any = None,
+    def __init__(self, opts: SyncOptions, *, world: World | Callable[[], World] | None = None,
+                 process_set: Any = None,
                  fusion: FusionConfig | None = None) -> None:
         self.opts = opts
         self._world = world
@@ -122,6 +124,7 @@ class GradientSync:
         self.local = opts.local
         self.reducer: Reducer | None = None
         self._auto: AutoMode | None = None
+        self._auto_world: World | None = None  # the world "auto" measures in
         self._built_for: World | None = None
         self._released_bytes = 0
         self._feedback: dict[str, Any] | None = None  # loaded or carried, for the next reducer
@@ -129,19 +132,23 @@ class GradientSync:
     # -- the world ----------------------------------------------------------------------------
     @property
     def world(self) -> World:
-        """The world passed in, else the current one (which in-process recovery replaces)."""
-        return get_world() if self._world is None else self._world
+        """The world passed in (or its function's), else the current one (which in-process
+        recovery replaces)."""
+        if self._world is None:
+            return get_world()
+        return self._world if isinstance(self._world, World) else self._world()
 
     def follow_world(self) -> bool:
         """After in-process recovery replaced the current world: release the reducer built for
         the old one (its hooks and broken in-flight work; its error-feedback state is kept for
         the next :meth:`build`) and measure ``"auto"`` again if it had not chosen (its process
-        set was the old world's). Returns whether the world changed since the last build."""
-        if self.reducer is None or self._built_for is self.world:
+        set was the old world's). Returns whether the reducer was released."""
+        world = self.world
+        if self.auto_measuring and self._auto_world is not world:
+            self._auto = None
+        if self.reducer is None or self._built_for is world:
             return False
         self.release()
-        if self._auto is not None and self._auto.measuring:
-            self._auto = None
         return True
 
     # -- the reducer --------------------------------------------------------------------------
@@ -260,7 +267,7 @@ class GradientSync:
         """
         if not self.opts.any_auto or (self._auto is not None and not self._auto.measuring):
             return
-        world = self.world
+        world = self._auto_world = self.world
         self._auto = AutoMode(world, resolve_set(self.process_set, world, "auto"), device, grad_bytes,
                               asked=self.opts.asked)
         if self._auto.choice is not None:

@@ -62,7 +62,7 @@ def from_config(rank: int) -> dict:
     copy = opt.from_config(cfg)
     out = {
         "copy_type": type(copy).__name__, "copy_cfg_equal": copy.get_config() == cfg,
-        "copy_options": [copy._passes, type(copy._compression).__name__, copy._predivide],
+        "copy_options": [copy._passes, type(copy.compression).__name__, copy._predivide],
         "class_copy_cfg_equal": opt.__class__.from_config(cfg).get_config() == cfg,
         "class_copy_type": type(opt.__class__.from_config(cfg)).__name__,
     }
@@ -75,7 +75,7 @@ def from_config(rank: int) -> dict:
         out["bare_error"] = str(exc)
     # Horovod's positional order: optimizer, name, device_dense, device_sparse, compression
     positional = hk.DistributedOptimizer(keras.optimizers.SGD(0.1), None, "", "", hk.Compression.fp16)
-    out["positional_compression"] = type(positional._compression).__name__
+    out["positional_compression"] = type(positional.compression).__name__
     # Horovod's order for the LR callbacks: ..., momentum_correction, steps_per_epoch
     warm = hk.callbacks.LearningRateWarmupCallback(0.4, 2, False, 7)
     sched = hk.callbacks.LearningRateScheduleCallback(0.4, 0.5, 1, 3, False, False, 7)

@@ -66,4 +66,4 @@ def test_powersgd_with_sync_every_is_rejected_int8_accepted() -> None:
 
     with pytest.raises(StrategyConfigError, match="not built for the outer gradient"):
         HorovodStrategy(sync_every=4, compression="powersgd:2")
-    assert HorovodStrategy(sync_every=4, compression="int8")._local.compression.name == "int8"
+    assert HorovodStrategy(sync_every=4, compression="int8").local_steps.compression.name == "int8"

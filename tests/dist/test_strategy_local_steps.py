@@ -202,7 +202,7 @@ def test_invalid_sync_every_raises_strategy_error() -> None:
         HorovodStrategy(sync_every="auto", outer_fragments=2)
     with pytest.raises(StrategyConfigError, match=r"fragments=3 must be an int >= 1 that divides"):
         HorovodStrategy(sync_every=4, outer_fragments=3)
-    assert HorovodStrategy(sync_every=8, outer_fragments=4, outer_overlap_steps=1)._local.fragments == 4
+    assert HorovodStrategy(sync_every=8, outer_fragments=4, outer_overlap_steps=1).local_steps.fragments == 4
 
 
 def _auto_worker() -> dict[str, Any]:

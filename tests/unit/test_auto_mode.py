@@ -140,8 +140,8 @@ def test_local_steps_chosen_by_auto_keep_the_users_outer_optimizer() -> None:
     for compression, outer_wire in (("auto", Compression.none), ("bf16", Compression.bf16)):
         strategy = HorovodStrategy(sync_every="auto", compression=compression, outer_lr=0.5,
                                    outer_momentum=0.0, outer_nesterov=False)
-        strategy._apply_auto(slow)  # what fit does with the measured link's choice
-        local = strategy._local
+        strategy._sync.adopt(slow)  # what fit does with the measured link's choice
+        local = strategy.local_steps
         assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov) == \
             (slow.sync_every, 0.5, 0.0, False)
         assert local.compression is outer_wire

@@ -168,8 +168,8 @@ def test_resolve_raises_the_callers_error_class() -> None:
 def test_strategy_accepts_every_form(value: Any, expected: Compressor) -> None:
     from hvd_trainer.strategy import HorovodStrategy
 
-    assert HorovodStrategy(compression=value)._compression is expected
-    assert type(HorovodStrategy(compression=FP16Compressor)._compression) is FP16Compressor
+    assert HorovodStrategy(compression=value).compression is expected
+    assert type(HorovodStrategy(compression=FP16Compressor).compression) is FP16Compressor
 
 
 @pytest.mark.parametrize(("value", "needle"), REJECTED)
@@ -220,8 +220,8 @@ def _torch_opt(**kwargs: Any):
 @pytest.mark.parametrize(("value", "expected"), ACCEPTED)
 def test_torch_optimizer_accepts_every_form(value: Any, expected: Compressor) -> None:
     # "fp16" used to be stored as a string and fail at the first synchronize()
-    assert _torch_opt(compression=value)._compression is expected
-    assert type(_torch_opt(compression=BF16Compressor)._compression) is BF16Compressor
+    assert _torch_opt(compression=value).compression is expected
+    assert type(_torch_opt(compression=BF16Compressor).compression) is BF16Compressor
 
 
 @pytest.mark.parametrize(("value", "needle"), REJECTED)

@@ -43,7 +43,7 @@ SCRIPT = textwrap.dedent(
                        ("cls_fp16", hk.compression.FP16Compressor), ("str_int8", "int8"),
                        ("inst_int8", hk.Compression.int8), ("str_powersgd", "powersgd:2"),
                        ("inst_powersgd", hk.Compression.powersgd(rank=2))]:
-        c = hk.DistributedOptimizer(SGD(), compression=value)._compression
+        c = hk.DistributedOptimizer(SGD(), compression=value).compression
         out["optimizer_ok"][key] = [type(c).__name__, c.name]
     for key, value in [("str", "int4"), ("num", 16), ("own", OwnCast), ("powersgd_0", "powersgd:0")]:
         out["optimizer_bad"][key] = error(lambda v=value: hk.DistributedOptimizer(SGD(), compression=v))

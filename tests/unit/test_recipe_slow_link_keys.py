@@ -25,14 +25,14 @@ def test_sync_every_and_compression_build_the_strategy(module) -> None:
                                outer_overlap_steps=3, outer_fragments=4)
     strategy = build_strategy(cfg)
     assert isinstance(strategy, HorovodStrategy)
-    local = strategy._local
+    local = strategy.local_steps
     assert (local.sync_every, local.outer_lr, local.outer_momentum, local.nesterov, local.overlap_steps,
             local.fragments) == (16, 0.5, 0.8, True, 3, 4)
     assert local.compression.name == "bf16"
     assert local.sync_warmup_steps == 128  # the key's -1: the library's default
     off = build_strategy(module.TrainerConfig(sync_every=16, sync_warmup_steps=0))
-    assert off._local.sync_warmup_steps == 0
-    assert build_strategy(module.TrainerConfig(compression="fp16"))._local is None
+    assert off.local_steps.sync_warmup_steps == 0
+    assert build_strategy(module.TrainerConfig(compression="fp16")).local_steps is None
     with pytest.raises(ValueError, match=r"trainer.outer_lr=0.5 set without trainer.sync_every.*HINT"):
         module.TrainerConfig(outer_lr=0.5)  # trainer.outer_lr=0.5 alone would change nothing
     with pytest.raises(ValueError, match=r"trainer.outer_fragments=4 set without trainer.sync_every"):
@@ -72,8 +72,8 @@ def test_sync_every_auto_from_the_command_line() -> None:
     cfg = load_config(gpt.Config, yaml, ["trainer.sync_every=auto", "trainer.compression=auto"])
     assert cfg.trainer.sync_every == "auto"
     strategy = build_strategy(cfg.trainer)
-    assert strategy._auto == {"compression": True, "sync_every": True}
-    assert strategy._local is None  # decided at the start of fit, from the measured link
+    assert strategy._opts.asked == {"compression": True, "sync_every": True}
+    assert strategy.local_steps is None  # decided at the start of fit, from the measured link
 
 
 @pytest.mark.parametrize("bad", ["sometimes", -2, 2.5])

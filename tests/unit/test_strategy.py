@@ -86,9 +86,9 @@ def test_unknown_kwarg_is_a_type_error() -> None:
 def test_compression_accepts_names_and_compressors() -> None:
     from hvd_trainer import Compression
 
-    assert HorovodStrategy(compression="fp16")._compression is Compression.fp16
-    assert HorovodStrategy(compression=Compression.bf16)._compression is Compression.bf16
-    assert HorovodStrategy()._compression is Compression.none
+    assert HorovodStrategy(compression="fp16").compression is Compression.fp16
+    assert HorovodStrategy(compression=Compression.bf16).compression is Compression.bf16
+    assert HorovodStrategy().compression is Compression.none
 
 
 _LAZY = """

@@ -84,7 +84,7 @@ def test_strategy_refuses_outer_arguments_that_compression_auto_alone_would_igno
     assert _strategy_error(outer_lr=0.5, compression="auto").startswith(
         "outer_lr=0.5 set without sync_every: the outer loop runs only with local steps")
     strategy = HorovodStrategy(outer_lr=0.5, sync_every="auto")  # auto may choose local steps
-    assert strategy._local is None and strategy._auto == {"compression": False, "sync_every": True}
+    assert strategy.local_steps is None and strategy._opts.asked == {"compression": False, "sync_every": True}
     assert strategy._opts.local_for(8).outer_lr == 0.5
 
 
