@@ -154,7 +154,7 @@ class GradientSync:
     # -- the reducer --------------------------------------------------------------------------
     def build(self, named: Named, *, op: ReduceOp | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, groups: Sequence[Named] = (), sharded: bool = False,
-              register_hooks: bool = True, **zero: Any) -> Reducer:
+              register_hooks: bool = True, feedback: dict[str, Any] | None = None, **zero: Any) -> Reducer:
         """Build the reducer over ``named`` (releasing the one before), with this object's
         world, compression, process set, fusion config and communication hook.
 
@@ -170,6 +170,8 @@ class GradientSync:
                 its ``plan=`` or ``split=``.
             register_hooks: ``False``: the caller's hook calls ``grad_ready`` (see
                 :class:`~hvd_trainer.comm.GradientReducer`).
+            feedback: error-feedback state to load into the new reducer (default: the one
+                :meth:`load_compression_state_dict` loaded, or the released reducer's).
 
         Returns:
             The reducer (also :attr:`reducer`).
@@ -178,6 +180,7 @@ class GradientSync:
             ValueError: the reducer's own checks (duplicate names, a bad op or hook).
         """
         self.release()
+        feedback = self._feedback if feedback is None else feedback
         if op is None:
             op = self.opts.op
         kwargs: dict[str, Any] = dict(world=self.world, op=op, compression=self.compression,
@@ -194,8 +197,8 @@ class GradientSync:
                                   for part, config in parts])
         else:
             reducer = GradientReducer(named, config=self.fusion, comm_hook=self.comm_hook, **kwargs)
-        if self._feedback is not None and self.compression.error_feedback:
-            reducer.load_compression_state_dict(self._feedback)
+        if feedback is not None and self.compression.error_feedback:
+            reducer.load_compression_state_dict(feedback)
         self._feedback = None
         self.reducer, self._built_for = reducer, self.world
         return reducer

@@ -7,7 +7,6 @@ reduced before the inner optimizer's unscaling, clipping, weight decay and updat
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -17,18 +16,15 @@ import keras
 import numpy as np
 
 from hvd_trainer.comm import (
-    AutoChoice,
-    AutoMode,
-    Compression,
     Compressor,
     FeedbackState,
     GradientReducer,
+    GradientSync,
     OptimizerArgumentError,
     ReduceOp,
     ShardedGradientReducer,
     SyncOptions,
     World,
-    get_world,
     grouped_allreduce_,
     in_process_recovery,
     reduce_with_feedback,
@@ -296,7 +292,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage,
             zero2_with_accumulation=False,  # an accumulation window is reduced by one allreduce
         )
-        auto, compressor, zero_stage = args.auto_compression, args.compression, args.zero_stage
+        compressor, zero_stage = args.compression, args.zero_stage
         _check_zero(zero_stage, optimizer)
         if _global_policy_is_mixed_float16() and not isinstance(optimizer, _LSO):
             # Keras' compile() would wrap us in a LossScaleOptimizer; its local finiteness test
@@ -313,8 +309,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "process_set": process_set, "zero_stage": zero_stage,
         }
         self._op = args.op
-        self._compression = compressor
-        self._auto_compression = auto
+        self._sync = GradientSync(args, world=world, process_set=process_set)
         # int8/powersgd: residuals (and Q) by "<index>:<variable path>". On torch without
         # accumulation the hook reducer holds them (this object only until it is built).
         self._feedback = FeedbackState(compressor.name) if compressor.error_feedback else None
@@ -323,13 +318,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._average_passes = bool(average_aggregated_gradients)
         self._accum: Any = None  # _accumulate.TFAccumulation / TorchAccumulation when N > 1
         self._predivide = args.gradient_predivide_factor
-        self._world = world
         self._scale_local = bool(scale_local_gradients)
         self._process_set = process_set
         self._local = _LocalVariables()  # not a list: Keras' tracker would adopt list entries
-        self._reducer = None
-        self._wire_bytes = 0  # gradients' wire bytes outside the current hook reducer
-        self._auto: AutoMode | None = None  # compression="auto": measuring, then chosen
         self._zero_stage = zero_stage
         self._zero: KerasZero | None = None  # by build(), when this rank shards (size > 1)
         self._buffers = _bridge.FlatBuffers()
@@ -384,7 +375,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not self._local.add(var):
             return
         if self._reducer is not None:  # torch: the hook reducer must skip it from now on
-            self._release_reducer()
             self._build_torch_reducer(built_trainable_variables(self))
 
     @property
@@ -463,18 +453,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         reducer on torch, the TensorFlow bridge, accumulated windows, error feedback), counted
         as :attr:`hvd_trainer.comm.GradientReducer.wire_bytes_sent` counts them; kept across
         a rebuilt reducer (a local variable registered, a re-formed world)."""
-        reducer = 0 if self._reducer is None else self._reducer.wire_bytes_sent
-        return self._wire_bytes + reducer
+        return self._sync.wire_bytes_sent
 
-    def _release_reducer(self) -> None:
-        """Remove the hook reducer, keeping its wire bytes."""
-        assert self._reducer is not None
-        self._wire_bytes += self._reducer.wire_bytes_sent
-        self._reducer.remove()
-        self._reducer = None
-
-    def _count_sent(self, nbytes: int) -> None:
-        self._wire_bytes += nbytes
+    @property
+    def _reducer(self) -> GradientReducer | None:
+        """The torch backend's hook reducer (``None``: not built, TensorFlow, accumulation)."""
+        return self._sync.reducer
 
     @property
     def zero_stage(self) -> int:
@@ -582,8 +566,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """A fresh inner optimizer, reducer and ZeRO plan for the current world (see
         :meth:`load_full_state`); the old shards' values are dropped."""
         var_list = list(built_trainable_variables(self))
-        if self._reducer is not None:
-            self._release_reducer()
+        self._sync.release()
         self._zero = None
         inner = self.inner_optimizer
         self.inner_optimizer = type(inner).from_config(inner.get_config())
@@ -612,7 +595,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def world(self) -> World:
         """The world gradients are reduced over: the one passed in, else the current one, looked
         up at each use (in-process recovery replaces it; see :meth:`_follow_world`)."""
-        return get_world() if self._world is None else self._world
+        return self._sync.world
 
     def _follow_world(self) -> None:
         """torch backend, after in-process recovery replaced the current world: drop the hook
@@ -640,9 +623,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         if self._reducer is not None:
             self._feedback = self._feedback_state()
-            self._release_reducer()
-        if self._auto is not None and self._auto.measuring:  # measure again, in the new world
-            self._auto, self._auto_compression = None, True
+        self._sync.follow_world()  # the reducer released; "auto" still measuring forgotten
+        if not self._sync.auto_measuring:  # measure again, in the new world
             self._resolve_auto_compression(built_trainable_variables(self))
         if self._reduces():
             self._build_torch_reducer(built_trainable_variables(self))
@@ -692,58 +674,44 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _resolve_auto_compression(self, var_list: Sequence[Any]) -> None:
         """``compression="auto"``: start choosing at build
-        (:class:`~hvd_trainer.comm.reduce.auto.AutoMode`: every rank on one host, chosen now;
-        across hosts the first steps reduce plain and are timed, then the choice holds), said on
-        rank 0."""
-        if not self._auto_compression:
-            return
-        self._auto_compression = False
-        pset = resolve_set(self._process_set, self.world, "compression=auto")
+        (:meth:`~hvd_trainer.comm.GradientSync.start_auto`: every rank on one host, chosen now;
+        across hosts the first steps reduce plain and are timed, then the choice holds)."""
         grad_bytes = sum(math.prod(v.shape) * 4 for v in var_list if v.trainable)
-        self._auto = AutoMode(self.world, pset, self.world.device, grad_bytes, asked={"compression": True})
-        if self._auto.choice is not None:
-            self._take_auto(self._auto.choice)
+        self._sync.start_auto(grad_bytes, self.world.device)
+        self._match_feedback()
 
-    def _take_auto(self, choice: AutoChoice) -> None:
-        self._compression = choice.compression
-        self._feedback = FeedbackState(choice.compression.name) if choice.compression.error_feedback else None
-
-    def _auto_waiting(self) -> contextlib.AbstractContextManager[None]:
-        """Around a wait on gradient communication: timed while ``"auto"`` measures."""
-        mode = self._auto
-        return mode.waiting() if mode is not None and mode.measuring else contextlib.nullcontext()
+    def _match_feedback(self) -> None:
+        """The error-feedback state of the TensorFlow bridge and accumulation windows: a fresh
+        one when ``"auto"`` chose a compressor with error feedback."""
+        compression = self._sync.compression
+        stale = self._feedback is None or self._feedback.compressor != compression.name
+        if compression.error_feedback and stale:
+            self._feedback = FeedbackState(compression.name)
 
     def _auto_step_end(self) -> None:
         """After a reduction while ``"auto"`` measures (one per optimizer update): count it; when
         it chose a compressor, the torch backend's hook buckets are built again with it (the
         TensorFlow bridge reads the choice at its next call)."""
-        mode = self._auto
-        if mode is None or not mode.measuring:
+        had_reducer = self._reducer is not None
+        if self._sync.step_end() is None:
             return
-        choice = mode.step_end(self.world)
-        if choice is None:
-            return
-        self._take_auto(choice)
-        if self._reducer is not None and choice.compression is not Compression.none:
-            self._release_reducer()
+        self._match_feedback()
+        if had_reducer and self._reducer is None:
             self._build_torch_reducer(built_trainable_variables(self))
 
     @property
     def compression(self) -> Compressor:
         """The compressor in use (``Compression.none`` while ``"auto"`` measures)."""
-        return self._compression
+        return self._sync.compression
 
     def _build_torch_reducer(self, var_list: Sequence[Any]) -> None:
         local = self._local_mask(var_list)
         named = [(_state_name(i, v), v.value) for i, v in enumerate(var_list) if v.trainable and not local[i]]
         op, pre, post = self._scales()
         carry = self._feedback_state()  # a loaded state, or the reducer's before a rebuild
-        kind = ShardedGradientReducer if self._zero_stage == 2 else GradientReducer
-        self._reducer = kind(named, world=self.world, op=op, compression=self._compression,
-                                        prescale_factor=pre, postscale_factor=post,
-                                        process_set=self._process_set)
-        if carry is not None and not carry.empty:
-            self._reducer.load_compression_state_dict(carry.state_dict())
+        self._sync.build(named, op=op, prescale_factor=pre, postscale_factor=post,
+                         sharded=self._zero_stage == 2,
+                         feedback=None if carry is None or carry.empty else carry.state_dict())
 
     def apply(self, grads, trainable_variables=None):
         if not self.built and trainable_variables is not None:
@@ -797,7 +765,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             counter.assign_add(1)
             return
         try:
-            with self._auto_waiting():
+            with self._sync.waiting():
                 reduced = self._reduce_torch_sums(tvs)
             self._inner_apply(reduced, tvs)
         finally:
@@ -814,11 +782,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
             shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
-            self._wire_bytes += self._compression.allreduce_wire_bytes([*shared, acc.used],
-                                                                       self._reduce_size())
+            self._sync.count_sent(self.compression.allreduce_wire_bytes([*shared, acc.used],
+                                                                        self._reduce_size()))
             grouped_allreduce_([*shared, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
-                               compression=self._compression, process_set=self._process_set,
+                               compression=self.compression, process_set=self._process_set,
                                world=self.world)
             factor = self._local_factor(self._passes)
             for s, is_local in zip(acc.sums, local, strict=True):
@@ -840,11 +808,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         op, pre, post = self._scales(passes=self._passes)
         before = self._feedback.bytes_sent
         reduced, used = reduce_with_feedback(
-            [(_state_name(i, tvs[i]), acc.sums[i]) for i in shared], compressor=self._compression,
+            [(_state_name(i, tvs[i]), acc.sums[i]) for i in shared], compressor=self.compression,
             state=self._feedback, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
             process_set=self._process_set, name="keras.accumulated_gradients",
             used=[float(acc.used[i]) for i in shared])
-        self._wire_bytes += self._feedback.bytes_sent - before
+        self._sync.count_sent(self._feedback.bytes_sent - before)
         for i, r, u in zip(shared, reduced, used, strict=True):
             acc.sums[i].copy_(r)
             acc.used[i] = u
@@ -865,7 +833,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _reduce_torch(self, grads, tvs):
         assert self._reducer is not None
-        with self._auto_waiting():
+        with self._sync.waiting():
             self._reducer.wait()
         local, factor = self._local_mask(tvs), self._local_factor()
         # wait() may have given an unused parameter a (zero, then averaged) gradient.
@@ -900,7 +868,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not dense:
             return out
         names = [_state_name(i, tvs[i]) for i in idx]
-        if self._auto is not None and self._auto.measuring:  # the choice is read at run time
+        if self._sync.auto_measuring:  # the choice is read at run time
             reduce = functools.partial(self._reduce_numpy_auto, names, passes)
         elif self._feedback is not None:  # state by variable: the names travel with the function
             reduce = functools.partial(self._reduce_numpy_with_feedback, names, passes)
@@ -920,8 +888,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         op, pre, post = self._scales(passes)
         return _bridge.allreduce_arrays(
             arrays, world=self.world, op=op, prescale_factor=pre, postscale_factor=post,
-            compression=self._compression, buffers=self._buffers, process_set=self._process_set,
-            on_sent=self._count_sent,
+            compression=self.compression, buffers=self._buffers, process_set=self._process_set,
+            on_sent=self._sync.count_sent,
         )
 
     def _reduce_numpy_accumulated(self, *arrays):
@@ -932,9 +900,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         and timed until it chose; one call per optimizer update)."""
         if self._feedback is not None:
             return self._reduce_numpy_with_feedback(names, passes, *arrays)
-        if self._auto is None or not self._auto.measuring:
+        if not self._sync.auto_measuring:
             return self._reduce_numpy(*arrays, passes=passes)
-        with self._auto.waiting():
+        with self._sync.waiting():
             out = self._reduce_numpy(*arrays, passes=passes)
         self._auto_step_end()
         return out
@@ -943,10 +911,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         op, pre, post = self._scales(passes)
         before = self._feedback.bytes_sent
         out = _bridge.allreduce_arrays_with_feedback(
-            arrays, names, compressor=self._compression, state=self._feedback, world=self.world,
+            arrays, names, compressor=self.compression, state=self._feedback, world=self.world,
             op=op, prescale_factor=pre, postscale_factor=post, process_set=self._process_set,
         )
-        self._wire_bytes += self._feedback.bytes_sent - before
+        self._sync.count_sent(self._feedback.bytes_sent - before)
         return out
 
     def clear_accumulated_gradients(self) -> None:
@@ -986,7 +954,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if current is None:
             raise DistributedOptimizerError(
                 f"load_compression_state_dict: this optimizer uses compression="
-                f"{self._compression!r}, which has no error-feedback state. HINT: build the "
+                f"{self.compression!r}, which has no error-feedback state. HINT: build the "
                 f"optimizer with the compression the state was saved with "
                 f"({state.get('compressor')!r})."
             )
