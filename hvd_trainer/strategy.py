@@ -509,17 +509,10 @@ class _HorovodStrategyLogic:
             (n, p) for n, p in module.named_parameters()
             if p.requires_grad or id(p) in self._managed_ids
         ]
-        frozen = [p for _, p in named if not p.requires_grad]
-        for p in frozen:  # hooks can only be registered on tensors that require grad
-            p.requires_grad_(True)
         # ZeRO-2: one plan, made here (by elements for a per-element optimizer)
         zero = {"split": len(self.optimizers) == 1 and per_element(self.optimizers[0])} \
             if self._zero_stage == 2 else {}
-        try:
-            reducer = self._sync.build(named, sharded=self._zero_stage == 2, **zero)
-        finally:
-            for p in frozen:
-                p.requires_grad_(False)
+        reducer = self._sync.build(named, sharded=self._zero_stage == 2, **zero)
         reducer.require_sync = self._sync_depth == 0
         self._managed_ids = {id(p) for _, p in named}
 

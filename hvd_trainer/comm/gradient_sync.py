@@ -159,8 +159,9 @@ class GradientSync:
         world, compression, process set, fusion config and communication hook.
 
         Args:
-            named: ``(name, parameter)`` pairs, the same on every rank; those not requiring
-                grad are skipped (:class:`~hvd_trainer.comm.GradientReducer`).
+            named: ``(name, parameter)`` pairs, the same on every rank, all reduced: one frozen
+                now (``requires_grad=False``, e.g. by Lightning's ``toggle_optimizer``) gets its
+                hook while briefly unfrozen, so it is reduced again once unfrozen.
             op: ``Average`` (default: the options' op) or ``Sum``.
             prescale_factor, postscale_factor: the reducer's factors.
             groups: explicit groups, each reduced as one bucket (the parameters of ``named`` in
@@ -181,6 +182,23 @@ class GradientSync:
         """
         self.release()
         feedback = self._feedback if feedback is None else feedback
+        frozen = [p for _, p in named if not p.requires_grad]
+        for p in frozen:  # the reducer skips (registers no hook on) what does not require grad
+            p.requires_grad_(True)
+        try:
+            reducer = self._make(named, op, prescale_factor, postscale_factor, groups, sharded,
+                                 register_hooks, zero)
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+        if feedback is not None and self.compression.error_feedback:
+            reducer.load_compression_state_dict(feedback)
+        self._feedback = None
+        self.reducer, self._built_for = reducer, self.world
+        return reducer
+
+    def _make(self, named: Named, op: ReduceOp | None, prescale_factor: float, postscale_factor: float,
+              groups: Sequence[Named], sharded: bool, register_hooks: bool, zero: dict[str, Any]) -> Reducer:
         if op is None:
             op = self.opts.op
         kwargs: dict[str, Any] = dict(world=self.world, op=op, compression=self.compression,
@@ -197,10 +215,6 @@ class GradientSync:
                                   for part, config in parts])
         else:
             reducer = GradientReducer(named, config=self.fusion, comm_hook=self.comm_hook, **kwargs)
-        if feedback is not None and self.compression.error_feedback:
-            reducer.load_compression_state_dict(feedback)
-        self._feedback = None
-        self.reducer, self._built_for = reducer, self.world
         return reducer
 
     def release(self) -> None:

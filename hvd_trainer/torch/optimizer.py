@@ -488,16 +488,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flags = allreduce(flags, op=Max, world=self._world)
         return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
 
-    def _build_reducer(self) -> None:
-        trainable = [(n, p) for n, p in self._named if id(p) in self._trainable_ids]
-        frozen = [p for _, p in trainable if not p.requires_grad]
-        for p in frozen:  # frozen since construction: hooks need requires_grad to register
-            p.requires_grad_(True)
-        try:
-            self._build_reducer_over(trainable)
-        finally:
-            for p in frozen:
-                p.requires_grad_(False)
 
     @property
     def _reducer(self) -> GradientReducer | ReducerSet | None:
@@ -514,7 +504,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The compressor in use (``Compression.none`` while ``"auto"`` measures)."""
         return self._sync.compression
 
-    def _build_reducer_over(self, trainable: list[tuple[str, torch.Tensor]]) -> None:
+    def _build_reducer(self) -> None:
+        """Build the reducer over the dense parameters that required grad at construction (or
+        were added with a param group), frozen or not, once every rank agreed which are sparse."""
+        trainable = [(n, p) for n, p in self._named if id(p) in self._trainable_ids]
         sparse_ids = self._agree_sparse(trainable)
         self._sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
         dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]
