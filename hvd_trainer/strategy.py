@@ -310,7 +310,6 @@ class _HorovodStrategyLogic:
         self._elastic: ElasticFit | None = None
         self._outer: OuterSync | None = None
         self._zero_stage = self._opts.zero_stage
-        self._zero_overlap = self._opts.zero_overlap_exchange
         self._zero: dict[int, ZeroSharding] = {}  # id(optimizer) -> its sharding
 
     # -- topology ---------------------------------------------------------------------------
@@ -725,12 +724,10 @@ class _HorovodStrategyLogic:
         for optimizer in self.optimizers:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             mine = named if self._zero_stage == 2 else [(n, p) for n, p in named if id(p) in ids]
-            # Stage 2: the reducer's own config (its caps may have been paced to the link).
-            config = self._reducer.config if isinstance(self._reducer, ShardedGradientReducer) \
-                else self._fusion
+            # stage 2: the reducer planned (it was built first, by elements when it can be)
             plan = self._reducer.plan if isinstance(self._reducer, ShardedGradientReducer) else None
-            zero = ZeroSharding(mine, optimizer, stage=self._zero_stage, world=self._require_world(),
-                                config=config, overlap_exchange=self._zero_overlap, plan=plan)
+            zero = self._sync.shard(mine, optimizer, plan=plan)
+            assert zero is not None
             self._zero[id(optimizer)] = zero
         if self._zero_stage == 2:
             self._clip_by_global_norm()

@@ -36,7 +36,9 @@ from hvd_trainer.comm.reduce.compressed.reductions import merge_feedback
 from hvd_trainer.comm.reduce.fusion import FusionConfig, GradientReducer
 from hvd_trainer.comm.sync_options import SyncOptions
 from hvd_trainer.comm.world.world import World, get_world
-from hvd_trainer.comm.zero.reducer import ShardedGradientReducer
+from hvd_trainer.comm.zero.plan import ShardPlan
+from hvd_trainer.comm.zero.reducer import ShardedGradientReducer, stage2_config
+from hvd_trainer.comm.zero.sharding import ZeroSharding
 
 __all__ = ["GradientSync", "ReducerSet", "ONE_BUCKET"]
 
@@ -238,6 +240,37 @@ class GradientSync:
         """Add ``nbytes`` sent outside the reducer (a front end's own gradient path) to
         :attr:`wire_bytes_sent`."""
         self._released_bytes += nbytes
+
+    # -- ZeRO ---------------------------------------------------------------------------------
+    def shard(self, named: Named, optimizer: torch.optim.Optimizer, *,
+              plan: ShardPlan | None = None) -> ZeroSharding | None:
+        """ZeRO (the options' ``zero_stage`` 1 or 2): which rank owns which parameter, or piece
+        of one, of ``optimizer`` in this world, and the owned step
+        (:class:`~hvd_trainer.comm.zero.ZeroSharding`); ``None`` for stage 0.
+
+        Stage 2 without ``plan``: the bucket caps are first paced to the measured link (a
+        collective over the ranks when they span hosts) and kept as :attr:`fusion`, so the
+        reducer :meth:`build` makes with ``sharded=True, plan=zero.plan`` has the same buckets.
+
+        Args:
+            named: the parameters to shard, the same names in the same order on every rank.
+            optimizer: the per-parameter optimizer whose state is sharded.
+            plan: the stage-2 reducer's plan (it was built first); ``None``: planned here.
+
+        Raises:
+            UnshardableOptimizerError: ``optimizer``'s step is not per parameter.
+            CommValueError: ``plan`` covers other parameters or another number of ranks.
+        """
+        stage = self.opts.zero_stage
+        if not stage:
+            return None
+        world = self.world
+        if stage == 2 and plan is None:  # idempotent: a paced config is not probed again
+            device = next((p.device for _, p in named), None)
+            self.fusion, _ = stage2_config(self.fusion, world, self.process_set, device)
+        return ZeroSharding(named, optimizer, stage=stage, world=world, config=self.fusion,
+                            process_set=self.process_set,
+                            overlap_exchange=self.opts.zero_overlap_exchange, plan=plan)
 
     # -- error-feedback state -----------------------------------------------------------------
     def compression_state_dict(self) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ Importing this module imports Keras, so ``KERAS_BACKEND`` must be set first.
 from __future__ import annotations
 
 from hvd_trainer.comm import (
+    Adasum,
     Average,
     Max,
     Min,
@@ -60,7 +61,7 @@ from hvd_trainer.keras.partial import PartialDistributedOptimizer
 __all__ = [
     "DistributedOptimizer", "DistributedOptimizerError", "PartialDistributedOptimizer", "Compression",
     "callbacks", "elastic", "load_model",
-    "Average", "Sum", "Min", "Max", "Product",
+    "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
     "cross_size", "cross_rank", "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     "allreduce", "allgather", "broadcast", "broadcast_variables", "broadcast_object",

@@ -36,6 +36,7 @@ from hvd_trainer.comm import (
     allreduce_,
     broadcast_,
     flat_collective,
+    grouped_allreduce,
     numpy_to_wire,
     reduce_with_feedback,
     wire_to_numpy,
@@ -91,7 +92,8 @@ def allreduce_arrays(
 
     Args:
         arrays: numpy arrays of any shapes; the same shapes and dtypes on every rank.
-        op: ``Average`` or ``Sum``.
+        op: ``Average``, ``Sum`` or ``Adasum`` (each array combined with its own dot products,
+            as Horovod reduces each tensor: one grouped Adasum per wire dtype).
         prescale_factor / postscale_factor: multiply before / after the reduction.
         compression: the comm compressor for the wire (``Compression.fp16`` scales before
             the cast; see :mod:`hvd_trainer.comm.ops.compression`).
@@ -105,6 +107,15 @@ def allreduce_arrays(
         New arrays, same shapes and dtypes as ``arrays``.
     """
     size = world.size if process_set is None else process_set.size()
+    if op is ReduceOp.ADASUM:
+        wired = [numpy_to_wire(a) for a in arrays]
+        tensors = [t for t, _ in wired]
+        if on_sent is not None:
+            on_sent(Compression.resolve(compression).allreduce_wire_bytes(tensors, size, adasum=True))
+        reduced = grouped_allreduce(tensors, op=op, name="keras.gradients", prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, compression=compression,
+                                    process_set=process_set, world=world)
+        return [wire_to_numpy(r, dtype) for r, (_, dtype) in zip(reduced, wired, strict=True)]
 
     def reduce(flat: torch.Tensor) -> None:
         if on_sent is not None:

@@ -211,7 +211,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         sparse_as_dense: accepted; sparse gradients are always reduced dense (see above).
         gradient_predivide_factor: with ``Average``, multiply by ``1/f`` before the sum and by
             ``f/size`` after it (same result, different rounding). Must be > 0.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (Maleki et al. 2021, arXiv:2006.02924:
+            each variable's gradient combined across ranks by its dot products and norms, as
+            Horovod does; with ``compression`` none, fp16 or bf16, not with ``zero_stage``).
         backward_passes_per_step: N >= 1, ``apply()`` calls per update (see above).
         average_aggregated_gradients: with N > 1, divide the accumulated sum by N (default
             False, as in Horovod).
@@ -291,6 +293,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             backward_passes_per_step=backward_passes_per_step,
             gradient_predivide_factor=gradient_predivide_factor, zero_stage=zero_stage,
             zero2_with_accumulation=False,  # an accumulation window is reduced by one allreduce
+            allow_adasum=True,
         )
         compressor, zero_stage = args.compression, args.zero_stage
         _check_zero(zero_stage, optimizer)
@@ -623,8 +626,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             )
         if self._reducer is not None:
             self._feedback = self._feedback_state()
+        measuring = self._sync.auto_measuring
         self._sync.follow_world()  # the reducer released; "auto" still measuring forgotten
-        if not self._sync.auto_measuring:  # measure again, in the new world
+        if measuring and not self._sync.auto_measuring:  # measure again, in the new world
             self._resolve_auto_compression(built_trainable_variables(self))
         if self._reduces():
             self._build_torch_reducer(built_trainable_variables(self))
@@ -782,8 +786,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             local = self._local_mask(tvs)
             op, pre, post = self._scales(passes=self._passes)
             shared = [s for s, is_local in zip(acc.sums, local, strict=True) if not is_local]
-            self._sync.count_sent(self.compression.allreduce_wire_bytes([*shared, acc.used],
-                                                                        self._reduce_size()))
+            self._sync.count_sent(self.compression.allreduce_wire_bytes(
+                [*shared, acc.used], self._reduce_size(), adasum=op is ReduceOp.ADASUM))
             grouped_allreduce_([*shared, acc.used], op=op, name="keras.accumulated_gradients",
                                prescale_factor=pre, postscale_factor=post,
                                compression=self.compression, process_set=self._process_set,

@@ -57,7 +57,6 @@ from hvd_trainer.comm import (
 from hvd_trainer.torch.adasum_step import adasum_step
 from hvd_trainer.torch.groups import resolve_groups
 from hvd_trainer.torch.sparse import sparse_allreduce
-from hvd_trainer.torch.zero_optimizer import make_sharding
 
 __all__ = ["DistributedOptimizer", "GradientSyncError", "OptimizerConfigError", "EXTRA_STATE_KEY"]
 
@@ -298,8 +297,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # Reduced: what required grad at construction (Horovod registers its hooks then), even
         # if frozen when the first synchronize() builds the buckets.
         self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
-        self._zero: ZeroSharding | None = make_sharding(self, opts.zero_stage,
-                                                        overlap_exchange=opts.zero_overlap_exchange)
+        self._zero: ZeroSharding | None = self._sync.shard(self._named, self._inner)
         self._zero_world: World | None = self._world if self._zero is not None else None
         self._zero_needs_state = False  # shards planned again for a new world, nothing loaded yet
 
@@ -562,9 +560,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._zero is not None and self._zero_world is not world:
             self._zero.abandon_exchange()  # its transfers ran on the old world's groups
             self._zero.restore_param_groups()
-            self._zero = ZeroSharding(self._named, self._inner, stage=self._zero.stage, world=world,
-                                      config=self._sync.fusion, process_set=self._process_set,
-                                      overlap_exchange=self._zero.overlap_exchange)
+            self._zero = self._sync.shard(self._named, self._inner)
             self._zero_world, self._zero_needs_state = world, True
         if not self._sync.follow_world():
             return

@@ -33,29 +33,9 @@ from typing import Any
 
 import torch
 
-from hvd_trainer.comm import ZeroSharding, init_optimizer_bookkeeping, stage2_config
+from hvd_trainer.comm import ZeroSharding, init_optimizer_bookkeeping
 
-__all__ = ["ZeroStep", "make_sharding"]
-
-
-def make_sharding(opt: Any, zero_stage: int, *, overlap_exchange: bool = False) -> ZeroSharding | None:
-    """The :class:`ZeroSharding` of the ``DistributedOptimizer`` ``opt`` (``None`` for stage 0).
-    ``zero_stage`` and its combination with the other options were checked by
-    :class:`~hvd_trainer.comm.sync_options.SyncOptions`.
-
-    Raises:
-        UnshardableOptimizerError: the inner optimizer's step is not per parameter.
-    """
-    if zero_stage == 0:
-        return None
-    if zero_stage == 2:
-        # Bucket caps paced to the link now (a collective over the set on several hosts), so
-        # the ownership planned here is the one the stage-2 reducer plans at the first step.
-        device = next((p.device for _, p in opt._named), None)
-        opt._sync.fusion, _ = stage2_config(opt._sync.fusion, opt._world, opt._process_set, device)
-    return ZeroSharding(opt._named, opt._inner, stage=zero_stage, world=opt._world,
-                        config=opt._sync.fusion, process_set=opt._process_set,
-                        overlap_exchange=overlap_exchange)
+__all__ = ["ZeroStep"]
 
 
 class ZeroStep(torch.optim.Optimizer):

@@ -269,6 +269,43 @@ def variants(rank: int) -> dict:
     return out
 
 
+def adasum(rank: int) -> dict:
+    """``op=Adasum``, one SGD(lr=1) step on each rank's own batch: the weight change must be
+    minus the per-variable Adasum of the two ranks' gradients (each computed here by a plain
+    one-step fit), not their average; with accumulation (N=2) of the same batch twice, twice it."""
+    import keras
+    import torch
+
+    import hvd_trainer.keras as hk
+    from hvd_trainer.comm.ops.adasum import adasum_pair
+
+    data = [_data(seed=20 + r, rows=BATCH) for r in range(2)]
+
+    def one_step(opt, x, y, passes: int = 1) -> list:
+        m = _mlp(seed=0)
+        m.compile(optimizer=opt, loss="mse")
+        m.fit(np.concatenate([x] * passes), np.concatenate([y] * passes), batch_size=BATCH,
+              epochs=1, shuffle=False, verbose=0)
+        return m.get_weights()
+
+    w0 = _mlp(seed=0).get_weights()
+    grads = [[a - b for a, b in zip(w0, one_step(keras.optimizers.SGD(1.0), *data[r]), strict=True)]
+             for r in range(2)]
+    combined = [adasum_pair(torch.from_numpy(g0).reshape(-1), torch.from_numpy(g1).reshape(-1))
+                .numpy().reshape(g0.shape) for g0, g1 in zip(*grads, strict=True)]
+    out: dict = {}
+    for name, passes in (("step", 1), ("accumulated", 2)):
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(1.0), op=hk.Adasum,
+                                      backward_passes_per_step=passes)
+        got = one_step(opt, *data[rank], passes=passes)
+        out[name] = max(float(np.abs((w - g) - passes * c).max())
+                        for w, g, c in zip(w0, got, combined, strict=True))
+        out[f"{name}_vs_average"] = max(float(np.abs((w - g) - passes * (g0 + g1) / 2).max())
+                                        for w, g, g0, g1 in zip(w0, got, *grads, strict=True))
+        out[f"{name}_weights"] = [x.tolist() for x in got]
+    return out
+
+
 ACC_LR = 0.05
 
 
@@ -384,6 +421,7 @@ def suite(backend: str, save_path: str) -> dict:
         "variants": variants(rank),
         "acc": accumulation(rank, size),
         "acc_fit": accumulation_fit(rank),
+        "adasum": adasum(rank),
     }
     save_model(rank, save_path)
     if backend == "tensorflow":

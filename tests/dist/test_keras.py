@@ -144,6 +144,16 @@ def test_compression_and_predivide_variants(results):
     assert wire["acc_fp16"] == suite.STEPS // 2 * floats * 2
 
 
+def test_adasum_combines_each_variables_gradients_by_their_dot_products(results):
+    """Horovod's ``op=hvd.Adasum`` on the Keras optimizer, both backends (torch: the bucket
+    hook; TensorFlow: a grouped Adasum), with and without accumulation."""
+    _, _, (r0, r1) = results
+    for name in ("step", "accumulated"):
+        assert r0["adasum"][name] <= 1e-5 and r1["adasum"][name] <= 1e-5, (r0["adasum"], r1["adasum"])
+        assert r0["adasum"][f"{name}_vs_average"] > 1e-3  # not the average: Adasum really ran
+        assert _close(r0["adasum"][f"{name}_weights"], r1["adasum"][f"{name}_weights"])
+
+
 def test_accumulation_equals_one_process_on_all_micro_batches(results):
     _, _, (r0, r1) = results
     for key in ("sum", "avg"):

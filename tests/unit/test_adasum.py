@@ -65,9 +65,13 @@ def test_adasum_is_an_op_where_it_runs_and_refused_elsewhere() -> None:
     assert to_reduce_op("adasum") is ReduceOp.ADASUM is hvd.Adasum
     assert check_optimizer_args(hvd.Adasum, 1, 1.0, allow_adasum=True).op is ReduceOp.ADASUM
     with pytest.raises(UnsupportedOpError, match=r"Adasum.*HINT"):
-        check_optimizer_args(hvd.Adasum, 1, 1.0)          # a front end that does not run it (Keras)
+        check_optimizer_args(hvd.Adasum, 1, 1.0)          # a front end that does not run it
     with pytest.raises(UnsupportedOpError, match="reducescatter"):
         hvd.reducescatter(torch.ones(2), op=hvd.Adasum)  # refused before any process group is needed
     from hvd_trainer.comm.reduce.fusion import GradientReducer
-    with pytest.raises(UnsupportedOpError, match="fused gradient reducer"):
-        GradientReducer([("w", torch.nn.Parameter(torch.ones(2)))], world=None, op=hvd.Adasum)
+    from hvd_trainer.comm.zero.reducer import ShardedGradientReducer
+    w = [("w", torch.nn.Parameter(torch.ones(2)))]
+    with pytest.raises(UnsupportedOpError, match="ZeRO stage 2"):
+        ShardedGradientReducer(w, world=None, op=hvd.Adasum)  # its buckets are reduce-scattered
+    with pytest.raises(ValueError, match=r"Adasum has no error feedback.*HINT"):
+        GradientReducer(w, world=None, op=hvd.Adasum, compression=hvd.Compression.int8)

@@ -95,12 +95,16 @@ class Compressor:
         wire = self.wire_dtype
         return wire is not None and tensor.is_floating_point() and tensor.dtype != wire
 
-    def allreduce_wire_bytes(self, tensors: Sequence[torch.Tensor], set_size: int) -> int:
+    def allreduce_wire_bytes(self, tensors: Sequence[torch.Tensor], set_size: int, *,
+                             adasum: bool = False) -> int:
         """Bytes one rank puts on the wire to allreduce ``tensors`` (each in its wire dtype:
         cast where :meth:`applies_to`) over ``set_size`` ranks, counted as a ring allreduce
-        sends them: ``2 (N-1)/N`` of the payload; headers not included."""
+        sends them: ``2 (N-1)/N`` of the payload; with ``adasum`` (an allgather, then the
+        combination on every rank) ``N-1`` times it; headers not included."""
         payload = sum(t.numel() * (torch.empty((), dtype=self.wire_dtype).element_size()
                                    if self.applies_to(t) else t.element_size()) for t in tensors)
+        if adasum:
+            return (set_size - 1) * payload
         return 2 * (set_size - 1) * payload // set_size
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:

@@ -9,6 +9,8 @@ of the step. The reducer's own algorithms are hooks here, chosen once by :func:`
   hierarchical allreduce (inside each host, then across hosts) when the state holds a topology;
 * :func:`feedback_hook`: ``int8`` and PowerSGD with error feedback
   (:mod:`hvd_trainer.comm.reduce.compressed`);
+* :func:`adasum_hook`: ``op=Adasum``, each parameter's gradient combined with its own dot products
+  (:mod:`hvd_trainer.comm.ops.adasum`);
 * ZeRO stage 2's reduce-scatter to the owners is ``hvd_trainer.comm.zero.reducer``'s hook.
 
 A built-in hook returns the comm layer's work (an object with ``finish()``); the bucket it gets
@@ -35,6 +37,7 @@ from typing import Any, Protocol
 import torch
 
 from hvd_trainer.comm.base.errors import CommValueError
+from hvd_trainer.comm.ops.adasum import start_adasum
 from hvd_trainer.comm.ops.checks import Op, Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
 from hvd_trainer.comm.ops.ops import ReduceOp
@@ -43,7 +46,7 @@ from hvd_trainer.comm.ops.reduce import start_allreduce
 from hvd_trainer.comm.reduce.compressed.reductions import BucketView, FeedbackState, start_bucket_reduction
 from hvd_trainer.comm.reduce.hierarchical import HierarchicalWork, HostTopology
 
-__all__ = ["BucketHook", "BucketWork", "GradBucket", "HookState", "HookWork", "allreduce_hook",
+__all__ = ["BucketHook", "BucketWork", "GradBucket", "HookState", "HookWork", "adasum_hook", "allreduce_hook",
            "builtin_hook", "feedback_hook", "hierarchical_launch", "refuse_with_hook", "user_hook"]
 
 
@@ -91,7 +94,7 @@ class HookState:
     process_set: ProcessSet
     """The ranks the bucket is reduced over."""
     op: ReduceOp
-    """``AVERAGE`` or ``SUM`` (the ``1/N`` of Average is already in the bucket)."""
+    """``AVERAGE``, ``SUM`` or ``ADASUM`` (the ``1/N`` of Average is already in the bucket)."""
     prescale_factor: float = 1.0
     """Already applied to the bucket; part of the collective's signature."""
     postscale_factor: float = 1.0
@@ -138,6 +141,23 @@ def feedback_hook(state: HookState, bucket: GradBucket) -> BucketWork:
                                   sig=bucket.sig, post_factor=state.postscale_factor)
 
 
+def adasum_hook(state: HookState, bucket: GradBucket) -> BucketWork:
+    """Adasum of the bucket (Maleki et al. 2021, arXiv:2006.02924) over the state's ranks, in
+    place: each parameter's gradient with its own dot products and norms, as Horovod combines
+    each tensor; each "used" flag is its own one-element segment (Adasum of 1s and 0s is 1 when
+    any rank used the parameter). The result is multiplied by ``postscale_factor``."""
+    assert bucket.sig is not None
+    pset = state.process_set
+    numels = [v.numel() for v in bucket.views]
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    segments = [*zip(offsets, numels, strict=True),
+                *((bucket.grad_numel + i, 1) for i in range(len(numels)))]
+    compression = state.compression
+    state.bytes_sent += compression.allreduce_wire_bytes([bucket.flat], pset.size(), adasum=True)
+    return start_adasum(bucket.flat, pset=pset, sig=bucket.sig, name=bucket.sig.name, segments=segments,
+                        postscale_factor=state.postscale_factor, compression=compression, kind="bucket")
+
+
 def refuse_with_hook(op: ReduceOp, compression: Compressor, *, spelled: str,
                      error: type[Exception]) -> None:
     """Refuse the ``op`` and ``compression`` a DDP-style hook would override (it averages the
@@ -156,8 +176,10 @@ def refuse_with_hook(op: ReduceOp, compression: Compressor, *, spelled: str,
                     "itself (DDP's contract). HINT: use op=Average with a hook.")
 
 
-def builtin_hook(compression: Compressor) -> BucketHook:
-    """The reducer's hook for ``compression`` (the one place an algorithm is chosen)."""
+def builtin_hook(compression: Compressor, op: ReduceOp = ReduceOp.AVERAGE) -> BucketHook:
+    """The reducer's hook for ``compression`` and ``op`` (the one place an algorithm is chosen)."""
+    if op is ReduceOp.ADASUM:
+        return adasum_hook
     return feedback_hook if compression.error_feedback else allreduce_hook
 
 

@@ -71,7 +71,7 @@ from hvd_trainer.comm.base.config import (
 from hvd_trainer.comm.base.errors import CommTypeError
 from hvd_trainer.comm.ops.checks import Signature
 from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.ops.ops import ReduceOp, reject_adasum, to_reduce_op
+from hvd_trainer.comm.ops.ops import ReduceOp, to_reduce_op
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import signature, start_allreduce
 from hvd_trainer.comm.reduce.autotune import (
@@ -303,7 +303,9 @@ class GradientReducer:
             rank. Parameters with ``requires_grad=False`` at construction are skipped.
         world: the world to reduce over.
         config: bucket sizes.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (each parameter's gradient combined by
+            its dot products, :func:`~hvd_trainer.comm.reduce.bucket_hooks.adasum_hook`; with
+            ``compression`` none, fp16 or bf16).
         compression: wire format of floating gradients (``Compression.none/fp16/bf16``).
             ``fp16`` adds one blocking 4-byte allreduce per bucket (the global scale, see
             :mod:`hvd_trainer.comm.ops.compression`); ``bf16`` stays fully asynchronous.
@@ -329,8 +331,9 @@ class GradientReducer:
             an optimizer that also counts backward passes).
 
     Raises:
-        ValueError: duplicate names or parameters, an op other than Average/Sum, or
-            ``comm_hook`` with ``op=Sum`` or a compression.
+        ValueError: duplicate names or parameters, an op other than Average/Sum/Adasum, Adasum
+            with an error-feedback compression, or ``comm_hook`` with ``op`` other than Average
+            or a compression.
         CollectiveMismatchError: (first step) the bucket layout differs between ranks.
         CommValueError: (at :meth:`wait`) a ``comm_hook``'s future holds no tensor of the
             bucket's size.
@@ -353,10 +356,13 @@ class GradientReducer:
     ) -> None:
         self.world = world
         self.config = config or FusionConfig()
-        self.op = reject_adasum(to_reduce_op(op), "the fused gradient reducer (hook-driven buckets)")
-        if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-            raise ValueError(f"gradient reduction supports Average or Sum, got {self.op}.")
+        self.op = to_reduce_op(op)
+        if self.op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+            raise ValueError(f"gradient reduction supports Average, Sum or Adasum, got {self.op}.")
         self.compression = Compression.resolve(compression, error=CommTypeError, allow_error_feedback=True)
+        if self.op is ReduceOp.ADASUM and self.compression.error_feedback:
+            raise ValueError(f"op=Adasum with {self.compression!r}: Adasum has no error feedback. "
+                             "HINT: use compression none, fp16 or bf16 with Adasum.")
         if comm_hook is not None:
             _check_comm_hook(comm_hook, self.op, self.compression)
         self._feedback = FeedbackState(self.compression.name) if self.compression.error_feedback else None
@@ -395,7 +401,7 @@ class GradientReducer:
         if comm_hook is not None:
             self._hook, self._hook_state = user_hook(comm_hook[1]), (self._state, comm_hook[0])
         else:
-            self._hook, self._hook_state = hook or builtin_hook(self.compression), self._state
+            self._hook, self._hook_state = hook or builtin_hook(self.compression, self.op), self._state
         self._last_wait: float | None = None
         self._next_launch = 0
         self._saw_missing_grad = False

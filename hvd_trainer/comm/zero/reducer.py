@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hvd_trainer.comm.ops.compression import Compression, Compressor
-from hvd_trainer.comm.ops.ops import ReduceOp
+from hvd_trainer.comm.ops.ops import ReduceOp, reject_adasum, to_reduce_op
 from hvd_trainer.comm.ops.process_set import ProcessSet, resolve_set
 from hvd_trainer.comm.ops.reduce import signature
 from hvd_trainer.comm.reduce.bucket_hooks import HookState
@@ -217,6 +217,7 @@ class ShardedGradientReducer(GradientReducer):
         split: bool = False,
         register_hooks: bool = True,
     ) -> None:
+        reject_adasum(to_reduce_op(op), "ZeRO stage 2's reduce-scatter")
         config = config or FusionConfig()
         if config.autotune is not None:
             warnings.warn("ZeRO stage 2 keeps one bucket layout (it fixes which rank owns which "
