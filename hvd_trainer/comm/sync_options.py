@@ -185,13 +185,14 @@ class SyncOptions:
         if args.op is ReduceOp.ADASUM:
             if comp.error_feedback or auto_c:
                 raise error(
-                    f"{asked} with op=Adasum: Adasum combines whole weight changes and has no error "
-                    "feedback (and 'auto' may choose PowerSGD). HINT: use op=Average, or "
-                    "compression 'none', 'fp16' or 'bf16' with Adasum."
+                    f"{asked} with op=Adasum: Adasum combines whole vectors (gradients, or the torch "
+                    "optimizer's weight changes) by their dot products and has no error feedback (and "
+                    "'auto' may choose PowerSGD). HINT: use op=Average, or compression 'none', 'fp16' "
+                    "or 'bf16' with Adasum."
                 )
             if stage:
-                raise error(f"zero_stage={stage} with op=Adasum: Adasum combines whole weight "
-                            "changes on every rank. HINT: use op=Average with ZeRO.")
+                raise error(f"zero_stage={stage} with op=Adasum: Adasum combines whole vectors on "
+                            "every rank, which ZeRO shards between owners. HINT: use op=Average with ZeRO.")
         if auto_c and sync_every is not None and not auto_h:
             raise error(
                 f"compression='auto' with sync_every={sync_every!r}: auto chooses the gradients' "

@@ -157,7 +157,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         * A trainable parameter without a gradient on some rank gets a zero gradient there
           (all ranks take part in every bucket), so it is updated like one with a zero gradient.
         * Parameters are those with ``requires_grad=True`` at construction (or added with
-          ``add_param_group``).
+          ``add_param_group``), and one frozen then and unfrozen later: the ``synchronize()``
+          that first sees its gradient builds the buckets again with it (every rank must
+          unfreeze it at the same step; a mismatch is an error there). Horovod leaves such a
+          parameter local, so the ranks drift apart.
 
     Args:
         optimizer: the torch optimizer to wrap (not copied; its state is shared).
@@ -289,14 +292,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synced = False  # gradients of this step are reduced
         self._user_synced = False
         self._skip = False
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad)
-            for _, p in self._named
-            if p.requires_grad
-        ]
         # Reduced: what required grad at construction (Horovod registers its hooks then), even
-        # if frozen when the first synchronize() builds the buckets.
-        self._trainable_ids = {id(p) for _, p in self._named if p.requires_grad}
+        # if frozen when the first synchronize() builds the buckets; and what is unfrozen later.
+        self._hooks: list[Any] = []
+        self._trainable_ids: set[int] = set()
+        for _, p in self._named:
+            if p.requires_grad:
+                self._track(p)
         self._zero: ZeroSharding | None = self._sync.shard(self._named, self._inner)
         self._zero_world: World | None = self._world if self._zero is not None else None
         self._zero_needs_state = False  # shards planned again for a new world, nothing loaded yet
@@ -421,9 +423,38 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._names[id(p)] = f"param_group{g}.param{i}"
             self._named.append((self._names[id(p)], p))
             if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-                self._trainable_ids.add(id(p))
+                self._track(p)
         self._sync.release()  # rebuilt at the next synchronize()
+        self._reducer_ids = set()
+
+    def _track(self, p: torch.Tensor) -> None:
+        """Count ``p``'s backward passes and reduce its gradient from the next build on."""
+        self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        self._trainable_ids.add(id(p))
+
+    def _adopt_unfrozen(self) -> None:
+        """Parameters frozen at construction that have a gradient now (unfrozen since): hooked,
+        and the buckets built again with them at this ``synchronize()`` (which then reduces the
+        gradients backward left in ``.grad``).
+
+        Raises:
+            OptimizerConfigError: with ``zero_stage``, whose plan covers the parameters trainable
+                at construction.
+        """
+        new = [(n, p) for n, p in self._named
+               if id(p) not in self._trainable_ids and p.requires_grad and p.grad is not None]
+        if not new:
+            return
+        if self._zero is not None:
+            raise OptimizerConfigError(
+                f"zero_stage={self._zero.stage}: {[n for n, _ in new][:3]} were frozen at "
+                "construction and have gradients now, but the shard plan covers the parameters "
+                "trainable at construction. HINT: unfreeze before wrapping the optimizer, or use "
+                "zero_stage=0 with parameters unfrozen during training."
+            )
+        for _, p in new:
+            self._track(p)
+        self._sync.release()
         self._reducer_ids = set()
 
     def __getattr__(self, name: str) -> Any:
@@ -581,6 +612,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._reset_counts()
             self._synced = True
             return
+        self._adopt_unfrozen()
         if self._reducer is None:
             self._build_reducer()
         assert self._reducer is not None

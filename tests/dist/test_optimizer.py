@@ -309,6 +309,19 @@ def _semantics_worker() -> dict:
     ((a + b) * (rank + 1.0)).sum().backward()
     opt3.synchronize()
     res["unfrozen_grad"] = a.grad.tolist()
+    # Frozen at construction, unfrozen after the buckets were built: averaged from then on
+    # (Horovod leaves it local and the ranks drift apart).
+    c, d = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    c.requires_grad_(False)
+    opt4 = hvd.DistributedOptimizer(torch.optim.SGD([c, d], lr=0.1), [("c", c), ("d", d)])
+    (d * (rank + 1.0)).sum().backward()
+    opt4.step()
+    opt4.zero_grad()
+    c.requires_grad_(True)
+    ((c + d) * (rank + 1.0)).sum().backward()
+    opt4.step()
+    res["late_unfrozen_grad"] = c.grad.tolist()
+    res["late_unfrozen_weight"] = c.detach().tolist()
     return res
 
 
@@ -509,6 +522,8 @@ def test_semantics(results: list[dict]) -> None:
         assert sem["resume_lr"] == 0.01
         assert sem["frozen_grad_none"]
         assert sem["unfrozen_grad"] == [1.5, 1.5, 1.5]  # mean of rank + 1 over 2 ranks
+        assert sem["late_unfrozen_grad"] == [1.5, 1.5, 1.5]
+        assert sem["late_unfrozen_weight"] == pytest.approx([0.85] * 3)  # 1 - 0.1 * 1.5, every rank
 
 
 def test_sparse_gradients(results: list[dict]) -> None:

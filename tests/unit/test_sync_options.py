@@ -98,7 +98,7 @@ def test_strategy_refuses_compression_auto_with_a_fixed_period() -> None:
 
 def test_torch_adasum_refuses_auto_and_error_feedback() -> None:
     assert _torch_error(op=hvd.Adasum, compression="auto").startswith(
-        "compression='auto' with op=Adasum: Adasum combines whole weight changes")
+        "compression='auto' with op=Adasum: Adasum combines whole vectors")
     assert _torch_error(op=hvd.Adasum, compression="int8").startswith("compression='int8' with op=Adasum")
     assert _torch_error(op=hvd.Adasum, zero_stage=1).startswith("zero_stage=1 with op=Adasum")
 
