@@ -164,7 +164,7 @@ class GradientSync:
             named: ``(name, parameter)`` pairs, the same on every rank, all reduced: one frozen
                 now (``requires_grad=False``, e.g. by Lightning's ``toggle_optimizer``) gets its
                 hook while briefly unfrozen, so it is reduced again once unfrozen.
-            op: ``Average`` (default: the options' op) or ``Sum``.
+            op: ``Average``, ``Sum`` or ``Adasum`` (default: the options' op).
             prescale_factor, postscale_factor: the reducer's factors.
             groups: explicit groups, each reduced as one bucket (the parameters of ``named`` in
                 no group are bucketed by the fusion config); a :class:`ReducerSet` is built.
