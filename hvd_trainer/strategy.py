@@ -359,10 +359,6 @@ class _HorovodStrategyLogic:
         return self._sync.reducer
 
     @property
-    def _reducer(self) -> GradientReducer | None:
-        return self._sync.reducer
-
-    @property
     def wire_bytes_sent(self) -> int:
         """Bytes this rank has sent for gradients and outer steps so far, over every ``fit`` of
         this strategy (readable after ``fit`` returns): the reducers'
@@ -713,7 +709,7 @@ class _HorovodStrategyLogic:
         if not self._zero_stage:
             return
         module = self.lightning_module
-        assert module is not None and self._reducer is not None
+        assert module is not None and self.reducer is not None
         if self._zero_stage == 2 and len(self.optimizers) != 1:
             raise StrategyConfigError(
                 f"zero_stage=2 reduce-scatters one set of buckets to the owners of one optimizer, "
@@ -725,7 +721,7 @@ class _HorovodStrategyLogic:
             ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
             mine = named if self._zero_stage == 2 else [(n, p) for n, p in named if id(p) in ids]
             # stage 2: the reducer planned (it was built first, by elements when it can be)
-            plan = self._reducer.plan if isinstance(self._reducer, ShardedGradientReducer) else None
+            plan = self.reducer.plan if isinstance(self.reducer, ShardedGradientReducer) else None
             zero = self._sync.shard(mine, optimizer, plan=plan)
             assert zero is not None
             self._zero[id(optimizer)] = zero
@@ -835,7 +831,7 @@ class _HorovodStrategyLogic:
 
         Freezing is deterministic, so every rank rebuilds the same buckets at the same step.
         """
-        if self._reducer is not None and self._has_new_trainable_params():
+        if self.reducer is not None and self._has_new_trainable_params():
             if self._zero:
                 raise StrategyConfigError(
                     f"zero_stage={self._zero_stage}: parameters were unfrozen during the fit, but "
@@ -848,7 +844,7 @@ class _HorovodStrategyLogic:
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
         """Wait for this step's gradient buckets (before unscale and clipping)."""
-        reducer = self._reducer
+        reducer = self.reducer
         if reducer is not None and reducer.require_sync:
             with self._sync.waiting():
                 reducer.wait()
@@ -864,14 +860,14 @@ class _HorovodStrategyLogic:
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally, sending nothing (gradient accumulation). Nests."""
         self._sync_depth += 1
-        if self._reducer is not None:
-            self._reducer.require_sync = False
+        if self.reducer is not None:
+            self.reducer.require_sync = False
         try:
             yield
         finally:
             self._sync_depth -= 1
-            if self._reducer is not None:  # the reducer may have been rebuilt inside
-                self._reducer.require_sync = self._sync_depth == 0
+            if self.reducer is not None:  # the reducer may have been rebuilt inside
+                self.reducer.require_sync = self._sync_depth == 0
 
     # -- collectives ------------------------------------------------------------------------
     @override

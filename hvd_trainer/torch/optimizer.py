@@ -424,7 +424,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._named.append((self._names[id(p)], p))
             if p.requires_grad:
                 self._track(p)
-        self._sync.release()  # rebuilt at the next synchronize()
+        self._drop_reducer()
+
+    def _drop_reducer(self) -> None:
+        """Release the reducer (its bytes and feedback state kept); the next ``synchronize()``
+        builds one again."""
+        self._sync.release()
         self._reducer_ids = set()
 
     def _track(self, p: torch.Tensor) -> None:
@@ -454,8 +459,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         for _, p in new:
             self._track(p)
-        self._sync.release()
-        self._reducer_ids = set()
+        self._drop_reducer()
 
     def __getattr__(self, name: str) -> Any:
         # Only called for attributes not found normally: expose the inner optimizer's extras.
@@ -516,7 +520,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         flags = torch.tensor([int(x) for x in local] or [0], dtype=torch.int32)
         flags = allreduce(flags, op=Max, world=self._world)
         return {id(p) for (_, p), f in zip(trainable, flags.tolist(), strict=False) if f}
-
 
     @property
     def _reducer(self) -> GradientReducer | ReducerSet | None:
@@ -692,8 +695,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "or after a step()."
             )
         self._sync.comm_hook = (state, hook)
-        self._sync.release()  # rebuilt at the next synchronize()
-        self._reducer_ids = set()
+        self._drop_reducer()
 
     def finish_parameter_exchange(self) -> None:
         """With ``zero_overlap_exchange=True``: finish the exchange of updated parameters that
