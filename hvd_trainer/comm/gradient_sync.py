@@ -62,6 +62,7 @@ class ReducerSet:
 
     @property
     def require_sync(self) -> bool:
+        """Whether backward passes send (``False``: they accumulate locally), every reducer's."""
         return all(r.require_sync for r in self.reducers)
 
     @require_sync.setter
@@ -76,6 +77,7 @@ class ReducerSet:
 
     @property
     def wire_bytes_sent(self) -> int:
+        """Bytes sent by every reducer (:attr:`GradientReducer.wire_bytes_sent`)."""
         return sum(r.wire_bytes_sent for r in self.reducers)
 
     def compression_state_dict(self) -> dict[str, Any] | None:
@@ -84,6 +86,11 @@ class ReducerSet:
         return merge_feedback(states) if states else None
 
     def load_compression_state_dict(self, state: dict[str, Any]) -> None:
+        """Give each reducer its parameters' entries of ``state``.
+
+        Raises:
+            ValueError: the reducers' compression keeps no such state.
+        """
         for r in self.reducers:
             r.load_compression_state_dict(state)
 
